@@ -1,0 +1,1 @@
+"""How the SGLang server container starts: config validation, then exec of sglang.launch_server."""

@@ -1,0 +1,38 @@
+"""Shared test switches: `gpu` and `docker` tests skip with a visible reason where they cannot run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+
+def _cuda_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (run on the device: see README, 'GPU tests')"
+    return None
+
+
+def _docker_reason() -> str | None:
+    if shutil.which("docker") is None:
+        return "no docker client"
+    r = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "no Docker engine answers (start dockerd; .ci/run does)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    for item in items:
+        for marker, probe in (("gpu", _cuda_reason), ("docker", _docker_reason)):
+            if marker in item.keywords:
+                if marker not in reasons:
+                    reasons[marker] = probe()
+                if reasons[marker]:
+                    item.add_marker(pytest.mark.skip(reason=f"{marker}: {reasons[marker]}"))
