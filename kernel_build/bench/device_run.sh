@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device session: build for the local GPU, install SGLang's Python wheels (carried in .whl),
+# run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|all] [pytest args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+out=${OUT:-$PWD/device-out}; mkdir -p "$out"
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+t0=$SECONDS
+cmake -S kernel_build -B kernel_build/build -DCMAKE_CUDA_ARCHITECTURES="${cc}-real" >"$out/cmake.log" 2>&1 \
+  && cmake --build kernel_build/build -j8 >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+nvcc -O3 -arch=sm_"$cc" kernel_build/bench/mma_peak.cu -o kernel_build/build/mma_peak || exit 1
+echo "build: $((SECONDS - t0)) s"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:$PWD/tests/gpu:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+rc=0
+if [ "$what" != bench ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest_timeout*.whl 2>/dev/null
+  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}
+  echo "tests: $((SECONDS - t0)) s (rc=$rc)"
+fi
+if [ "$what" != tests ]; then
+  mma=$(kernel_build/build/mma_peak)
+  python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
+  echo "bench: $((SECONDS - t0)) s"
+fi
+exit $rc

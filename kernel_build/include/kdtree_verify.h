@@ -1,0 +1,94 @@
+/* kdtree: MLA tree-verify attention, C ABI (no libtorch), launched on a caller's stream.
+ *
+ * Semantics: SGLang 0.5.23 extend_attention_fwd for absorbed MLA target-verify. For request b,
+ * draft token i and head h, attend over the committed prefix (pool rows kv_indices[kv_indptr[b]..]),
+ * all visible, followed by the request's draft tokens (rows of k_ext), visible where
+ * mask[mask_indptr[b] + i*(P+N) + P + j] != 0 (SGLang's FULL layout), or j <= i when mask is NULL.
+ * Values are the first 512 dims of each key row (the pool) or v_ext rows (the draft tokens).
+ */
+#ifndef KDTREE_VERIFY_H
+#define KDTREE_VERIFY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KDTREE_ABI_VERSION 1
+#define KDTREE_QK_DIM 576
+#define KDTREE_V_DIM 512
+
+enum kdtree_index_type { KDTREE_I32 = 0, KDTREE_I64 = 1 };
+/* Tile configurations. WIDE needs ~153 KB of shared memory per block (sm_90, sm_100);
+ * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
+enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
+
+enum kdtree_status {
+  KDTREE_OK = 0,
+  KDTREE_ERR_ARGUMENT = 1, /* a pointer, stride, size or flag is invalid */
+  KDTREE_ERR_WORKSPACE = 2, /* workspace smaller than kdtree_verify_workspace_bytes() */
+  KDTREE_ERR_CUDA = 3 /* a CUDA call failed; kdtree_last_cuda_error() names it */
+};
+
+typedef struct {
+  const void* q; /* bf16 [T, H, 576], last dim contiguous */
+  int64_t q_stride_t, q_stride_h; /* in elements */
+  const void* k_ext; /* bf16 [T, 1, 576] draft keys */
+  int64_t k_ext_stride;
+  const void* v_ext; /* bf16 [T, 1, 512] draft values, or NULL: values are k_ext[..., :512] */
+  int64_t v_ext_stride;
+  const void* k_buf; /* bf16 pool [S, 1, 576]; prefix values are k_buf[..., :512] */
+  int64_t k_buf_stride;
+  const void* qo_indptr; int qo_indptr_type; /* [B+1] */
+  const void* kv_indptr; int kv_indptr_type; /* [B+1] */
+  const void* kv_indices; int kv_indices_type; /* prefix slots */
+  const uint8_t* mask; /* bool/uint8 FULL layout, or NULL for a causal chain */
+  const void* mask_indptr; int mask_indptr_type; /* [B+1], required with mask */
+  void* out; /* bf16 [T, H, 512], last dim contiguous */
+  int64_t out_stride_t, out_stride_h;
+  void* workspace; size_t workspace_bytes;
+  unsigned long long* counter; /* optional device counter, +1 per launch */
+  unsigned long long* counter_mirror; /* optional host-mapped copy of *counter */
+  float sm_scale;
+  int batch, num_heads, max_q_len;
+  int sm_count; /* multiprocessors of the device (sizes the prefix split) */
+  int config; /* enum kdtree_config */
+} kdtree_verify_args;
+
+int kdtree_abi_version(void);
+/* Comma-separated SASS architectures compiled into this library, e.g. "90,100,120". */
+const char* kdtree_compiled_archs(void);
+/* Dynamic shared memory one block of `config` uses, in bytes (0 for an unknown config). */
+int kdtree_verify_smem_bytes(int config);
+/* Workspace the launch needs for these sizes; depends on sizes only, never on device data. */
+int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len, int sm_count, int config, size_t* bytes);
+/* Enqueue the attention on `stream` (a cudaStream_t). No allocation, no host synchronisation. */
+int kdtree_verify_launch(const kdtree_verify_args* args, void* stream);
+
+/* Validate-mode parity: compare n bf16 values of `ours` with `ref`, accumulate into `stats`
+ * (kdtree_parity_stats_bytes() of device memory, zeroed once) and copy the running totals
+ * to `mirror` (host-mapped memory, same layout as kdtree_parity_totals) on the device. */
+typedef struct {
+  unsigned long long calls_compared;
+  unsigned long long calls_over_tol;
+  unsigned long long nan_inf;
+  float max_abs_err;
+  float max_rel_l2;
+  float last_rel_l2;
+  float rtol;
+} kdtree_parity_totals;
+size_t kdtree_parity_stats_bytes(void);
+int kdtree_parity_update(const void* ours, const void* ref, int64_t n, void* stats, kdtree_parity_totals* mirror,
+                         float rtol, void* stream);
+
+/* Device address of pinned host memory (for the mirrors above). */
+int kdtree_host_device_pointer(void* host, void** device);
+
+const char* kdtree_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,189 @@
+"""The kernel against an fp64 reference and SGLang's own Triton extend kernel, on fresh random inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kdtree import kernel  # noqa: E402
+from kdtree.reference import make_batch, reference, rel_l2  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@contextlib.contextmanager
+def kernel_config(name: str | None):
+    """Run the wide (sm_90/sm_100) or the compact (sm_120) tile configuration on this GPU."""
+    old = os.environ.get("KDTREE_KERNEL_CONFIG")
+    if name:
+        os.environ["KDTREE_KERNEL_CONFIG"] = name
+    kernel._device_plan.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KDTREE_KERNEL_CONFIG", None)
+        else:
+            os.environ["KDTREE_KERNEL_CONFIG"] = old
+        kernel._device_plan.cache_clear()
+
+
+def run_ours(b, out=None, v_ext="separate"):
+    T, H = b.q.shape[:2]
+    if out is None:
+        out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+    ws = torch.empty(kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda")
+    ve = b.v_ext if v_ext == "separate" else (b.k_ext[..., :512] if v_ext == "view" else None)
+    kernel.tree_verify(b.q, b.k_ext, ve, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices, b.custom_mask,
+                       b.mask_indptr, b.sm_scale, b.max_q_len, out, ws)
+    return out.view(T, H, 512)
+
+
+def run_triton(b):
+    ext = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    T, H = b.q.shape[:2]
+    o = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ext.extend_attention_fwd(b.q, b.k_ext, b.v_ext, o, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                             b.custom_mask, True, b.mask_indptr, b.max_q_len, 1.0, 1.0, sm_scale=b.sm_scale)
+    return o
+
+
+CASES = [
+    # batch, heads, q_len, prefix, tree
+    (1, 8, 16, 4096, True),
+    (1, 8, 16, 32768, True),
+    (1, 16, 64, 8192, True),
+    (1, 1, 16, 1000, True),
+    (1, 128, 16, 2048, True),
+    (4, 8, 16, 0, True),  # no prefix
+    (3, 16, 1, 777, True),  # one draft token
+    (2, 8, 16, 3000, False),  # DFlash chain: mask None
+    (8, 8, 32, [5, 300, 1024, 4097, 0, 77, 2048, 9000], True),  # ragged prefixes
+    (64, 8, 16, 513, True),
+    (2, 8, 200, 1500, True),  # draft tokens past one tile of rows
+    (1, 4, 1024, 64, True),  # the largest tree
+]
+
+
+@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
+def test_matches_fp64_and_triton(case, config):
+    batch, heads, q_len, prefix, tree = case
+    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=hash((case, config)) & 0xFFFF)
+    ref = reference(b)
+    with kernel_config(config):
+        ours = run_ours(b)
+    err = rel_l2(ours, ref)
+    tri = rel_l2(run_triton(b), ref)
+    print(f"{case} {config}: ours {err:.2e} triton {tri:.2e}")
+    assert err <= max(1.1 * tri, 1e-3), f"ours {err:.3e} vs triton {tri:.3e}"
+    assert err < 1e-2
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
+@pytest.mark.parametrize("indptr_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("indices_dtype", [torch.int32, torch.int64])
+def test_index_and_mask_dtypes(mask_dtype, indptr_dtype, indices_dtype):
+    b = make_batch(3, 8, 16, [100, 2000, 5000], mask_dtype=mask_dtype, indptr_dtype=indptr_dtype,
+                   indices_dtype=indices_dtype, seed=7)
+    assert rel_l2(run_ours(b), reference(b)) < 1e-2
+
+
+@pytest.mark.parametrize("v_ext", ["separate", "view", "none"])
+def test_draft_values_forms(v_ext):
+    b = make_batch(2, 8, 16, 700, seed=11)
+    assert rel_l2(run_ours(b, v_ext=v_ext), reference(b)) < 1e-2
+
+
+def test_separate_draft_values_are_used():
+    """Draft values that differ from the keys' first 512 dims must reach the output."""
+    b = make_batch(1, 8, 16, 64, seed=12)
+    b.v_ext.copy_(torch.randn_like(b.v_ext, dtype=torch.float32).to(torch.bfloat16))
+    assert rel_l2(run_ours(b), reference(b)) < 1e-2
+
+
+def test_random_trees_many_seeds():
+    for seed in range(20):
+        b = make_batch(2, 8, 16, int(torch.randint(0, 3000, (1,))), seed=100 + seed)
+        assert rel_l2(run_ours(b), reference(b)) < 1e-2, seed
+
+
+def test_cuda_graph_replay_equals_eager():
+    b = make_batch(4, 16, 16, 4096, seed=21)
+    T, H = b.q.shape[:2]
+    out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(kernel.workspace_bytes(4, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
+    counter = kernel.DeviceCounter("cuda")
+    args = (b.q, b.k_ext, b.v_ext, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices, b.custom_mask,
+            b.mask_indptr, b.sm_scale, 16, out, ws, counter)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernel.tree_verify(*args)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kernel.tree_verify(*args)
+    for seed in range(3):
+        fresh = make_batch(4, 16, 16, 4096, seed=300 + seed)
+        for name in ("q", "k_ext", "v_ext", "k_buf", "kv_indices", "custom_mask"):
+            getattr(b, name).copy_(getattr(fresh, name))
+        b.parents = fresh.parents
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        eager = run_ours(b)
+        assert torch.equal(out.view_as(eager), eager)
+        assert rel_l2(out.view_as(eager), reference(b)) < 1e-2
+    torch.cuda.synchronize()
+    assert counter.value() == 1 + 3  # the eager warm-up and three replays; capture itself runs nothing
+
+
+def test_parity_stats_catch_a_wrong_output():
+    b = make_batch(1, 8, 16, 1000, seed=31)
+    good = run_ours(b).reshape(16, -1).contiguous()
+    stats = kernel.ParityStats("cuda", rtol=1e-2)
+    stats.update(good, good.clone())
+    bad = good.clone()
+    bad[3] *= 1.5
+    stats.update(bad, good)
+    nan = good.clone()
+    nan[0, 0] = float("nan")
+    stats.update(nan, good)
+    torch.cuda.synchronize()
+    snap = stats.snapshot()
+    assert snap["calls_compared"] == 3
+    assert snap["calls_over_tol"] == 2
+    assert snap["nan_inf"] == 1
+    assert snap["max_rel_l2"] > 0.05
+    assert snap["max_abs_err"] > 0
+
+
+def test_bad_arguments_name_the_argument():
+    b = make_batch(1, 8, 16, 100, seed=41)
+    out = torch.empty(16, 8, 512, dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(kernel.workspace_bytes(1, 8, 16, "cuda"), dtype=torch.uint8, device="cuda")
+    base = dict(q=b.q, k_ext=b.k_ext, v_ext=b.v_ext, k_buf=b.k_buf, v_buf=b.v_buf, qo_indptr=b.qo_indptr,
+                kv_indptr=b.kv_indptr, kv_indices=b.kv_indices, custom_mask=b.custom_mask, mask_indptr=b.mask_indptr,
+                sm_scale=b.sm_scale, max_q_len=16, out=out, workspace=ws)
+    bad = {
+        "q": b.q.float(),
+        "k_ext": b.k_ext[:, :, :512],
+        "qo_indptr": b.qo_indptr.float(),
+        "kv_indices": b.kv_indices.view(1, -1),
+        "out": out[:, :, :256],
+        "max_q_len": 2000,
+        "custom_mask": b.custom_mask.float(),
+        "workspace": ws.view(torch.int8),
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            kernel.tree_verify(**{**base, name: value})
+    with pytest.raises(kernel.Unsupported, match="k_buf"):
+        kernel.tree_verify(**{**base, "k_buf": b.k_buf.view(torch.uint8)[..., :576]})
+    with pytest.raises(kernel.Unsupported, match="v_buf"):
+        kernel.tree_verify(**{**base, "v_buf": b.k_buf[..., :512].clone()})
