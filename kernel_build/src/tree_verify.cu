@@ -122,29 +122,34 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     if (ok) src = p.q + (qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh + col * 8;
     cp_async16(Qs + r * ROW_BYTES + col * 16, src, ok);
   }
-  auto load_tile = [&](int t, int stage) {
-    const int kt0 = k_lo + t * C::BN;
-    uint8_t* dst = Ks + stage * C::BN * ROW_BYTES;
+  // Key tiles: 8 threads per key row, each copying 9 of its 72 16-byte chunks. A thread needs one pool
+  // slot per tile, read one tile ahead so the index load's latency hides behind a whole tile of work.
+  static_assert(C::NT == 8 * C::BN, "8 loader threads per key row");
+  const int ld_key = tid >> 3, ld_sub = tid & 7;
+  auto slot_of = [&](int t) -> int64_t {
+    const int kp = k_lo + t * C::BN + ld_key;
+    return kp < P && kp < k_hi ? load_idx(p.kv_indices, p.kvi_t, kv0 + kp) : 0;
+  };
+  auto load_tile = [&](int t, int stage, int64_t slot) {
+    const int kp = k_lo + t * C::BN + ld_key;
+    const bool ok = kp < k_hi;  // past the range: zero-filled, then masked
+    const __nv_bfloat16* src = p.k_buf;
+    if (ok) src = kp < P ? p.k_buf + slot * p.k_buf_st : p.k_ext + (qs + kp - P) * p.k_ext_st;
+    uint8_t* dst = Ks + (stage * C::BN + ld_key) * ROW_BYTES;
 #pragma unroll
-    for (int it = 0; it < C::BN * ROW_CHUNKS / C::NT; ++it) {
-      int c = tid + it * C::NT, key = c / ROW_CHUNKS, col = c % ROW_CHUNKS;
-      int kp = kt0 + key;
-      const __nv_bfloat16* src = p.k_buf;
-      const bool ok = kp < k_hi;  // past the range: zero-filled, then masked
-      if (ok) {
-        src = kp < P ? p.k_buf + load_idx(p.kv_indices, p.kvi_t, kv0 + kp) * p.k_buf_st + col * 8
-                     : p.k_ext + (qs + kp - P) * p.k_ext_st + col * 8;
-      }
-      cp_async16(dst + key * ROW_BYTES + col * 16, src, ok);
+    for (int i = 0; i < ROW_CHUNKS / 8; ++i) {
+      const int col = ld_sub + 8 * i;
+      cp_async16(dst + col * 16, ok ? src + col * 8 : src, ok);
     }
   };
 
   const int ntiles = (k_hi - k_lo + C::BN - 1) / C::BN;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s, s);
+    if (s < ntiles) load_tile(s, s, slot_of(s));
     cp_async_commit();
   }
+  int64_t next_slot = slot_of(C::STAGES - 1);
 
   const int rb_qk = warp % C::RB, kg = warp / C::RB;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
@@ -166,35 +171,46 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   for (int t = 0; t < ntiles; ++t) {
     cp_async_wait<C::STAGES - 2>();
     __syncthreads();  // tile t landed; every warp is done with tile t-1 (its stage, P and stats)
-    if (t + C::STAGES - 1 < ntiles) load_tile(t + C::STAGES - 1, (t + C::STAGES - 1) % C::STAGES);
+    if (t + C::STAGES - 1 < ntiles) load_tile(t + C::STAGES - 1, (t + C::STAGES - 1) % C::STAGES, next_slot);
     cp_async_commit();
+    next_slot = slot_of(t + C::STAGES);  // consumed next iteration
 
     uint8_t* Kt = Ks + (t % C::STAGES) * C::BN * ROW_BYTES;
     const int kt0 = k_lo + t * C::BN;
 
-    // S = Q K^T for 16 rows x KW keys.
-    float s[C::NB_QK][4];
+    // S = Q K^T for 16 rows x KW keys; two accumulator sets (even/odd k-steps) halve the mma dependency chain.
+    float s[C::NB_QK][4], s2[C::NB_QK][4];
 #pragma unroll
-    for (int j = 0; j < C::NB_QK; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int j = 0; j < C::NB_QK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = s2[j][e] = 0.f;
     const uint32_t q_addr = smem_u32(Qs + (rb_qk * 16 + (lane & 15)) * ROW_BYTES + (lane >> 4) * 16);
     const uint32_t k_addr = smem_u32(Kt + (kg * C::KW + ((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES + ((lane >> 3) & 1) * 16);
-#pragma unroll 4
-    for (int ks = 0; ks < QK / 16; ++ks) {
+    auto qk_step = [&](int ks, float (&acc)[C::NB_QK][4]) {
       uint32_t a[4];
       ldmatrix_x4(a, q_addr + ks * 32);
 #pragma unroll
       for (int nb = 0; nb + 1 < C::NB_QK; nb += 2) {
         uint32_t bb[4];
         ldmatrix_x4(bb, k_addr + nb * 8 * ROW_BYTES + ks * 32);
-        mma_bf16(s[nb], a, bb[0], bb[1]);
-        mma_bf16(s[nb + 1], a, bb[2], bb[3]);
+        mma_bf16(acc[nb], a, bb[0], bb[1]);
+        mma_bf16(acc[nb + 1], a, bb[2], bb[3]);
       }
       if constexpr (C::NB_QK % 2 == 1) {
         uint32_t bb[2];
         ldmatrix_x2(bb, k_addr + (C::NB_QK - 1) * 8 * ROW_BYTES + ks * 32);
-        mma_bf16(s[C::NB_QK - 1], a, bb[0], bb[1]);
+        mma_bf16(acc[C::NB_QK - 1], a, bb[0], bb[1]);
       }
+    };
+#pragma unroll 2
+    for (int ks = 0; ks < QK / 16; ks += 2) {
+      qk_step(ks, s);
+      qk_step(ks + 1, s2);
     }
+#pragma unroll
+    for (int j = 0; j < C::NB_QK; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
 
     // Scale into the log2 domain; mask draft keys (tree or causal) and keys past the range.
     const bool edge = kt0 + C::BN > P;
@@ -423,8 +439,9 @@ static Plan plan(int batch, int H, int max_q_len, int sm_count) {
   Plan pl;
   pl.m_tiles = (max_q_len * H + C::BM - 1) / C::BM;
   const long base = static_cast<long>(batch) * pl.m_tiles;
-  // One CTA per multiprocessor: split each request's keys until the grid fills the device.
-  pl.splits = base >= sm_count ? 1 : static_cast<int>(std::min<long>(MAX_SPLITS, (sm_count + base - 1) / base));
+  // One CTA per multiprocessor: split each request's keys so the grid fills the device in one wave
+  // (rounding up would leave a second, nearly empty wave).
+  pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, sm_count / base)));
   pl.ws_bytes = pl.splits == 1 ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
   return pl;
 }
@@ -498,8 +515,9 @@ __attribute__((visibility("default"))) int kdtree_verify_workspace_bytes(int bat
 }
 
 __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_verify_args* a, void* stream) {
+  // kv_indices may be NULL when no request has a prefix (an empty tensor).
   if (a == nullptr || a->q == nullptr || a->k_ext == nullptr || a->k_buf == nullptr || a->out == nullptr ||
-      a->qo_indptr == nullptr || a->kv_indptr == nullptr || a->kv_indices == nullptr)
+      a->qo_indptr == nullptr || a->kv_indptr == nullptr)
     return fail(KDTREE_ERR_ARGUMENT, "a required pointer is NULL");
   if (a->mask != nullptr && a->mask_indptr == nullptr) return fail(KDTREE_ERR_ARGUMENT, "mask needs mask_indptr");
   if (a->batch < 1 || a->num_heads < 1 || a->max_q_len < 1 || a->sm_count < 1)
