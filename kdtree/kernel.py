@@ -46,7 +46,7 @@ class _Args(ctypes.Structure):
         ("counter", ctypes.c_void_p), ("counter_mirror", ctypes.c_void_p),
         ("sm_scale", ctypes.c_float),
         ("batch", ctypes.c_int), ("num_heads", ctypes.c_int), ("max_q_len", ctypes.c_int),
-        ("sm_count", ctypes.c_int), ("config", ctypes.c_int),
+        ("cta_slots", ctypes.c_int), ("config", ctypes.c_int),
     ]
 
 
@@ -109,7 +109,7 @@ def smem_bytes(config: str) -> int:
 
 @functools.cache
 def _device_plan(index: int) -> tuple[int, int]:
-    """(multiprocessor count, tile config) for a device; raises KernelUnavailable if no code runs there."""
+    """(resident CTA slots, tile config) for a device; raises KernelUnavailable if no code runs there."""
     props = torch.cuda.get_device_properties(index)
     cc = props.major * 10 + props.minor
     archs = [int(a.removeprefix("sm_")) for a in compiled_archs()]
@@ -125,10 +125,12 @@ def _device_plan(index: int) -> tuple[int, int]:
         config = forced
     else:
         config = "wide" if props.shared_memory_per_block_optin >= smem_bytes("wide") else "compact"
-    if smem_bytes(config) > props.shared_memory_per_block_optin:
-        raise KernelUnavailable(f"config {config} needs {smem_bytes(config)} B of shared memory; "
+    need = smem_bytes(config)
+    if need > props.shared_memory_per_block_optin:
+        raise KernelUnavailable(f"config {config} needs {need} B of shared memory per block; "
                                 f"{props.name} allows {props.shared_memory_per_block_optin}")
-    return props.multi_processor_count, CONFIGS[config]
+    per_sm = max(1, props.shared_memory_per_multiprocessor // (need + 1024))  # 1 KB the system reserves per block
+    return props.multi_processor_count * per_sm, CONFIGS[config]
 
 
 def _device_index(device) -> int:
@@ -140,9 +142,9 @@ def _device_index(device) -> int:
 
 def workspace_bytes(batch: int, num_heads: int, max_q_len: int, device) -> int:
     """Bytes of workspace tree_verify needs for these sizes on `device` (0 is possible)."""
-    sm_count, config = _device_plan(_device_index(device))
+    cta_slots, config = _device_plan(_device_index(device))
     out = ctypes.c_size_t()
-    rc = library().kdtree_verify_workspace_bytes(batch, num_heads, max_q_len, sm_count, config, ctypes.byref(out))
+    rc = library().kdtree_verify_workspace_bytes(batch, num_heads, max_q_len, cta_slots, config, ctypes.byref(out))
     if rc != 0:
         raise ValueError(library().kdtree_last_error().decode())
     return out.value
@@ -182,7 +184,7 @@ def _tree_verify_op(
     out: torch.Tensor, workspace: torch.Tensor, counter_ptr: int, counter_mirror_ptr: int,
 ) -> None:
     lib = library()
-    sm_count, config = _device_plan(q.device.index)
+    cta_slots, config = _device_plan(q.device.index)
     a = _Args(
         q=q.data_ptr(), q_stride_t=q.stride(0), q_stride_h=q.stride(1),
         k_ext=k_ext.data_ptr(), k_ext_stride=k_ext.stride(0),
@@ -198,7 +200,7 @@ def _tree_verify_op(
         workspace=workspace.data_ptr() if workspace.numel() else None, workspace_bytes=workspace.numel(),
         counter=counter_ptr or None, counter_mirror=counter_mirror_ptr or None,
         sm_scale=sm_scale, batch=qo_indptr.numel() - 1, num_heads=q.shape[1], max_q_len=max_q_len,
-        sm_count=sm_count, config=config,
+        cta_slots=cta_slots, config=config,
     )
     rc = lib.kdtree_verify_launch(ctypes.byref(a), torch.cuda.current_stream(q.device).cuda_stream)
     if rc != 0:

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -114,7 +115,10 @@ def main() -> None:
     ap.add_argument("--mma-tflops", type=float, required=True, help="measured mma.sync bf16 rate (mma_peak)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)")
     args = ap.parse_args()
+    if args.config:
+        os.environ["KDTREE_KERNEL_CONFIG"] = args.config
 
     bw = copy_bandwidth()
     cublas = cublas_tflops()
@@ -148,7 +152,7 @@ def main() -> None:
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit or 'unknown'}",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s; mma.sync bf16 {args.mma_tflops:.0f} TFLOP/s "
         f"(the kernel's instruction; roofline uses it); cuBLAS bf16 {cublas:.0f} TFLOP/s",
-        f"Command: {' '.join(sys.argv)}",
+        f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}; command: {' '.join(sys.argv)}",
         "",
         "| batch | H | N | prefix | ours (us) | Triton (us) | PyTorch (us) | speedup vs Triton | KV GB/s | TFLOP/s | roofline (us) | % of roofline |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -53,7 +53,7 @@ typedef struct {
   unsigned long long* counter_mirror; /* optional host-mapped copy of *counter */
   float sm_scale;
   int batch, num_heads, max_q_len;
-  int sm_count; /* multiprocessors of the device (sizes the prefix split) */
+  int cta_slots; /* multiprocessors x resident CTAs of `config` per multiprocessor (sizes the prefix split) */
   int config; /* enum kdtree_config */
 } kdtree_verify_args;
 
@@ -63,7 +63,7 @@ const char* kdtree_compiled_archs(void);
 /* Dynamic shared memory one block of `config` uses, in bytes (0 for an unknown config). */
 int kdtree_verify_smem_bytes(int config);
 /* Workspace the launch needs for these sizes; depends on sizes only, never on device data. */
-int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len, int sm_count, int config, size_t* bytes);
+int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len, int cta_slots, int config, size_t* bytes);
 /* Enqueue the attention on `stream` (a cudaStream_t). No allocation, no host synchronisation. */
 int kdtree_verify_launch(const kdtree_verify_args* args, void* stream);
 

@@ -298,9 +298,11 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #pragma unroll
     for (int rb = 0; rb < C::RB; ++rb) {
       float a0 = alpha_s[rb * 16 + (lane >> 2)], a1 = alpha_s[rb * 16 + (lane >> 2) + 8];
+      if (a0 != 1.f || a1 != 1.f) {  // the running max rarely moves once a few tiles are in
 #pragma unroll
-      for (int j = 0; j < C::NB_PV; ++j) {
-        o[rb][j][0] *= a0; o[rb][j][1] *= a0; o[rb][j][2] *= a1; o[rb][j][3] *= a1;
+        for (int j = 0; j < C::NB_PV; ++j) {
+          o[rb][j][0] *= a0; o[rb][j][1] *= a0; o[rb][j][2] *= a1; o[rb][j][3] *= a1;
+        }
       }
     }
 #pragma unroll
@@ -435,20 +437,20 @@ struct Plan {
 };
 
 template <class C>
-static Plan plan(int batch, int H, int max_q_len, int sm_count) {
+static Plan plan(int batch, int H, int max_q_len, int cta_slots) {
   Plan pl;
   pl.m_tiles = (max_q_len * H + C::BM - 1) / C::BM;
   const long base = static_cast<long>(batch) * pl.m_tiles;
-  // One CTA per multiprocessor: split each request's keys so the grid fills the device in one wave
+  // Split each request's keys so the grid fills the device's resident CTA slots in one wave
   // (rounding up would leave a second, nearly empty wave).
-  pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, sm_count / base)));
+  pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, cta_slots / base)));
   pl.ws_bytes = pl.splits == 1 ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
   return pl;
 }
 
 template <class C>
 static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
-  const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->sm_count);
+  const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots);
   if (a->workspace_bytes < pl.ws_bytes || (pl.ws_bytes > 0 && a->workspace == nullptr))
     return fail(KDTREE_ERR_WORKSPACE, "workspace is smaller than kdtree_verify_workspace_bytes()");
   static thread_local int attr_set_device = -1;
@@ -505,11 +507,11 @@ __attribute__((visibility("default"))) int kdtree_verify_smem_bytes(int config) 
 }
 
 __attribute__((visibility("default"))) int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len,
-                                                                         int sm_count, int config, size_t* bytes) {
-  if (batch < 1 || num_heads < 1 || max_q_len < 1 || sm_count < 1 || bytes == nullptr)
-    return fail(KDTREE_ERR_ARGUMENT, "batch, num_heads, max_q_len and sm_count must be >= 1");
-  if (config == KDTREE_CONFIG_WIDE) *bytes = plan<Wide>(batch, num_heads, max_q_len, sm_count).ws_bytes;
-  else if (config == KDTREE_CONFIG_COMPACT) *bytes = plan<Compact>(batch, num_heads, max_q_len, sm_count).ws_bytes;
+                                                                         int cta_slots, int config, size_t* bytes) {
+  if (batch < 1 || num_heads < 1 || max_q_len < 1 || cta_slots < 1 || bytes == nullptr)
+    return fail(KDTREE_ERR_ARGUMENT, "batch, num_heads, max_q_len and cta_slots must be >= 1");
+  if (config == KDTREE_CONFIG_WIDE) *bytes = plan<Wide>(batch, num_heads, max_q_len, cta_slots).ws_bytes;
+  else if (config == KDTREE_CONFIG_COMPACT) *bytes = plan<Compact>(batch, num_heads, max_q_len, cta_slots).ws_bytes;
   else return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
   return KDTREE_OK;
 }
@@ -520,8 +522,8 @@ __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_ver
       a->qo_indptr == nullptr || a->kv_indptr == nullptr)
     return fail(KDTREE_ERR_ARGUMENT, "a required pointer is NULL");
   if (a->mask != nullptr && a->mask_indptr == nullptr) return fail(KDTREE_ERR_ARGUMENT, "mask needs mask_indptr");
-  if (a->batch < 1 || a->num_heads < 1 || a->max_q_len < 1 || a->sm_count < 1)
-    return fail(KDTREE_ERR_ARGUMENT, "batch, num_heads, max_q_len and sm_count must be >= 1");
+  if (a->batch < 1 || a->num_heads < 1 || a->max_q_len < 1 || a->cta_slots < 1)
+    return fail(KDTREE_ERR_ARGUMENT, "batch, num_heads, max_q_len and cta_slots must be >= 1");
   if (static_cast<long>(a->max_q_len) * a->num_heads > (1L << 24)) return fail(KDTREE_ERR_ARGUMENT, "max_q_len * num_heads too large");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a->config == KDTREE_CONFIG_WIDE) return launch<Wide>(a, s);

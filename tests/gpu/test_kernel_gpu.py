@@ -73,7 +73,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
 def test_matches_fp64_and_triton(case, config):
     batch, heads, q_len, prefix, tree = case
-    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=hash((case, config)) & 0xFFFF)
+    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"{case}{config}")))
     ref = reference(b)
     with kernel_config(config):
         ours = run_ours(b)
