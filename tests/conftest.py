@@ -1,4 +1,4 @@
-"""Shared test switches: `gpu` and `docker` tests skip with a visible reason where they cannot run."""
+"""Shared test switches: `gpu`, `docker` and `sglang` tests skip with a visible reason where they cannot run."""
 
 from __future__ import annotations
 
@@ -27,10 +27,22 @@ def _docker_reason() -> str | None:
     return None
 
 
+def _sglang_reason() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        return "sglang is not installed (pip install -e '.[server,dev]')"
+    if found != "0.5.23":
+        return f"sglang {found} is installed; these tests target sglang 0.5.23"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     reasons = {}
     for item in items:
-        for marker, probe in (("gpu", _cuda_reason), ("docker", _docker_reason)):
+        for marker, probe in (("gpu", _cuda_reason), ("docker", _docker_reason), ("sglang", _sglang_reason)):
             if marker in item.keywords:
                 if marker not in reasons:
                     reasons[marker] = probe()

@@ -1,0 +1,373 @@
+"""The target-verify override that runs inside each SGLang scheduler (one per tensor-parallel rank).
+
+`VerifyOverride` is the body of an AROUND hook on `TritonAttnBackend.forward_extend`. For each call it
+decides whether the kdtree kernel can compute it (`fallback_reason`); if not, SGLang's original serves
+and the reason is counted. Otherwise, by mode:
+
+- off: the original serves, untouched.
+- on: the draft KV is written into the pool exactly as the original writes it, then the kdtree kernel
+  computes attention into the tensor the original would have returned.
+- validate: the original serves; the kdtree kernel computes the same call into a buffer of its own, and
+  a device-side comparison accumulates parity statistics (no host sync, so CUDA graphs stay on).
+
+Nothing on the serving path syncs with the host. Buffers are allocated outside CUDA-graph capture and
+never freed once a capture has used them (a captured graph keeps the addresses it recorded). Host-side
+counts (fallbacks, calls answered by the original) count Python-level calls: eager calls and graph
+captures, not replays of a captured graph. The kernel counts the calls it serves on the device, so
+`served_kdtree` includes replays.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from kdtree.config import Mode, VerifySettings
+
+# Absorbed MLA (DeepSeek-V3, Kimi-K2): q/k = 512 latent + 64 rope dims, v = the 512 latent dims, one KV head.
+QK_HEAD_DIM = 576
+V_HEAD_DIM = 512
+
+
+class ModeHolder:
+    """The process's verify mode, read on every call: the one place a runtime mode change would write."""
+
+    __slots__ = ("mode",)
+
+    def __init__(self, mode: Mode | str):
+        self.mode = Mode(mode)
+
+    def set(self, mode: Mode | str) -> None:
+        self.mode = Mode(mode)
+
+
+@dataclass(slots=True)
+class VerifyCall:
+    """forward_extend's arguments, named (the signature of SGLang 0.5.23)."""
+
+    backend: Any
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    layer: Any
+    forward_batch: Any
+    save_kv_cache: bool = True
+    sinks: Any = None
+    score_mod: Any = None
+    aux_tensors: Any = None
+
+
+def fallback_reason(c: VerifyCall) -> str | None:
+    """None when the kdtree kernel computes this call exactly as the original would; else a short, stable reason."""
+    backend, layer, q, k, v = c.backend, c.layer, c.q, c.k, c.v
+    if not c.forward_batch.forward_mode.is_target_verify():
+        return "not_target_verify"
+    if getattr(backend, "is_draft_runner", False):
+        return "draft_runner"
+    if layer.qk_head_dim != QK_HEAD_DIM or layer.v_head_dim != V_HEAD_DIM:
+        return "head_dims"
+    if layer.tp_k_head_num != 1:
+        return "kv_heads"
+    if k is None or v is None:
+        return "kv_not_passed"
+    if c.sinks is not None:
+        return "sinks"
+    if c.score_mod is not None or c.aux_tensors is not None:
+        return "score_mod"
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        return "sliding_window"
+    if getattr(backend, "dcp_size", 1) > 1:
+        return "dcp"
+    if layer.k_scale is not None or getattr(layer, "v_scale", None) is not None:
+        return "fp8_kv"
+    if layer.logit_cap:
+        return "logit_cap"
+    if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+        return "not_causal"
+    if getattr(layer, "xai_temperature_len", -1) not in (None, -1):
+        return "xai_temperature"
+    if getattr(backend, "enable_deterministic", False):
+        return "deterministic"
+    if getattr(backend, "dllm_attention", None) is not None:
+        return "dllm"
+    if getattr(c.forward_batch, "mha_one_shot", False):
+        return "mha_one_shot"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return "dtype"
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        return "kv_rows"
+    if backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype != torch.bfloat16:
+        return "fp8_kv"
+    mask = backend.forward_metadata.custom_mask
+    if mask is not None and mask.dtype not in (torch.bool, torch.uint8):
+        return "mask_dtype"
+    if not q.is_cuda:
+        return "not_cuda"
+    return None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+class DeviceState:
+    """Per-device kdtree state: the kernel's device counter, parity accumulators and grow-only buffers.
+
+    Created outside capture. A buffer that a captured graph has used is never freed: when a larger one
+    is needed (outside capture) the old one is kept alive, because the graph replays into its address.
+    """
+
+    def __init__(self, kernel, device: torch.device, rtol: float):
+        self.device = device
+        self.counter = kernel.DeviceCounter(device)
+        self.parity = kernel.ParityStats(device, rtol)
+        self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (buffer, used in a capture)
+        self._kept: list[torch.Tensor] = []
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, capturing: bool) -> torch.Tensor | None:
+        """A [numel] view of a buffer of at least numel elements; None when it would need to grow during capture."""
+        buf, captured = self._buffers.get(name, (None, False))
+        if buf is None or buf.numel() < numel:
+            if capturing:
+                return None
+            if buf is not None and captured:
+                self._kept.append(buf)
+            buf, captured = (
+                torch.empty(1 << max(numel - 1, 0).bit_length(), dtype=dtype, device=self.device),
+                False,
+            )
+        self._buffers[name] = (buf, captured or capturing)
+        return buf[:numel]
+
+
+class VerifyOverride:
+    """The AROUND hook body: `override(original_fn, backend, q, k, v, layer, forward_batch, ...)`."""
+
+    def __init__(self, settings: VerifySettings, mode: ModeHolder | None = None):
+        self.settings = settings
+        self.mode = mode or ModeHolder(settings.verify)
+        self._lock = threading.Lock()  # guards the host counters against the heartbeat thread's copy
+        self.served_kdtree_host = 0
+        self.served_original = 0
+        self.fallbacks: Counter[str] = Counter()
+        self.last_error: str | None = None
+        self.gpu: str | None = None
+        self.compute_capability: str | None = None
+        self.compiled_archs: list[str] = []
+        self._kernel = None
+        self._kernel_error: str | None = None
+        self._kernel_loaded = False
+        self._described = False
+        self._devices: dict[int, DeviceState] = {}
+
+    # ---- the hook -------------------------------------------------------------------------------
+    def __call__(self, original, *args, **kwargs):
+        mode = self.mode.mode
+        try:
+            c = VerifyCall(*args, **kwargs)
+        except TypeError:  # a forward_extend signature this version does not know: never guess
+            self._count("unexpected_signature")
+            return original(*args, **kwargs)
+        if not self._described:
+            self._describe(c.q)
+        if mode is Mode.OFF:
+            if c.forward_batch.forward_mode.is_target_verify():
+                self._count(None)
+            return original(*args, **kwargs)
+
+        reason = fallback_reason(c)
+        if reason == "not_target_verify":
+            return original(*args, **kwargs)
+        capturing = False
+        state = None
+        if reason is None:
+            capturing = _capturing()
+            state, reason = self._ready(c.q.device, capturing)
+        if reason is not None:
+            self._count(reason)
+            return original(*args, **kwargs)
+        if mode is Mode.ON:
+            return self._serve(original, c, state, capturing, args, kwargs)
+        out = original(*args, **kwargs)
+        self._count(None)
+        self._compare(c, out, state, capturing)
+        return out
+
+    def _serve(self, original, c: VerifyCall, state: DeviceState, capturing: bool, args, kwargs):
+        backend, layer, fb = c.backend, c.layer, c.forward_batch
+        heads = layer.tp_q_head_num
+        workspace, reason = self._workspace(c, state, capturing)
+        if reason is not None:
+            self._count(reason)
+            return original(*args, **kwargs)
+        # The output tensor and the KV write, exactly as TritonAttnBackend.forward_extend makes them.
+        o = getattr(fb, "_attn_output", None)
+        if o is None:
+            o = c.q.new_empty((c.q.shape[0], heads * V_HEAD_DIM))
+        if c.save_kv_cache:
+            loc = KVWriteLoc.for_batch(fb, swa_loc=backend.forward_metadata.swa_out_cache_loc)
+            backend._set_kv_buffer(fb, layer, loc, c.k, c.v)
+        try:
+            run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, state.counter)
+        except (ValueError, RuntimeError) as e:  # raised before or at launch: the original computes instead
+            self._count(self._failure_reason(e), e)
+            return original(*args, **kwargs)  # rewrites the same KV bytes, then computes
+        with self._lock:
+            self.served_kdtree_host += 1
+        return o
+
+    def _compare(self, c: VerifyCall, out: torch.Tensor, state: DeviceState, capturing: bool) -> None:
+        heads = c.layer.tp_q_head_num
+        tokens = c.q.shape[0]
+        workspace, reason = self._workspace(c, state, capturing)
+        ours = state.buffer("validate_out", tokens * heads * V_HEAD_DIM, torch.bfloat16, capturing)
+        if reason is None and ours is None:
+            reason = "buffer_grow_in_capture"
+        if reason is not None:
+            self._count_skip(reason)
+            return
+        ours = ours.view(tokens, heads, V_HEAD_DIM)
+        try:
+            run_kernel(self._kernel, c, ours, workspace, None)
+            state.parity.update(ours, out.view(tokens, heads, V_HEAD_DIM))
+        except (ValueError, RuntimeError) as e:
+            self._count_skip(self._failure_reason(e), e)
+
+    # ---- readiness: the kernel library, per-device state, workspace -----------------------------
+    def _ready(self, device: torch.device, capturing: bool) -> tuple[DeviceState | None, str | None]:
+        if not self._kernel_loaded:
+            self._load_kernel()
+        if self._kernel is None:
+            return None, "kernel_unavailable"
+        state = self._devices.get(device.index)
+        if state is None:
+            if capturing:  # allocating device state would need CUDA calls that capture forbids
+                return None, "first_use_in_capture"
+            try:
+                state = DeviceState(self._kernel, device, self.settings.validate_rtol)
+            except self._kernel.KernelUnavailable as e:
+                self._kernel, self._kernel_error = None, str(e)
+                self._note_error(f"kdtree kernel unavailable: {e}")
+                return None, "kernel_unavailable"
+            self._devices[device.index] = state
+        return state, None
+
+    def _workspace(
+        self, c: VerifyCall, state: DeviceState, capturing: bool
+    ) -> tuple[torch.Tensor | None, str | None]:
+        md = c.backend.forward_metadata
+        batch = md.qo_indptr.shape[0] - 1
+        try:
+            nbytes = self._kernel.workspace_bytes(batch, c.layer.tp_q_head_num, md.max_extend_len, c.q.device)
+        except self._kernel.KernelUnavailable as e:
+            self._note_error(f"kdtree kernel unavailable: {e}")
+            return None, "kernel_unavailable"
+        ws = state.buffer("workspace", max(nbytes, 1), torch.uint8, capturing)
+        return ws, None if ws is not None else "buffer_grow_in_capture"
+
+    def _load_kernel(self) -> None:
+        self._kernel_loaded = True
+        try:
+            from kdtree import kernel
+        except ImportError as e:
+            self._kernel_error = f"kdtree.kernel does not import: {e}"
+            self._note_error(self._kernel_error)
+            return
+        self._kernel = kernel
+        try:
+            self.compiled_archs = list(kernel.compiled_archs())
+        except Exception as e:  # the record shows it; serving falls back
+            self._note_error(f"compiled_archs() failed: {e}")
+
+    def _describe(self, q: torch.Tensor) -> None:
+        """Once per process, on the first call outside capture: GPU, compute capability, compiled archs."""
+        if not q.is_cuda or _capturing():  # these are CUDA calls; a later call does it
+            return
+        self._described = True
+        major, minor = torch.cuda.get_device_capability(q.device)
+        self.gpu = torch.cuda.get_device_name(q.device)
+        self.compute_capability = f"{major}.{minor}"
+        if not self._kernel_loaded:
+            self._load_kernel()
+
+    def _failure_reason(self, e: BaseException) -> str:
+        if isinstance(e, self._kernel.Unsupported):
+            return "unsupported"  # valid inputs the kernel does not compute
+        if isinstance(e, self._kernel.KernelUnavailable):
+            return "kernel_unavailable"
+        return "kernel_rejected" if isinstance(e, ValueError) else "kernel_error"
+
+    # ---- counters -------------------------------------------------------------------------------
+    def _count(self, reason: str | None, error: BaseException | None = None) -> None:
+        """One target-verify call answered by the original; reason None means by choice of mode."""
+        with self._lock:
+            self.served_original += 1
+            if reason is not None:
+                self.fallbacks[reason] += 1
+        if error is not None:
+            self._note_error(f"{reason}: {error}")
+
+    def _count_skip(self, reason: str, error: BaseException | None = None) -> None:
+        """Validate mode: the original served, but kdtree could not be compared on this call."""
+        with self._lock:
+            self.fallbacks[reason] += 1
+        if error is not None:
+            self._note_error(f"{reason}: {error}")
+
+    def _note_error(self, message: str) -> None:
+        self.last_error = message
+
+    def device_state(self) -> DeviceState | None:
+        states = list(self._devices.values())  # one atomic copy: the serving thread may be adding one
+        return states[0] if states else None
+
+    def snapshot(self) -> dict:
+        """Host-side numbers only (no CUDA call): safe from any thread, at any time."""
+        with self._lock:
+            snap = {
+                "mode": self.mode.mode.value,
+                "served_kdtree": self.served_kdtree_host,
+                "served_original": self.served_original,
+                "fallbacks": dict(self.fallbacks),
+                "last_error": self.last_error,
+                "gpu": self.gpu,
+                "compute_capability": self.compute_capability,
+                "compiled_archs": list(self.compiled_archs),
+            }
+        state = self.device_state()
+        if state is not None:
+            snap["served_kdtree"] = state.counter.value()  # pinned host mirror, includes graph replays
+            snap["parity"] = state.parity.snapshot()
+        return snap
+
+
+def run_kernel(kernel, c: VerifyCall, out: torch.Tensor, workspace: torch.Tensor, counter) -> None:
+    """The one place the kdtree kernel API is called: the call's tensors, as SGLang's Triton path reads them."""
+    layer, md = c.layer, c.backend.forward_metadata
+    pool = c.backend.token_to_kv_pool
+    heads = layer.tp_q_head_num
+    k = c.k if c.k.dim() == 3 else c.k.view(-1, 1, QK_HEAD_DIM)
+    v = c.v if c.v.dim() == 3 else c.v.view(-1, 1, V_HEAD_DIM)
+    kernel.tree_verify(
+        c.q.view(-1, heads, QK_HEAD_DIM),
+        k,
+        v,
+        pool.get_key_buffer(layer.layer_id),
+        pool.get_value_buffer(layer.layer_id),
+        md.qo_indptr,
+        md.kv_indptr,
+        md.kv_indices,
+        md.custom_mask,
+        md.mask_indptr,
+        layer.scaling,
+        md.max_extend_len,  # a Python int in SGLang 0.5.23: no device read
+        out,
+        workspace,
+        counter=counter,
+    )

@@ -1,0 +1,80 @@
+"""The kernel library as built: architectures, shared memory per block, no register spills.
+
+Needs nvcc (CI has it); runs no GPU code. The sm_120 variant must fit the 99 KB of shared memory an
+RTX PRO 6000 Blackwell block may have, and no kernel may spill registers to local memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "kernel_build"
+SM120_SMEM_LIMIT = 101376  # 99 KB: sm_120's per-block opt-in maximum
+SM90_SMEM_LIMIT = 232448  # 227 KB
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None,
+                                reason="needs nvcc and cmake to build kernel_build/")
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel")
+    cfg = subprocess.run(["cmake", "-S", SRC, "-B", out, "-DCMAKE_CUDA_ARCHITECTURES=90-real;120"],
+                         capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    b = subprocess.run(["cmake", "--build", out, "-j2"], capture_output=True, text=True)
+    assert b.returncode == 0, b.stdout + b.stderr
+    return out, b.stdout + b.stderr
+
+
+def _ptxas_report(log: str) -> dict[tuple[str, str], str]:
+    """(kernel, arch) -> the ptxas lines that follow its 'Compiling entry function' line."""
+    report, key = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)' for '(sm_\d+)'", line)
+        if m:
+            key = (m.group(1), m.group(2))
+            report[key] = ""
+        elif key is not None and ("spill" in line or "Used" in line):
+            report[key] += line + "\n"
+    return report
+
+
+def test_every_kernel_on_every_arch_without_spills(build):
+    report = _ptxas_report(build[1])
+    archs = {arch for _, arch in report}
+    assert {"sm_90", "sm_120"} <= archs
+    verify = [k for k in report if "tree_verify_kernel" in k[0]]
+    assert len(verify) == 4  # two tile configurations x two architectures
+    for key, text in report.items():
+        assert "0 bytes spill stores, 0 bytes spill loads" in text, f"{key} spills:\n{text}"
+
+
+def test_shared_memory_fits_each_target(build):
+    lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))  # loads without a GPU: static cudart
+    assert lib.kdtree_abi_version() == 1
+    lib.kdtree_compiled_archs.restype = ctypes.c_char_p
+    assert lib.kdtree_compiled_archs().decode().split(",") == ["90", "120"]
+    wide, compact = lib.kdtree_verify_smem_bytes(1), lib.kdtree_verify_smem_bytes(2)
+    assert 0 < compact <= SM120_SMEM_LIMIT
+    assert compact < wide <= SM90_SMEM_LIMIT
+    assert lib.kdtree_verify_smem_bytes(7) == 0
+
+
+def test_workspace_depends_on_sizes_only(build):
+    lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))
+    size = ctypes.c_size_t()
+    # batch 1, 8 heads, 16 draft tokens on 132 slots: the prefix is split, partial results need room
+    assert lib.kdtree_verify_workspace_bytes(1, 8, 16, 132, 1, ctypes.byref(size)) == 0
+    assert size.value > 0
+    # a batch that fills the device on its own needs no split and no workspace
+    assert lib.kdtree_verify_workspace_bytes(256, 16, 64, 132, 1, ctypes.byref(size)) == 0
+    assert size.value == 0
+    assert lib.kdtree_verify_workspace_bytes(0, 8, 16, 132, 1, ctypes.byref(size)) != 0

@@ -1,0 +1,128 @@
+"""Per-rank status records: round trip, stale detection, and the heartbeat that writes them (no sglang needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from kdtree.evidence import Evidence, scheduler_tp_rank
+from kdtree.status import Parity, new_record, read_records, record_path, write_record
+
+
+def _record(**fields):
+    rec = new_record(mode="validate", tp_rank=fields.pop("tp_rank", 0), tp_size=2)
+    for k, v in fields.items():
+        setattr(rec, k, v)
+    return rec
+
+
+def test_a_record_round_trips_through_its_file(tmp_path):
+    rec = _record(tp_rank=1, installed=True, gpu="NVIDIA H200", compute_capability="9.0", compiled_archs=["sm_90"],
+                  served_kdtree=12, served_original=3, fallbacks={"draft_runner": 3}, last_error=None,
+                  parity=Parity(calls_compared=12, max_abs_err=0.004, max_rel_l2=0.002, rtol=0.02))  # fmt: skip
+    path = write_record(tmp_path, rec)
+    assert path == record_path(tmp_path, 1) and not list(tmp_path.glob("*.tmp"))
+    (view,) = read_records(tmp_path)
+    assert view.record == rec and not view.stale and view.stale_reason is None
+
+
+def test_a_record_with_an_old_heartbeat_is_stale(tmp_path):
+    write_record(tmp_path, _record(heartbeat=time.time() - 120))
+    (view,) = read_records(tmp_path, max_age_s=30)
+    assert view.stale and "heartbeat" in view.stale_reason
+
+
+def test_a_record_whose_writer_died_is_stale(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    write_record(
+        tmp_path, _record(pid=int(proc.stdout))
+    )  # same pid namespace: the pid is comparable, and gone
+    (view,) = read_records(tmp_path)
+    assert view.stale and view.stale_reason == f"pid {int(proc.stdout)} is gone"
+
+
+def test_a_dead_pid_from_another_pid_namespace_is_judged_by_heartbeat_only(tmp_path):
+    write_record(tmp_path, _record(pid=2**22 - 1, pid_ns="pid:[1]"))
+    (view,) = read_records(tmp_path)
+    assert not view.stale
+
+
+def test_an_unreadable_record_is_reported_stale_not_dropped(tmp_path):
+    write_record(tmp_path, _record(tp_rank=0))
+    (tmp_path / "rank-1.json").write_text("{half a record")
+    views = read_records(tmp_path)
+    assert [(v.record.tp_rank, v.stale, v.stale_reason) for v in views] == [
+        (0, False, None),
+        (1, True, "unreadable"),
+    ]
+
+
+# ---- evidence: the writer side -------------------------------------------------------------------------
+
+
+def _snapshot():
+    return {"mode": "on", "served_kdtree": 5, "served_original": 2, "fallbacks": {"kernel_unavailable": 2},
+            "last_error": None, "gpu": "NVIDIA H200", "compute_capability": "9.0", "compiled_archs": ["sm_90"],
+            "parity": {"calls_compared": 0, "max_abs_err": 0.0, "max_rel_l2": 0.0, "calls_over_tol": 0, "nan_inf": 0,
+                       "rtol": 0.02}}  # fmt: skip
+
+
+def test_evidence_writes_nothing_until_the_process_is_a_known_tp_rank(tmp_path):
+    rank = None
+    ev = Evidence(str(tmp_path), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: rank)
+    assert ev.beat() is None and not list(tmp_path.iterdir())
+    rank = (3, 8)
+    path = ev.beat()
+    rec = json.loads(path.read_text())
+    assert path.name == "rank-3.json"
+    assert rec["tp_rank"] == 3 and rec["tp_size"] == 8 and rec["mode"] == "on" and rec["installed"] is True
+    assert rec["served_kdtree"] == 5 and rec["fallbacks"] == {"kernel_unavailable": 2}
+    assert (
+        rec["gpu"] == "NVIDIA H200" and rec["compiled_archs"] == ["sm_90"] and rec["parity"]["rtol"] == 0.02
+    )
+
+
+def test_the_heartbeat_thread_keeps_the_record_fresh(tmp_path):
+    ev = Evidence(str(tmp_path), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: (0, 1))
+    ev.start(0.05)
+    try:
+        deadline = time.time() + 10
+        while not record_path(tmp_path, 0).exists() and time.time() < deadline:
+            time.sleep(0.02)
+        first = read_records(tmp_path)[0].record.heartbeat
+        time.sleep(0.3)
+        (view,) = read_records(tmp_path, max_age_s=1)
+        assert view.record.heartbeat > first and not view.stale
+    finally:
+        ev.stop()
+
+
+def test_a_write_failure_is_kept_for_the_record_and_never_raised(tmp_path):
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the state directory should be")
+    ev = Evidence(str(blocker), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: (0, 1))
+    assert ev.beat() is None
+    assert ev.write_error.startswith("status record:")
+
+
+@pytest.mark.parametrize("role,expected", [("scheduler", (1, 4)), ("detokenizer", None), (None, None)])
+def test_tp_rank_comes_from_a_published_scheduler_only(monkeypatch, role, expected):
+    # Stands in for sglang.srt.runtime_context: publish_role() and get_parallel().tp_rank/.tp_size, as in 0.5.23.
+    rc = ModuleType("sglang.srt.runtime_context")
+    rc.publish_role = lambda: role
+    rc.get_parallel = lambda: SimpleNamespace(tp_rank=1, tp_size=4)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", rc)
+    assert scheduler_tp_rank() == expected
+
+
+def test_evidence_module_imports_neither_torch_nor_sglang():
+    code = "import sys, kdtree.evidence, kdtree.install; print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
