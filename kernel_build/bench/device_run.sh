@@ -2,6 +2,7 @@
 # One device session: build for the local GPU, install SGLang's Python wheels (carried in .whl),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
 # usage: bash kernel_build/bench/device_run.sh [tests|bench|all] [pytest args...]
+# 'all' also profiles one batch-1 launch with Nsight Compute when ncu is present (ncu.txt).
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-$PWD/device-out}; mkdir -p "$out"
@@ -26,5 +27,12 @@ if [ "$what" != tests ]; then
   mma=$(kernel_build/build/mma_peak)
   python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
+fi
+ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ "$what" = all ] && [ -n "$ncu_bin" ]; then
+  timeout 240 "$ncu_bin" --clock-control none -k regex:tree_verify_kernel -c 1 --section SpeedOfLight \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 kernel_build/bench/bench_verify.py --mma-tflops 1 --quick >"$out/ncu.txt" 2>&1
+  echo "profile: $((SECONDS - t0)) s"
 fi
 exit $rc

@@ -376,12 +376,12 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     }
 }
 
-// Merge the prefix splits of each row by log-sum-exp: one warp per (request, packed row).
+// Merge the prefix splits of each row by log-sum-exp. One block per (request, packed row); its four
+// warps each own 128 of the 512 value dims, so a lane carries one float4 and many splits stay in flight.
 template <class C>
 __global__ void __launch_bounds__(128) combine_kernel(const Params p) {
-  const int lane = threadIdx.x & 31;
-  const int gr = blockIdx.x * 4 + (threadIdx.x >> 5);
-  const int b = blockIdx.y;
+  const int lane = threadIdx.x & 31, quarter = threadIdx.x >> 5;
+  const int gr = blockIdx.x, b = blockIdx.y;
   const int64_t qs = load_idx(p.qo_indptr, p.qo_t, b);
   const int qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - qs);
   if (gr >= qlen * p.H) return;
@@ -391,34 +391,30 @@ __global__ void __launch_bounds__(128) combine_kernel(const Params p) {
   const int mt = gr / C::BM, r = gr % C::BM;
   const int64_t base = (static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits * C::BM + r;
   float mx = -INFINITY;
-  for (int s = 0; s < used; ++s) mx = fmaxf(mx, p.part_lse[base + s * C::BM]);
-  float4 acc[4] = {};
+  for (int s = lane; s < used; s += 32) mx = fmaxf(mx, p.part_lse[base + s * C::BM]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
   if (mx != -INFINITY) {
+    const float4* src = reinterpret_cast<const float4*>(p.part_o + base * DV) + quarter * 32 + lane;
+#pragma unroll 8
     for (int s = 0; s < used; ++s) {
       const float lse = p.part_lse[base + s * C::BM];
-      if (lse == -INFINITY) continue;
-      const float w = exp2f(lse - mx);
+      const float w = lse == -INFINITY ? 0.f : exp2f(lse - mx);
+      const float4 v = src[static_cast<int64_t>(s) * C::BM * DV / 4];
       wsum += w;
-      const float4* src = reinterpret_cast<const float4*>(p.part_o + (base + s * C::BM) * DV);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float4 v = src[lane + 32 * j];
-        acc[j].x += w * v.x; acc[j].y += w * v.y; acc[j].z += w * v.z; acc[j].w += w * v.w;
-      }
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  __nv_bfloat16* dst = p.out + (qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    __nv_bfloat162 lo2 = __floats2bfloat162_rn(acc[j].x * inv, acc[j].y * inv);
-    __nv_bfloat162 hi2 = __floats2bfloat162_rn(acc[j].z * inv, acc[j].w * inv);
-    uint2 packed;
-    packed.x = *reinterpret_cast<uint32_t*>(&lo2);
-    packed.y = *reinterpret_cast<uint32_t*>(&hi2);
-    *reinterpret_cast<uint2*>(dst + (lane + 32 * j) * 4) = packed;
-  }
+  __nv_bfloat16* dst = p.out + (qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + (quarter * 32 + lane) * 4;
+  __nv_bfloat162 lo2 = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  __nv_bfloat162 hi2 = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  uint2 packed;
+  packed.x = *reinterpret_cast<uint32_t*>(&lo2);
+  packed.y = *reinterpret_cast<uint32_t*>(&hi2);
+  *reinterpret_cast<uint2*>(dst) = packed;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -482,7 +478,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   if (pl.splits > 1) {
-    dim3 cgrid((pl.m_tiles * C::BM + 3) / 4, a->batch);
+    dim3 cgrid(pl.m_tiles * C::BM, a->batch);
     combine_kernel<C><<<cgrid, 128, 0, stream>>>(p);
     e = cudaGetLastError();
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
