@@ -35,19 +35,25 @@ struct Cfg {
   static constexpr int NB_QK = KW / 8;
   static constexpr int DV_W = DV / NW;  // value dims per warp in the PV phase (all BM rows)
   static constexpr int NB_PV = DV_W / 8;
-  static constexpr int P_ROW_BYTES = BN * 2 + 16;
+  // With BM <= BN, P (BM x BN bf16) lives in the staged keys' rope columns (dims 512..575), dead once
+  // QK is done: row r of P in key row r, so no separate buffer (this is what lets wide take 64-key tiles).
+  static constexpr bool P_IN_K = BM <= BN && BN * 2 <= (QK - DV) * 2;
+  static constexpr int P_ROW_BYTES = P_IN_K ? ROW_BYTES : BN * 2 + 16;
+  static constexpr int LD_THREADS = NT / BN;  // loader threads per key row
+  static constexpr bool QK_DUAL = NB_QK < 4;  // fewer than 4 independent accumulators: add a second set
   static constexpr int SMEM_Q = BM * ROW_BYTES;
   static constexpr int SMEM_K = STAGES * BN * ROW_BYTES;
-  static constexpr int SMEM_P = BM * P_ROW_BYTES;
+  static constexpr int SMEM_P = P_IN_K ? 0 : BM * P_ROW_BYTES;
   static constexpr int SMEM_STATS = (2 * KG * BM + 2 * BM) * 4;  // row max / sum per key group; alpha; final max
   static constexpr int SMEM = SMEM_Q + SMEM_K + SMEM_P + SMEM_STATS;
   static_assert(BM % 16 == 0 && NW % RB == 0 && KW % 8 == 0 && BN % 16 == 0, "tile shape");
   static_assert(DV_W % 16 == 0, "PV n-blocks come in pairs");
-  static_assert((BN * ROW_CHUNKS) % NT == 0 && (BM * ROW_CHUNKS) % NT == 0, "even load split");
+  static_assert(NT % BN == 0 && ROW_CHUNKS % LD_THREADS == 0 && (BM * ROW_CHUNKS) % NT == 0, "even load split");
 };
-using Wide = Cfg<64, 32, 2, 8>;  // sm_90 / sm_100: 152.8 KB shared
+using Wide = Cfg<64, 64, 2, 8>;  // sm_90 / sm_100: 220.5 KB shared
 using Compact = Cfg<32, 16, 3, 4>;  // sm_120: fits 99 KB
 static_assert(Compact::SMEM <= 101376, "sm_120 allows 99 KB of shared memory per block");
+static_assert(Wide::SMEM <= 232448, "sm_90 / sm_100 allow 227 KB of shared memory per block");
 
 struct Params {
   const __nv_bfloat16* q; int64_t q_st, q_sh;
@@ -122,10 +128,9 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     if (ok) src = p.q + (qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh + col * 8;
     cp_async16(Qs + r * ROW_BYTES + col * 16, src, ok);
   }
-  // Key tiles: 8 threads per key row, each copying 9 of its 72 16-byte chunks. A thread needs one pool
-  // slot per tile, read one tile ahead so the index load's latency hides behind a whole tile of work.
-  static_assert(C::NT == 8 * C::BN, "8 loader threads per key row");
-  const int ld_key = tid >> 3, ld_sub = tid & 7;
+  // Key tiles: LD_THREADS threads per key row, each copying its share of the 72 16-byte chunks. A thread
+  // needs one pool slot per tile, read one tile ahead so the index load's latency hides behind a tile of work.
+  const int ld_key = tid / C::LD_THREADS, ld_sub = tid % C::LD_THREADS;
   auto slot_of = [&](int t) -> int64_t {
     const int kp = k_lo + t * C::BN + ld_key;
     return kp < P && kp < k_hi ? load_idx(p.kv_indices, p.kvi_t, kv0 + kp) : 0;
@@ -137,8 +142,8 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     if (ok) src = kp < P ? p.k_buf + slot * p.k_buf_st : p.k_ext + (qs + kp - P) * p.k_ext_st;
     uint8_t* dst = Ks + (stage * C::BN + ld_key) * ROW_BYTES;
 #pragma unroll
-    for (int i = 0; i < ROW_CHUNKS / 8; ++i) {
-      const int col = ld_sub + 8 * i;
+    for (int i = 0; i < ROW_CHUNKS / C::LD_THREADS; ++i) {
+      const int col = ld_sub + C::LD_THREADS * i;
       cp_async16(dst + col * 16, ok ? src + col * 8 : src, ok);
     }
   };
@@ -178,7 +183,8 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     uint8_t* Kt = Ks + (t % C::STAGES) * C::BN * ROW_BYTES;
     const int kt0 = k_lo + t * C::BN;
 
-    // S = Q K^T for 16 rows x KW keys; two accumulator sets (even/odd k-steps) halve the mma dependency chain.
+    // S = Q K^T for 16 rows x KW keys; with few n-blocks, two accumulator sets (even/odd k-steps) halve
+    // the mma dependency chain.
     float s[C::NB_QK][4], s2[C::NB_QK][4];
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j)
@@ -202,15 +208,20 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
         mma_bf16(acc[C::NB_QK - 1], a, bb[0], bb[1]);
       }
     };
+    if constexpr (C::QK_DUAL) {
 #pragma unroll 2
-    for (int ks = 0; ks < QK / 16; ks += 2) {
-      qk_step(ks, s);
-      qk_step(ks + 1, s2);
+      for (int ks = 0; ks < QK / 16; ks += 2) {
+        qk_step(ks, s);
+        qk_step(ks + 1, s2);
+      }
+#pragma unroll
+      for (int j = 0; j < C::NB_QK; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    } else {
+#pragma unroll 4
+      for (int ks = 0; ks < QK / 16; ++ks) qk_step(ks, s);
     }
-#pragma unroll
-    for (int j = 0; j < C::NB_QK; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
 
     // Scale into the log2 domain; mask draft keys (tree or causal) and keys past the range.
     const bool edge = kt0 + C::BN > P;
@@ -281,11 +292,12 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
       }
     }
     // P in bf16 (as SGLang's Triton kernel feeds its P.V product); the row sum stays fp32.
+    uint8_t* const Pt = C::P_IN_K ? Kt + DV * 2 : Ps;
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j) {
       int col = kg * C::KW + j * 8 + 2 * (lane & 3);
-      *reinterpret_cast<__nv_bfloat162*>(Ps + r0 * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(s[j][0], s[j][1]);
-      *reinterpret_cast<__nv_bfloat162*>(Ps + (r0 + 8) * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(s[j][2], s[j][3]);
+      *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(s[j][0], s[j][1]);
+      *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(s[j][2], s[j][3]);
     }
     if (kg == 0 && (lane & 3) == 0) {
       alpha_s[r0] = alpha[0];
@@ -310,7 +322,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
       uint32_t a[C::RB][4];
 #pragma unroll
       for (int rb = 0; rb < C::RB; ++rb)
-        ldmatrix_x4(a[rb], smem_u32(Ps + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
+        ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
       const uint32_t v_addr =
           smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES + (d0 + (lane >> 4) * 8) * 2);
 #pragma unroll
