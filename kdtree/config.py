@@ -22,7 +22,9 @@ class VerifySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
 
     verify: Mode = Mode.OFF
-    validate_rtol: float = Field(2e-2, gt=0, description="relative L2 error above which a compared call counts as over tolerance")
+    validate_rtol: float = Field(
+        2e-2, gt=0, description="relative L2 error above which a compared call counts as over tolerance"
+    )
     state_dir: str = "/var/run/kdtree"
     heartbeat_s: float = Field(5.0, gt=0, description="how often each rank rewrites its status record")
     kernel_lib: str | None = None

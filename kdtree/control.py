@@ -30,7 +30,9 @@ def read_desired_mode(state_dir: str | os.PathLike) -> Mode | None:
         return Mode(text)
     except ValueError:
         allowed = ", ".join(m.value for m in Mode)
-        raise ConfigError(f"{path} holds {text!r}: expected one of {allowed}; fix or delete the file") from None
+        raise ConfigError(
+            f"{path} holds {text!r}: expected one of {allowed}; fix or delete the file"
+        ) from None
 
 
 def write_desired_mode(state_dir: str | os.PathLike, mode: Mode | str) -> Path:

@@ -32,28 +32,48 @@ class Unsupported(ValueError):
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        ("q", ctypes.c_void_p), ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
-        ("k_ext", ctypes.c_void_p), ("k_ext_stride", ctypes.c_int64),
-        ("v_ext", ctypes.c_void_p), ("v_ext_stride", ctypes.c_int64),
-        ("k_buf", ctypes.c_void_p), ("k_buf_stride", ctypes.c_int64),
-        ("qo_indptr", ctypes.c_void_p), ("qo_indptr_type", ctypes.c_int),
-        ("kv_indptr", ctypes.c_void_p), ("kv_indptr_type", ctypes.c_int),
-        ("kv_indices", ctypes.c_void_p), ("kv_indices_type", ctypes.c_int),
+        ("q", ctypes.c_void_p),
+        ("q_stride_t", ctypes.c_int64),
+        ("q_stride_h", ctypes.c_int64),
+        ("k_ext", ctypes.c_void_p),
+        ("k_ext_stride", ctypes.c_int64),
+        ("v_ext", ctypes.c_void_p),
+        ("v_ext_stride", ctypes.c_int64),
+        ("k_buf", ctypes.c_void_p),
+        ("k_buf_stride", ctypes.c_int64),
+        ("qo_indptr", ctypes.c_void_p),
+        ("qo_indptr_type", ctypes.c_int),
+        ("kv_indptr", ctypes.c_void_p),
+        ("kv_indptr_type", ctypes.c_int),
+        ("kv_indices", ctypes.c_void_p),
+        ("kv_indices_type", ctypes.c_int),
         ("mask", ctypes.c_void_p),
-        ("mask_indptr", ctypes.c_void_p), ("mask_indptr_type", ctypes.c_int),
-        ("out", ctypes.c_void_p), ("out_stride_t", ctypes.c_int64), ("out_stride_h", ctypes.c_int64),
-        ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t),
-        ("counter", ctypes.c_void_p), ("counter_mirror", ctypes.c_void_p),
+        ("mask_indptr", ctypes.c_void_p),
+        ("mask_indptr_type", ctypes.c_int),
+        ("out", ctypes.c_void_p),
+        ("out_stride_t", ctypes.c_int64),
+        ("out_stride_h", ctypes.c_int64),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("counter", ctypes.c_void_p),
+        ("counter_mirror", ctypes.c_void_p),
         ("sm_scale", ctypes.c_float),
-        ("batch", ctypes.c_int), ("num_heads", ctypes.c_int), ("max_q_len", ctypes.c_int),
-        ("cta_slots", ctypes.c_int), ("config", ctypes.c_int),
+        ("batch", ctypes.c_int),
+        ("num_heads", ctypes.c_int),
+        ("max_q_len", ctypes.c_int),
+        ("cta_slots", ctypes.c_int),
+        ("config", ctypes.c_int),
     ]
 
 
 class ParityTotals(ctypes.Structure):
     _fields_ = [
-        ("calls_compared", ctypes.c_uint64), ("calls_over_tol", ctypes.c_uint64), ("nan_inf", ctypes.c_uint64),
-        ("max_abs_err", ctypes.c_float), ("max_rel_l2", ctypes.c_float), ("last_rel_l2", ctypes.c_float),
+        ("calls_compared", ctypes.c_uint64),
+        ("calls_over_tol", ctypes.c_uint64),
+        ("nan_inf", ctypes.c_uint64),
+        ("max_abs_err", ctypes.c_float),
+        ("max_rel_l2", ctypes.c_float),
+        ("last_rel_l2", ctypes.c_float),
         ("rtol", ctypes.c_float),
     ]
 
@@ -76,19 +96,29 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.kdtree_abi_version.restype = ctypes.c_int
         if lib.kdtree_abi_version() != 1:
-            raise KernelUnavailable(f"{path} has ABI {lib.kdtree_abi_version()}, this binding needs 1: rebuild kernel_build")
+            raise KernelUnavailable(
+                f"{path} has ABI {lib.kdtree_abi_version()}, this binding needs 1: rebuild kernel_build"
+            )
         lib.kdtree_compiled_archs.restype = ctypes.c_char_p
         lib.kdtree_last_error.restype = ctypes.c_char_p
         lib.kdtree_verify_smem_bytes.argtypes = [ctypes.c_int]
         lib.kdtree_verify_workspace_bytes.argtypes = [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_size_t)]
         lib.kdtree_verify_launch.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
         lib.kdtree_parity_stats_bytes.restype = ctypes.c_size_t
-        lib.kdtree_parity_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        lib.kdtree_parity_update.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_float,
+            ctypes.c_void_p,
+        ]
         lib.kdtree_host_device_pointer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
         return lib
     raise KernelUnavailable(
-        "kdtree kernel library not found; tried: " + ", ".join(tried)
+        "kdtree kernel library not found; tried: "
+        + ", ".join(tried)
         + ". Build it (cmake -S kernel_build -B kernel_build/build && cmake --build kernel_build/build) "
         "or set KDTREE_KERNEL_LIB to its path"
     )
@@ -127,9 +157,13 @@ def _device_plan(index: int) -> tuple[int, int]:
         config = "wide" if props.shared_memory_per_block_optin >= smem_bytes("wide") else "compact"
     need = smem_bytes(config)
     if need > props.shared_memory_per_block_optin:
-        raise KernelUnavailable(f"config {config} needs {need} B of shared memory per block; "
-                                f"{props.name} allows {props.shared_memory_per_block_optin}")
-    per_sm = max(1, props.shared_memory_per_multiprocessor // (need + 1024))  # 1 KB the system reserves per block
+        raise KernelUnavailable(
+            f"config {config} needs {need} B of shared memory per block; "
+            f"{props.name} allows {props.shared_memory_per_block_optin}"
+        )
+    per_sm = max(
+        1, props.shared_memory_per_multiprocessor // (need + 1024)
+    )  # 1 KB the system reserves per block
     return props.multi_processor_count * per_sm, CONFIGS[config]
 
 
@@ -144,7 +178,9 @@ def workspace_bytes(batch: int, num_heads: int, max_q_len: int, device) -> int:
     """Bytes of workspace tree_verify needs for these sizes on `device` (0 is possible)."""
     cta_slots, config = _device_plan(_device_index(device))
     out = ctypes.c_size_t()
-    rc = library().kdtree_verify_workspace_bytes(batch, num_heads, max_q_len, cta_slots, config, ctypes.byref(out))
+    rc = library().kdtree_verify_workspace_bytes(
+        batch, num_heads, max_q_len, cta_slots, config, ctypes.byref(out)
+    )
     if rc != 0:
         raise ValueError(library().kdtree_last_error().decode())
     return out.value
@@ -157,13 +193,22 @@ def _need(cond: bool, arg: str, expected: str, got) -> None:
 
 def _index_type(t: torch.Tensor, arg: str, allowed=(torch.int32, torch.int64)) -> int:
     _need(t.dtype in allowed, arg, "int32 or int64" if len(allowed) == 2 else str(allowed[0]), t.dtype)
-    _need(t.dim() == 1 and t.stride(0) == 1, arg, "a contiguous 1-D tensor", f"shape {tuple(t.shape)} stride {t.stride()}")
+    _need(
+        t.dim() == 1 and t.stride(0) == 1,
+        arg,
+        "a contiguous 1-D tensor",
+        f"shape {tuple(t.shape)} stride {t.stride()}",
+    )
     return _I64 if t.dtype == torch.int64 else _I32
 
 
 def _aligned(t: torch.Tensor, arg: str, *strides: int) -> None:
-    _need(t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides), arg,
-          "16-byte aligned rows (pointer and row strides multiples of 8 elements)", f"strides {t.stride()}")
+    _need(
+        t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides),
+        arg,
+        "16-byte aligned rows (pointer and row strides multiples of 8 elements)",
+        f"strides {t.stride()}",
+    )
 
 
 def _as_rows(t: torch.Tensor, arg: str, width: int) -> torch.Tensor:
@@ -171,44 +216,90 @@ def _as_rows(t: torch.Tensor, arg: str, width: int) -> torch.Tensor:
     if t.dim() == 3:
         _need(t.shape[1] == 1, arg, f"[T, 1, {width}] (one latent KV head)", tuple(t.shape))
         t = t[:, 0]
-    _need(t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1, arg,
-          f"[T, 1, {width}] with a contiguous last dim", f"shape {tuple(t.shape)} stride {t.stride()}")
+    _need(
+        t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1,
+        arg,
+        f"[T, 1, {width}] with a contiguous last dim",
+        f"shape {tuple(t.shape)} stride {t.stride()}",
+    )
     return t
 
 
 @torch.library.custom_op("kdtree::tree_verify", mutates_args=("out", "workspace"))
 def _tree_verify_op(
-    q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor | None, k_buf: torch.Tensor,
-    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-    custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None, sm_scale: float, max_q_len: int,
-    out: torch.Tensor, workspace: torch.Tensor, counter_ptr: int, counter_mirror_ptr: int,
+    q: torch.Tensor,
+    k_ext: torch.Tensor,
+    v_ext: torch.Tensor | None,
+    k_buf: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    custom_mask: torch.Tensor | None,
+    mask_indptr: torch.Tensor | None,
+    sm_scale: float,
+    max_q_len: int,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    counter_ptr: int,
+    counter_mirror_ptr: int,
 ) -> None:
     lib = library()
     cta_slots, config = _device_plan(q.device.index)
     a = _Args(
-        q=q.data_ptr(), q_stride_t=q.stride(0), q_stride_h=q.stride(1),
-        k_ext=k_ext.data_ptr(), k_ext_stride=k_ext.stride(0),
-        v_ext=v_ext.data_ptr() if v_ext is not None else None, v_ext_stride=v_ext.stride(0) if v_ext is not None else 0,
-        k_buf=k_buf.data_ptr(), k_buf_stride=k_buf.stride(0),
-        qo_indptr=qo_indptr.data_ptr(), qo_indptr_type=_I64 if qo_indptr.dtype == torch.int64 else _I32,
-        kv_indptr=kv_indptr.data_ptr(), kv_indptr_type=_I64 if kv_indptr.dtype == torch.int64 else _I32,
-        kv_indices=kv_indices.data_ptr(), kv_indices_type=_I64 if kv_indices.dtype == torch.int64 else _I32,
+        q=q.data_ptr(),
+        q_stride_t=q.stride(0),
+        q_stride_h=q.stride(1),
+        k_ext=k_ext.data_ptr(),
+        k_ext_stride=k_ext.stride(0),
+        v_ext=v_ext.data_ptr() if v_ext is not None else None,
+        v_ext_stride=v_ext.stride(0) if v_ext is not None else 0,
+        k_buf=k_buf.data_ptr(),
+        k_buf_stride=k_buf.stride(0),
+        qo_indptr=qo_indptr.data_ptr(),
+        qo_indptr_type=_I64 if qo_indptr.dtype == torch.int64 else _I32,
+        kv_indptr=kv_indptr.data_ptr(),
+        kv_indptr_type=_I64 if kv_indptr.dtype == torch.int64 else _I32,
+        kv_indices=kv_indices.data_ptr(),
+        kv_indices_type=_I64 if kv_indices.dtype == torch.int64 else _I32,
         mask=custom_mask.data_ptr() if custom_mask is not None else None,
         mask_indptr=mask_indptr.data_ptr() if mask_indptr is not None else None,
         mask_indptr_type=_I64 if mask_indptr is not None and mask_indptr.dtype == torch.int64 else _I32,
-        out=out.data_ptr(), out_stride_t=out.stride(0), out_stride_h=out.stride(1),
-        workspace=workspace.data_ptr() if workspace.numel() else None, workspace_bytes=workspace.numel(),
-        counter=counter_ptr or None, counter_mirror=counter_mirror_ptr or None,
-        sm_scale=sm_scale, batch=qo_indptr.numel() - 1, num_heads=q.shape[1], max_q_len=max_q_len,
-        cta_slots=cta_slots, config=config,
+        out=out.data_ptr(),
+        out_stride_t=out.stride(0),
+        out_stride_h=out.stride(1),
+        workspace=workspace.data_ptr() if workspace.numel() else None,
+        workspace_bytes=workspace.numel(),
+        counter=counter_ptr or None,
+        counter_mirror=counter_mirror_ptr or None,
+        sm_scale=sm_scale,
+        batch=qo_indptr.numel() - 1,
+        num_heads=q.shape[1],
+        max_q_len=max_q_len,
+        cta_slots=cta_slots,
+        config=config,
     )
     rc = lib.kdtree_verify_launch(ctypes.byref(a), torch.cuda.current_stream(q.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"kdtree_verify_launch failed ({rc}): {lib.kdtree_last_error().decode()}")
 
 
-def tree_verify(q, k_ext, v_ext, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-                sm_scale: float, max_q_len: int, out, workspace, counter: DeviceCounter | None = None) -> None:
+def tree_verify(
+    q,
+    k_ext,
+    v_ext,
+    k_buf,
+    v_buf,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    mask_indptr,
+    sm_scale: float,
+    max_q_len: int,
+    out,
+    workspace,
+    counter: DeviceCounter | None = None,
+) -> None:
     """MLA tree-verify attention into `out` ([T, H, 512] bf16, or a [T, H*512] buffer).
 
     Same function as SGLang 0.5.23's extend_attention_fwd for absorbed-MLA target-verify: every draft
@@ -216,24 +307,47 @@ def tree_verify(q, k_ext, v_ext, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices,
     draft tokens its mask row allows (custom_mask, FULL layout at mask_indptr[b]; None = causal chain).
     """
     if k_buf.dtype != torch.bfloat16:
-        raise Unsupported(f"k_buf: KV cache dtype {k_buf.dtype} is not supported (bf16 only; fp8 KV falls back)")
+        raise Unsupported(
+            f"k_buf: KV cache dtype {k_buf.dtype} is not supported (bf16 only; fp8 KV falls back)"
+        )
     _need(q.dtype == torch.bfloat16, "q", "bfloat16", q.dtype)
     _need(q.is_cuda, "q", "a CUDA tensor", q.device)
     dev = q.device
     if q.dim() == 2:
         _need(q.shape[1] % QK_DIM == 0, "q", f"[T, H*{QK_DIM}]", tuple(q.shape))
         q = q.view(q.shape[0], -1, QK_DIM)
-    _need(q.dim() == 3 and q.shape[2] == QK_DIM and q.stride(2) == 1, "q",
-          f"[T, H, {QK_DIM}] with a contiguous last dim", f"shape {tuple(q.shape)} stride {q.stride()}")
+    _need(
+        q.dim() == 3 and q.shape[2] == QK_DIM and q.stride(2) == 1,
+        "q",
+        f"[T, H, {QK_DIM}] with a contiguous last dim",
+        f"shape {tuple(q.shape)} stride {q.stride()}",
+    )
     T, H = q.shape[0], q.shape[1]
     _need(1 <= H <= MAX_HEADS, "q", f"1..{MAX_HEADS} heads", H)
-    _need(isinstance(max_q_len, int) and 1 <= max_q_len <= MAX_Q_LEN, "max_q_len", f"an int in 1..{MAX_Q_LEN}", max_q_len)
+    _need(
+        isinstance(max_q_len, int) and 1 <= max_q_len <= MAX_Q_LEN,
+        "max_q_len",
+        f"an int in 1..{MAX_Q_LEN}",
+        max_q_len,
+    )
     _aligned(q, "q", q.stride(0), q.stride(1))
-    for name, t in (("k_ext", k_ext), ("k_buf", k_buf), ("out", out), ("qo_indptr", qo_indptr),
-                    ("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("workspace", workspace)):
+    for name, t in (
+        ("k_ext", k_ext),
+        ("k_buf", k_buf),
+        ("out", out),
+        ("qo_indptr", qo_indptr),
+        ("kv_indptr", kv_indptr),
+        ("kv_indices", kv_indices),
+        ("workspace", workspace),
+    ):
         _need(t.device == dev, name, f"on {dev} like q", t.device)
     k_ext = _as_rows(k_ext, "k_ext", QK_DIM)
-    _need(k_ext.dtype == torch.bfloat16 and k_ext.shape[0] == T, "k_ext", f"bfloat16 with {T} rows", f"{k_ext.dtype} {tuple(k_ext.shape)}")
+    _need(
+        k_ext.dtype == torch.bfloat16 and k_ext.shape[0] == T,
+        "k_ext",
+        f"bfloat16 with {T} rows",
+        f"{k_ext.dtype} {tuple(k_ext.shape)}",
+    )
     _aligned(k_ext, "k_ext", k_ext.stride(0))
     k_rows = _as_rows(k_buf, "k_buf", QK_DIM)
     _aligned(k_rows, "k_buf", k_rows.stride(0))
@@ -242,40 +356,89 @@ def tree_verify(q, k_ext, v_ext, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices,
         raise Unsupported("v_buf must be the first 512 dims of k_buf (MLATokenToKVPool's layout)")
     if v_ext is not None:
         v_ext = _as_rows(v_ext, "v_ext", V_DIM)
-        _need(v_ext.device == dev and v_ext.dtype == torch.bfloat16 and v_ext.shape[0] == T, "v_ext",
-              f"bfloat16 [T={T}, 1, 512] on {dev}", f"{v_ext.dtype} {tuple(v_ext.shape)} {v_ext.device}")
+        _need(
+            v_ext.device == dev and v_ext.dtype == torch.bfloat16 and v_ext.shape[0] == T,
+            "v_ext",
+            f"bfloat16 [T={T}, 1, 512] on {dev}",
+            f"{v_ext.dtype} {tuple(v_ext.shape)} {v_ext.device}",
+        )
         _aligned(v_ext, "v_ext", v_ext.stride(0))
         if v_ext.data_ptr() == k_ext.data_ptr() and v_ext.stride(0) == k_ext.stride(0):
             v_ext = None  # values already are the keys' first 512 dims
     if out.dim() == 2:
         _need(out.shape == (T, H * V_DIM), "out", f"[{T}, {H * V_DIM}]", tuple(out.shape))
         out = out.view(T, H, V_DIM)
-    _need(out.dim() == 3 and tuple(out.shape) == (T, H, V_DIM) and out.stride(2) == 1 and out.dtype == torch.bfloat16,
-          "out", f"bfloat16 [{T}, {H}, {V_DIM}] with a contiguous last dim", f"{out.dtype} {tuple(out.shape)}")
+    _need(
+        out.dim() == 3
+        and tuple(out.shape) == (T, H, V_DIM)
+        and out.stride(2) == 1
+        and out.dtype == torch.bfloat16,
+        "out",
+        f"bfloat16 [{T}, {H}, {V_DIM}] with a contiguous last dim",
+        f"{out.dtype} {tuple(out.shape)}",
+    )
     _aligned(out, "out", out.stride(0), out.stride(1))
     _index_type(qo_indptr, "qo_indptr")
     _index_type(kv_indptr, "kv_indptr")
     _index_type(kv_indices, "kv_indices")
     batch = qo_indptr.numel() - 1
-    _need(batch >= 1 and kv_indptr.numel() == batch + 1, "kv_indptr", f"{batch + 1} entries like qo_indptr", kv_indptr.numel())
+    _need(
+        batch >= 1 and kv_indptr.numel() == batch + 1,
+        "kv_indptr",
+        f"{batch + 1} entries like qo_indptr",
+        kv_indptr.numel(),
+    )
     if custom_mask is not None:
-        _need(custom_mask.dtype in (torch.bool, torch.uint8) and custom_mask.dim() == 1 and custom_mask.stride(0) == 1,
-              "custom_mask", "a contiguous 1-D bool or uint8 tensor (SGLang's FULL layout) or None",
-              f"{custom_mask.dtype} shape {tuple(custom_mask.shape)}")
+        _need(
+            custom_mask.dtype in (torch.bool, torch.uint8)
+            and custom_mask.dim() == 1
+            and custom_mask.stride(0) == 1,
+            "custom_mask",
+            "a contiguous 1-D bool or uint8 tensor (SGLang's FULL layout) or None",
+            f"{custom_mask.dtype} shape {tuple(custom_mask.shape)}",
+        )
         _need(custom_mask.device == dev, "custom_mask", f"on {dev}", custom_mask.device)
         _need(mask_indptr is not None, "mask_indptr", "a tensor when custom_mask is given", None)
         _index_type(mask_indptr, "mask_indptr")
-        _need(mask_indptr.numel() >= batch + 1 and mask_indptr.device == dev, "mask_indptr",
-              f">= {batch + 1} entries on {dev}", f"{mask_indptr.numel()} on {mask_indptr.device}")
+        _need(
+            mask_indptr.numel() >= batch + 1 and mask_indptr.device == dev,
+            "mask_indptr",
+            f">= {batch + 1} entries on {dev}",
+            f"{mask_indptr.numel()} on {mask_indptr.device}",
+        )
         custom_mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     else:
         mask_indptr = None
-    _need(workspace.dtype == torch.uint8 and workspace.is_contiguous(), "workspace", "a contiguous uint8 tensor", workspace.dtype)
+    _need(
+        workspace.dtype == torch.uint8 and workspace.is_contiguous(),
+        "workspace",
+        "a contiguous uint8 tensor",
+        workspace.dtype,
+    )
     need = workspace_bytes(batch, H, max_q_len, dev)
-    _need(workspace.numel() >= need, "workspace", f">= {need} bytes (kdtree.kernel.workspace_bytes)", workspace.numel())
-    torch.ops.kdtree.tree_verify(q, k_ext, v_ext, k_rows, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-                                 float(sm_scale), max_q_len, out, workspace,
-                                 counter.device_ptr if counter else 0, counter.mirror_ptr if counter else 0)
+    _need(
+        workspace.numel() >= need,
+        "workspace",
+        f">= {need} bytes (kdtree.kernel.workspace_bytes)",
+        workspace.numel(),
+    )
+    torch.ops.kdtree.tree_verify(
+        q,
+        k_ext,
+        v_ext,
+        k_rows,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        mask_indptr,
+        float(sm_scale),
+        max_q_len,
+        out,
+        workspace,
+        counter.device_ptr if counter else 0,
+        counter.mirror_ptr if counter else 0,
+    )
 
 
 class _Mirrored:
@@ -303,9 +466,18 @@ class DeviceCounter(_Mirrored):
 
 
 @torch.library.custom_op("kdtree::parity_update", mutates_args=())
-def _parity_update_op(ours: torch.Tensor, ref: torch.Tensor, stats_ptr: int, mirror_ptr: int, rtol: float) -> None:
-    rc = library().kdtree_parity_update(ours.data_ptr(), ref.data_ptr(), ours.numel(), stats_ptr, mirror_ptr, rtol,
-                                       torch.cuda.current_stream(ours.device).cuda_stream)
+def _parity_update_op(
+    ours: torch.Tensor, ref: torch.Tensor, stats_ptr: int, mirror_ptr: int, rtol: float
+) -> None:
+    rc = library().kdtree_parity_update(
+        ours.data_ptr(),
+        ref.data_ptr(),
+        ours.numel(),
+        stats_ptr,
+        mirror_ptr,
+        rtol,
+        torch.cuda.current_stream(ours.device).cuda_stream,
+    )
     if rc != 0:
         raise RuntimeError(f"kdtree_parity_update failed ({rc})")
 
@@ -318,12 +490,24 @@ class ParityStats(_Mirrored):
         self.rtol = float(rtol)
 
     def update(self, ours: torch.Tensor, ref: torch.Tensor) -> None:
-        _need(ours.shape == ref.shape and ours.dtype == ref.dtype == torch.bfloat16 and ours.is_contiguous()
-              and ref.is_contiguous(), "ours/ref", "two contiguous bf16 tensors of one shape",
-              f"{ours.dtype}{tuple(ours.shape)} / {ref.dtype}{tuple(ref.shape)}")
+        _need(
+            ours.shape == ref.shape
+            and ours.dtype == ref.dtype == torch.bfloat16
+            and ours.is_contiguous()
+            and ref.is_contiguous(),
+            "ours/ref",
+            "two contiguous bf16 tensors of one shape",
+            f"{ours.dtype}{tuple(ours.shape)} / {ref.dtype}{tuple(ref.shape)}",
+        )
         torch.ops.kdtree.parity_update(ours, ref, self.device_ptr, self.mirror_ptr, self.rtol)
 
     def snapshot(self) -> dict:
         t = ParityTotals.from_address(self.host.data_ptr())
-        return {"calls_compared": t.calls_compared, "max_abs_err": t.max_abs_err, "max_rel_l2": t.max_rel_l2,
-                "calls_over_tol": t.calls_over_tol, "nan_inf": t.nan_inf, "rtol": self.rtol}
+        return {
+            "calls_compared": t.calls_compared,
+            "max_abs_err": t.max_abs_err,
+            "max_rel_l2": t.max_rel_l2,
+            "calls_over_tol": t.calls_over_tol,
+            "nan_inf": t.nan_inf,
+            "rtol": self.rtol,
+        }

@@ -93,9 +93,22 @@ def make_batch(
         rows.append(full.flatten())
         mask_ptr.append(mask_ptr[-1] + n * (P + n))
     mask = torch.cat(rows).to(mask_dtype).to(device) if tree else None
-    return VerifyBatch(q, k_ext, v_ext, k_buf, k_buf[..., :V_DIM], qo, kv, slots, mask,
-                       torch.tensor(mask_ptr, dtype=torch.int64, device=device), prefix_lens, q_lens, parents,
-                       sm_scale=float(torch.empty(1).uniform_(0.05, 0.15, generator=gen)))
+    return VerifyBatch(
+        q,
+        k_ext,
+        v_ext,
+        k_buf,
+        k_buf[..., :V_DIM],
+        qo,
+        kv,
+        slots,
+        mask,
+        torch.tensor(mask_ptr, dtype=torch.int64, device=device),
+        prefix_lens,
+        q_lens,
+        parents,
+        sm_scale=float(torch.empty(1).uniform_(0.05, 0.15, generator=gen)),
+    )
 
 
 def reference(b: VerifyBatch) -> torch.Tensor:

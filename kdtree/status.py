@@ -96,7 +96,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def read_records(state_dir: str | os.PathLike, max_age_s: float = 30.0, now: float | None = None) -> list[RankView]:
+def read_records(
+    state_dir: str | os.PathLike, max_age_s: float = 30.0, now: float | None = None
+) -> list[RankView]:
     """Every rank record in state_dir, sorted by rank, each marked stale when its writer is gone.
 
     Stale means: the heartbeat is older than max_age_s, or the writer shares our pid namespace and
@@ -110,9 +112,16 @@ def read_records(state_dir: str | os.PathLike, max_age_s: float = 30.0, now: flo
             rec = RankRecord.model_validate(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             rank = path.stem.removeprefix("rank-")
-            rec = RankRecord(pid=0, mode="unknown", tp_rank=int(rank) if rank.isdigit() else -1, heartbeat=0,
-                             last_error=f"unreadable record: {e}")
-            views.append(RankView(record=rec, path=str(path), stale=True, stale_reason="unreadable", age_s=now))
+            rec = RankRecord(
+                pid=0,
+                mode="unknown",
+                tp_rank=int(rank) if rank.isdigit() else -1,
+                heartbeat=0,
+                last_error=f"unreadable record: {e}",
+            )
+            views.append(
+                RankView(record=rec, path=str(path), stale=True, stale_reason="unreadable", age_s=now)
+            )
             continue
         age = now - rec.heartbeat
         reason = None
@@ -120,11 +129,19 @@ def read_records(state_dir: str | os.PathLike, max_age_s: float = 30.0, now: flo
             reason = f"heartbeat {age:.0f}s old (limit {max_age_s:.0f}s)"
         elif rec.pid_ns and rec.pid_ns == my_ns and not _pid_alive(rec.pid):
             reason = f"pid {rec.pid} is gone"
-        views.append(RankView(record=rec, path=str(path), stale=reason is not None, stale_reason=reason, age_s=age))
+        views.append(
+            RankView(record=rec, path=str(path), stale=reason is not None, stale_reason=reason, age_s=age)
+        )
     views.sort(key=lambda v: v.record.tp_rank)
     return views
 
 
 def new_record(mode: str, tp_rank: int = 0, tp_size: int = 1) -> RankRecord:
-    return RankRecord(pid=os.getpid(), pid_ns=own_pid_ns(), hostname=socket.gethostname(), mode=mode,
-                      tp_rank=tp_rank, tp_size=tp_size)
+    return RankRecord(
+        pid=os.getpid(),
+        pid_ns=own_pid_ns(),
+        hostname=socket.gethostname(),
+        mode=mode,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )

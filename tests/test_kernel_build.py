@@ -19,15 +19,20 @@ SRC = ROOT / "kernel_build"
 SM120_SMEM_LIMIT = 101376  # 99 KB: sm_120's per-block opt-in maximum
 SM90_SMEM_LIMIT = 232448  # 227 KB
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None,
-                                reason="needs nvcc and cmake to build kernel_build/")
+pytestmark = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("cmake") is None,
+    reason="needs nvcc and cmake to build kernel_build/",
+)
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernel")
-    cfg = subprocess.run(["cmake", "-S", SRC, "-B", out, "-DCMAKE_CUDA_ARCHITECTURES=90-real;120"],
-                         capture_output=True, text=True)
+    cfg = subprocess.run(
+        ["cmake", "-S", SRC, "-B", out, "-DCMAKE_CUDA_ARCHITECTURES=90-real;120"],
+        capture_output=True,
+        text=True,
+    )
     assert cfg.returncode == 0, cfg.stdout + cfg.stderr
     b = subprocess.run(["cmake", "--build", out, "-j2"], capture_output=True, text=True)
     assert b.returncode == 0, b.stdout + b.stderr

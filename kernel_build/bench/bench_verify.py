@@ -48,12 +48,32 @@ def time_ours(batches) -> float:
     for b in batches:
         T, H = b.q.shape[:2]
         outs.append(torch.empty(T, H * 512, dtype=torch.bfloat16, device="cuda"))
-        wss.append(torch.empty(kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda"))
+        wss.append(
+            torch.empty(
+                kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"),
+                dtype=torch.uint8,
+                device="cuda",
+            )
+        )
 
     def run():
         for b, o, w in zip(batches, outs, wss, strict=True):
-            kernel.tree_verify(b.q, b.k_ext, b.v_ext, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices,
-                               b.custom_mask, b.mask_indptr, b.sm_scale, b.max_q_len, o, w)
+            kernel.tree_verify(
+                b.q,
+                b.k_ext,
+                b.v_ext,
+                b.k_buf,
+                b.v_buf,
+                b.qo_indptr,
+                b.kv_indptr,
+                b.kv_indices,
+                b.custom_mask,
+                b.mask_indptr,
+                b.sm_scale,
+                b.max_q_len,
+                o,
+                w,
+            )
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -83,9 +103,24 @@ def time_triton(b) -> float:
 
     T, H = b.q.shape[:2]
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-    fn = lambda: extend_attention_fwd(b.q, b.k_ext, b.v_ext, o, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr,  # noqa: E731
-                                      b.kv_indices, b.custom_mask, True, b.mask_indptr, b.max_q_len, 1.0, 1.0,
-                                      sm_scale=b.sm_scale)
+    fn = lambda: extend_attention_fwd(
+        b.q,
+        b.k_ext,
+        b.v_ext,
+        o,
+        b.k_buf,
+        b.v_buf,
+        b.qo_indptr,
+        b.kv_indptr,  # noqa: E731
+        b.kv_indices,
+        b.custom_mask,
+        True,
+        b.mask_indptr,
+        b.max_q_len,
+        1.0,
+        1.0,
+        sm_scale=b.sm_scale,
+    )
     return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median") * 1e3
 
 
@@ -99,8 +134,9 @@ def time_torch(b) -> float:
     def fn():
         k = torch.cat([b.k_buf[idx, 0], b.k_ext[:, 0].view(B, N, 576)], 1).unsqueeze(1)
         q = b.q.view(B, N, H, 576).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, k[..., :512], attn_mask=mask, scale=b.sm_scale,
-                                                             enable_gqa=True)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, k[..., :512], attn_mask=mask, scale=b.sm_scale, enable_gqa=True
+        )
         return o.transpose(1, 2)
 
     try:
@@ -115,7 +151,9 @@ def main() -> None:
     ap.add_argument("--mma-tflops", type=float, required=True, help="measured mma.sync bf16 rate (mma_peak)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
-    ap.add_argument("--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)")
+    ap.add_argument(
+        "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
+    )
     args = ap.parse_args()
     if args.config:
         os.environ["KDTREE_KERNEL_CONFIG"] = args.config
@@ -124,7 +162,9 @@ def main() -> None:
     cublas = cublas_tflops()
     props = torch.cuda.get_device_properties(0)
     rows = []
-    shapes = [(bs, h, n, p) for bs in (1, 8, 32) for h in (8, 16) for n in (16, 64) for p in (4096, 32768, 131072)]
+    shapes = [
+        (bs, h, n, p) for bs in (1, 8, 32) for h in (8, 16) for n in (16, 64) for p in (4096, 32768, 131072)
+    ]
     if args.quick:
         shapes = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768)]
     for bs, h, n, p in shapes:
@@ -138,16 +178,34 @@ def main() -> None:
         io_bytes = kv_bytes + b.q.numel() * 2 + bs * n * h * 512 * 2
         flops = 2 * h * n * (576 + 512) * (p + n) * bs
         roof = max(io_bytes / bw, flops / (args.mma_tflops * 1e12)) * 1e6
-        rows.append(dict(batch=bs, heads=h, draft=n, prefix=p, ours_us=ours, triton_us=tri, torch_us=tch,
-                         speedup=tri / ours, gbps=kv_bytes / (ours * 1e-6) / 1e9, tflops=flops / (ours * 1e-6) / 1e12,
-                         roofline_us=roof, pct_roofline=100 * roof / ours))
+        rows.append(
+            dict(
+                batch=bs,
+                heads=h,
+                draft=n,
+                prefix=p,
+                ours_us=ours,
+                triton_us=tri,
+                torch_us=tch,
+                speedup=tri / ours,
+                gbps=kv_bytes / (ours * 1e-6) / 1e9,
+                tflops=flops / (ours * 1e-6) / 1e12,
+                roofline_us=roof,
+                pct_roofline=100 * roof / ours,
+            )
+        )
         r = rows[-1]
-        print(f"b{bs} h{h} n{n} p{p}: ours {ours:.1f} us, triton {tri:.0f} us, torch {tch:.0f} us, "
-              f"x{r['speedup']:.0f}, {r['pct_roofline']:.0f}% of roofline", flush=True)
+        print(
+            f"b{bs} h{h} n{n} p{p}: ours {ours:.1f} us, triton {tri:.0f} us, torch {tch:.0f} us, "
+            f"x{r['speedup']:.0f}, {r['pct_roofline']:.0f}% of roofline",
+            flush=True,
+        )
         del batches, b
         torch.cuda.empty_cache()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     head = [
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit or 'unknown'}",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s; mma.sync bf16 {args.mma_tflops:.0f} TFLOP/s "
@@ -169,7 +227,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(text + "\n")
         with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
-            json.dump(dict(copy_bw=bw, mma_tflops=args.mma_tflops, cublas_tflops=cublas, rows=rows), f, indent=1)
+            json.dump(
+                dict(copy_bw=bw, mma_tflops=args.mma_tflops, cublas_tflops=cublas, rows=rows), f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -36,10 +36,26 @@ def run_ours(b, out=None, v_ext="separate"):
     T, H = b.q.shape[:2]
     if out is None:
         out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
-    ws = torch.empty(kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda")
+    ws = torch.empty(
+        kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda"
+    )
     ve = b.v_ext if v_ext == "separate" else (b.k_ext[..., :512] if v_ext == "view" else None)
-    kernel.tree_verify(b.q, b.k_ext, ve, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices, b.custom_mask,
-                       b.mask_indptr, b.sm_scale, b.max_q_len, out, ws)
+    kernel.tree_verify(
+        b.q,
+        b.k_ext,
+        ve,
+        b.k_buf,
+        b.v_buf,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        b.custom_mask,
+        b.mask_indptr,
+        b.sm_scale,
+        b.max_q_len,
+        out,
+        ws,
+    )
     return out.view(T, H, 512)
 
 
@@ -47,8 +63,24 @@ def run_triton(b):
     ext = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
     T, H = b.q.shape[:2]
     o = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ext.extend_attention_fwd(b.q, b.k_ext, b.v_ext, o, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices,
-                             b.custom_mask, True, b.mask_indptr, b.max_q_len, 1.0, 1.0, sm_scale=b.sm_scale)
+    ext.extend_attention_fwd(
+        b.q,
+        b.k_ext,
+        b.v_ext,
+        o,
+        b.k_buf,
+        b.v_buf,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        b.custom_mask,
+        True,
+        b.mask_indptr,
+        b.max_q_len,
+        1.0,
+        1.0,
+        sm_scale=b.sm_scale,
+    )
     return o
 
 
@@ -88,8 +120,16 @@ def test_matches_fp64_and_triton(case, config):
 @pytest.mark.parametrize("indptr_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("indices_dtype", [torch.int32, torch.int64])
 def test_index_and_mask_dtypes(mask_dtype, indptr_dtype, indices_dtype):
-    b = make_batch(3, 8, 16, [100, 2000, 5000], mask_dtype=mask_dtype, indptr_dtype=indptr_dtype,
-                   indices_dtype=indices_dtype, seed=7)
+    b = make_batch(
+        3,
+        8,
+        16,
+        [100, 2000, 5000],
+        mask_dtype=mask_dtype,
+        indptr_dtype=indptr_dtype,
+        indices_dtype=indices_dtype,
+        seed=7,
+    )
     assert rel_l2(run_ours(b), reference(b)) < 1e-2
 
 
@@ -118,8 +158,23 @@ def test_cuda_graph_replay_equals_eager():
     out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     ws = torch.empty(kernel.workspace_bytes(4, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
     counter = kernel.DeviceCounter("cuda")
-    args = (b.q, b.k_ext, b.v_ext, b.k_buf, b.v_buf, b.qo_indptr, b.kv_indptr, b.kv_indices, b.custom_mask,
-            b.mask_indptr, b.sm_scale, 16, out, ws, counter)
+    args = (
+        b.q,
+        b.k_ext,
+        b.v_ext,
+        b.k_buf,
+        b.v_buf,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        b.custom_mask,
+        b.mask_indptr,
+        b.sm_scale,
+        16,
+        out,
+        ws,
+        counter,
+    )
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -167,9 +222,22 @@ def test_bad_arguments_name_the_argument():
     b = make_batch(1, 8, 16, 100, seed=41)
     out = torch.empty(16, 8, 512, dtype=torch.bfloat16, device="cuda")
     ws = torch.empty(kernel.workspace_bytes(1, 8, 16, "cuda"), dtype=torch.uint8, device="cuda")
-    base = dict(q=b.q, k_ext=b.k_ext, v_ext=b.v_ext, k_buf=b.k_buf, v_buf=b.v_buf, qo_indptr=b.qo_indptr,
-                kv_indptr=b.kv_indptr, kv_indices=b.kv_indices, custom_mask=b.custom_mask, mask_indptr=b.mask_indptr,
-                sm_scale=b.sm_scale, max_q_len=16, out=out, workspace=ws)
+    base = dict(
+        q=b.q,
+        k_ext=b.k_ext,
+        v_ext=b.v_ext,
+        k_buf=b.k_buf,
+        v_buf=b.v_buf,
+        qo_indptr=b.qo_indptr,
+        kv_indptr=b.kv_indptr,
+        kv_indices=b.kv_indices,
+        custom_mask=b.custom_mask,
+        mask_indptr=b.mask_indptr,
+        sm_scale=b.sm_scale,
+        max_q_len=16,
+        out=out,
+        workspace=ws,
+    )
     bad = {
         "q": b.q.float(),
         "k_ext": b.k_ext[:, :, :512],
