@@ -27,7 +27,6 @@ class VerifySettings(BaseSettings):
     )
     state_dir: str = "/var/run/kdtree"
     heartbeat_s: float = Field(5.0, gt=0, description="how often each rank rewrites its status record")
-    kernel_lib: str | None = None
 
 
 def load_settings() -> VerifySettings:

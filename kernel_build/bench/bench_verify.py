@@ -103,24 +103,27 @@ def time_triton(b) -> float:
 
     T, H = b.q.shape[:2]
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-    fn = lambda: extend_attention_fwd(
-        b.q,
-        b.k_ext,
-        b.v_ext,
-        o,
-        b.k_buf,
-        b.v_buf,
-        b.qo_indptr,
-        b.kv_indptr,  # noqa: E731
-        b.kv_indices,
-        b.custom_mask,
-        True,
-        b.mask_indptr,
-        b.max_q_len,
-        1.0,
-        1.0,
-        sm_scale=b.sm_scale,
-    )
+
+    def fn():
+        return extend_attention_fwd(
+            b.q,
+            b.k_ext,
+            b.v_ext,
+            o,
+            b.k_buf,
+            b.v_buf,
+            b.qo_indptr,
+            b.kv_indptr,
+            b.kv_indices,
+            b.custom_mask,
+            True,
+            b.mask_indptr,
+            b.max_q_len,
+            1.0,
+            1.0,
+            sm_scale=b.sm_scale,
+        )
+
     return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median") * 1e3
 
 

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Docker side of CI: a running engine, a locally built base image, and the kdtree images.
+#
+#   .ci/docker.sh tools    install docker.io, docker-compose (v1) and debootstrap from Debian when missing
+#   .ci/docker.sh engine   start dockerd when no engine answers
+#   .ci/docker.sh base     build the bookworm base image once (debootstrap + docker import); reused when present
+#   .ci/docker.sh build    build the kernel, server and sidecar targets on that base
+#   .ci/docker.sh all      all of the above, in order (default)
+#
+# No registry is reachable from CI, so the base is made from Debian packages; the public default
+# (python:3.12-slim-bookworm) is what users get without --build-arg BASE_IMAGE.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BASE_IMAGE=${KDTREE_BASE_IMAGE:-kdtree-test-base:bookworm}
+IMAGE_TAG=${KDTREE_IMAGE_TAG:-ci}
+CA_BUNDLE=${KDTREE_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
+CUDA_ARCHS=${KDTREE_CUDA_ARCHS:-90;100;120}
+LOG_DIR=${KDTREE_CI_LOG_DIR:-build/ci-logs}
+
+log() { printf '[docker.sh] %s\n' "$*" >&2; }
+
+tools() {
+  local missing=()
+  command -v dockerd >/dev/null || missing+=(docker.io)
+  command -v docker-compose >/dev/null || missing+=(docker-compose)
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+engine() {
+  if docker info >/dev/null 2>&1; then return; fi
+  log "starting dockerd (log: /tmp/dockerd.log)"
+  # Its own session, so it outlives the shell that started it.
+  setsid nohup dockerd >/tmp/dockerd.log 2>&1 </dev/null &
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && return; sleep 1; done
+  log "dockerd did not answer within 60 s; see /tmp/dockerd.log"; exit 1
+}
+
+base() {
+  # Reuse a present base only when it has what the Dockerfile needs (venv, pip, the CA bundle).
+  if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 &&
+    docker run --rm "$BASE_IMAGE" sh -c 'python3 -m venv --help && python3 -m pip --version &&
+      test -s /etc/ssl/certs/ca-certificates.crt && command -v update-ca-certificates useradd' >/dev/null 2>&1; then
+    log "base $BASE_IMAGE present"; return
+  fi
+  local root
+  root=$(mktemp -d /tmp/kdtree-base.XXXXXX)
+  log "debootstrap bookworm into $root"
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,passwd \
+    bookworm "$root" http://deb.debian.org/debian >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; exit 1; }
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  tar -C "$root" -c . | docker import --change 'CMD ["/bin/bash"]' - "$BASE_IMAGE" >/dev/null
+  rm -rf "$root" "$root.log"
+  log "base $BASE_IMAGE built"
+}
+
+build() {
+  # The host's CA bundle goes into the build context's extra-CA folder: containers reach PyPI only
+  # through certificates the host trusts (see Dockerfile, "Extra CA certificates").
+  mkdir -p build/ca-certificates "$LOG_DIR"
+  if [ -f "$CA_BUNDLE" ]; then cp "$CA_BUNDLE" build/ca-certificates/host-bundle.crt; fi
+  local target start
+  for target in kernel sidecar server; do
+    start=$(date +%s)
+    log "building kdtree-$target:$IMAGE_TAG (log: $LOG_DIR/build-$target.log)"
+    if ! docker build --target "$target" -t "kdtree-$target:$IMAGE_TAG" \
+        --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg KDTREE_CUDA_ARCHS="$CUDA_ARCHS" \
+        . >"$LOG_DIR/build-$target.log" 2>&1; then
+      tail -40 "$LOG_DIR/build-$target.log" >&2; exit 1
+    fi
+    log "kdtree-$target:$IMAGE_TAG built in $(( $(date +%s) - start )) s," \
+      "$(docker image inspect -f '{{.Size}}' "kdtree-$target:$IMAGE_TAG" | numfmt --to=iec)"
+  done
+  # Untagged leftovers of replaced kdtree builds only (the Dockerfile labels every layer).
+  docker image prune -f --filter label=org.opencontainers.image.title=kdtree >/dev/null
+}
+
+case "${1:-all}" in
+  tools) tools ;;
+  engine) tools; engine ;;
+  base) tools; engine; base ;;
+  build) tools; engine; build ;;
+  all) tools; engine; base; build ;;
+  *) echo "usage: $0 [tools|engine|base|build|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,308 @@
+"""Server container entry: check the configuration, print it once, then exec SGLang's launcher.
+
+    python -m entrypoint.launch <sglang.launch_server arguments...>
+
+Each check fails fast with one line naming the problem and the fix (exit code 2), so a misconfigured
+pod dies in seconds with a reason instead of minutes later inside SGLang. On success the process is
+replaced by `python -m sglang.launch_server` (exec): SGLang's stdout, stderr and exit code are the
+container's own.
+
+The desired mode comes from the sidecar's file KDTREE_STATE_DIR/mode when present, else from
+KDTREE_VERIFY; it is exported to SGLang as KDTREE_VERIFY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kdtree.config import ConfigError, Mode, load_settings
+from kdtree.control import mode_path, read_desired_mode
+
+EXIT_CONFIG = 2
+# kdtree overrides the verify call of SGLang's Triton attention backend; no other backend reaches it.
+VERIFY_BACKEND = "triton"
+# Speculative algorithms that always draft with a separate model (SGLang 0.5.23). EAGLE and NEXTN may instead
+# use the target's own MTP layers (SGLang then points the draft path at the model); NGRAM drafts from the
+# token history and needs no model.
+NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH"})
+MTP_CAPABLE = frozenset({"EAGLE", "NEXTN"})
+
+
+class LauncherSettings(BaseSettings):
+    """The launcher's own knobs (KDTREE_VERIFY and KDTREE_STATE_DIR are kdtree.config's)."""
+
+    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
+
+    allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
+
+
+class LaunchError(Exception):
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}; fix: {fix}")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    capability: tuple[int, int]
+
+    @property
+    def sm(self) -> int:
+        return self.capability[0] * 10 + self.capability[1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: Mode
+    mode_source: str
+    argv: list[str]
+    summary: str
+
+
+def visible_gpus() -> list[Gpu]:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES applies), from torch."""
+    import torch  # the server image's torch; imported only here so CPU tests stay light
+
+    count = torch.cuda.device_count()
+    return [Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(count)]
+
+
+def compiled_archs() -> list[int]:
+    """SM versions with code in the kernel library, e.g. [90, 100, 120]; [] when there is no library."""
+    try:
+        from kdtree.kernel import compiled_archs as library_archs
+    except ImportError:  # no torch here: read the library's ELF sections instead
+        return _cuobjdump_archs()
+    return [int(a.removeprefix("sm_")) for a in library_archs()]
+
+
+def _cuobjdump_archs() -> list[int]:
+    lib = os.environ.get("KDTREE_KERNEL_LIB") or str(
+        Path(__file__).resolve().parent.parent / "kdtree" / "lib" / "libkdtree_verify.so"
+    )
+    if not Path(lib).is_file() or shutil.which("cuobjdump") is None:
+        return []
+    out = subprocess.run(["cuobjdump", "--list-elf", lib], capture_output=True, text=True, check=False).stdout
+    return sorted({int(m) for m in re.findall(r"\.sm_(\d+)a?\.cubin", out)})
+
+
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line of ours instead of argparse's usage text and exit
+        raise LaunchError(f"unreadable sglang.launch_server arguments: {message}", "fix the server command")
+
+
+def _server_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The few launch_server arguments the checks read; SGLang parses (and rejects) the full set."""
+    p = _ArgParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--model-path", "--model")
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pp-size", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--attention-backend")
+    p.add_argument("--prefill-attention-backend")
+    p.add_argument("--decode-attention-backend")
+    p.add_argument("--speculative-algorithm")
+    p.add_argument("--speculative-draft-model-path", "--speculative-draft-model")
+    args, _ = p.parse_known_args(list(argv))
+    return args
+
+
+def _local_path(flag: str, path: str | None) -> Path | None:
+    """The path when it names a local file or directory (checked), None for a Hugging Face repo id."""
+    if path is None:
+        raise LaunchError(
+            f"{flag} is missing", f"pass {flag} /models/<name> (the model directory is mounted at /models)"
+        )
+    looks_local = path.startswith(("/", ".", "~")) or Path(path).exists()
+    if not looks_local:
+        return None  # SGLang downloads it
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise LaunchError(
+            f"{flag} {path} does not exist in the container",
+            "check KDTREE_MODEL_DIR (mounted read-only at /models) and the model name after /models/",
+        )
+    if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
+        raise LaunchError(
+            f"{flag} {path} is not readable by uid {os.getuid()}",
+            "make the model files world-readable (chmod -R a+rX) or run the server with a user that can read them",
+        )
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise LaunchError(
+            f"{flag} {path} has no config.json",
+            "point it at the folder that holds the Hugging Face checkpoint (config.json and the weights)",
+        )
+    return p
+
+
+def _mtp_layers(model: Path | None) -> int | None:
+    """num_nextn_predict_layers of a local checkpoint (its bundled MTP draft layers); None when unknown."""
+    if model is None or not model.is_dir():
+        return None
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise LaunchError(
+            f"{model}/config.json is unreadable ({e})", "replace it with the checkpoint's config.json"
+        ) from None
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+def _resolve_mode() -> tuple[Mode, str]:
+    settings = load_settings()  # validates KDTREE_VERIFY and every other KDTREE_* runtime value
+    file_mode = read_desired_mode(settings.state_dir)
+    if file_mode is not None:
+        return file_mode, f"{mode_path(settings.state_dir)} (written by the sidecar)"
+    return settings.verify, "KDTREE_VERIFY"
+
+
+def _launcher_settings() -> LauncherSettings:
+    try:
+        return LauncherSettings()
+    except ValidationError as e:
+        err = e.errors()[0]
+        var = "KDTREE_" + str(err["loc"][0]).upper()
+        raise ConfigError(
+            f"{var}={err.get('input')!r} is invalid ({err['msg']}); fix: set it to 1 or 0"
+        ) from None
+
+
+def plan(
+    argv: Sequence[str],
+    *,
+    gpus: Callable[[], list[Gpu]] = visible_gpus,
+    archs: Callable[[], list[int]] = compiled_archs,
+) -> Plan:
+    """Check everything; raise LaunchError (or ConfigError) naming the first problem and its fix."""
+    launcher = _launcher_settings()
+    mode, mode_source = _resolve_mode()
+    args = _server_args(argv)
+
+    model = _local_path("--model-path", args.model_path)
+
+    backends = {
+        flag: value
+        for flag, value in (
+            ("--attention-backend", args.attention_backend),
+            ("--prefill-attention-backend", args.prefill_attention_backend),
+            ("--decode-attention-backend", args.decode_attention_backend),
+        )
+        if value is not None
+    }
+    if args.attention_backend is None and not launcher.allow_other_backend:
+        raise LaunchError(
+            "--attention-backend is not set (SGLang would pick one per GPU, e.g. trtllm_mla on B200)",
+            f"pass --attention-backend {VERIFY_BACKEND}, or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree",
+        )
+    other = {flag: v for flag, v in backends.items() if v != VERIFY_BACKEND}
+    if other and not launcher.allow_other_backend:
+        flag, value = next(iter(other.items()))
+        raise LaunchError(
+            f"{flag} {value}: kdtree verifies only inside the {VERIFY_BACKEND} backend",
+            f"use {flag} {VERIFY_BACKEND}, or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree",
+        )
+
+    algorithm = (args.speculative_algorithm or "").upper()
+    if not algorithm:
+        raise LaunchError(
+            "--speculative-algorithm is not set: there are no draft trees to verify",
+            "pass e.g. --speculative-algorithm EAGLE --speculative-draft-model-path /models/<draft>, "
+            "NEXTN (the model's own MTP layers) or NGRAM (no draft model)",
+        )
+    draft = args.speculative_draft_model_path
+    if draft is not None:
+        _local_path("--speculative-draft-model-path", draft)
+    elif algorithm in NEEDS_DRAFT_MODEL:
+        raise LaunchError(
+            f"--speculative-algorithm {algorithm} needs a draft model and --speculative-draft-model-path is missing",
+            "pass --speculative-draft-model-path /models/<draft>, or use NGRAM, which needs none",
+        )
+    elif algorithm in MTP_CAPABLE and _mtp_layers(model) == 0:
+        raise LaunchError(
+            f"--speculative-algorithm {algorithm} without a draft model drafts with the model's MTP layers, "
+            f"and {args.model_path} has none (config.json num_nextn_predict_layers)",
+            "pass --speculative-draft-model-path /models/<draft>, or use --speculative-algorithm NGRAM",
+        )
+
+    if min(args.tp_size, args.pp_size, args.nnodes) < 1:
+        raise LaunchError(
+            "--tp-size, --pp-size and --nnodes must be >= 1", "fix the value in the server command"
+        )
+    per_node = args.tp_size * args.pp_size // args.nnodes
+    found = gpus()
+    if not found:
+        raise LaunchError(
+            "no CUDA GPU is visible in the container",
+            "run with the NVIDIA container runtime and a GPU reservation "
+            "(compose: deploy.resources.reservations.devices, docker run --gpus)",
+        )
+    if per_node > len(found):
+        raise LaunchError(
+            f"--tp-size {args.tp_size} needs {per_node} GPUs on this node, {len(found)} visible",
+            "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count) "
+            "or lower --tp-size (KDTREE_TP_SIZE) to match",
+        )
+
+    have = archs()
+    if mode is not Mode.OFF:
+        if not have:
+            raise LaunchError(
+                f"KDTREE_VERIFY={mode.value} but the kdtree kernel library is missing",
+                "use the server image (it builds the library), set KDTREE_KERNEL_LIB, or set KDTREE_VERIFY=off",
+            )
+        for gpu in found[:per_node]:
+            # SASS runs on the same major architecture at an equal or newer minor version.
+            if not any(a // 10 == gpu.sm // 10 and a <= gpu.sm for a in have):
+                listed = ", ".join(f"sm_{a}" for a in have)
+                raise LaunchError(
+                    f"GPU {gpu.index} ({gpu.name}) is sm_{gpu.sm}; the kdtree library has code for {listed} only",
+                    f'rebuild the image with --build-arg KDTREE_CUDA_ARCHS="{";".join(map(str, sorted({*have, gpu.sm})))}", '
+                    "or set KDTREE_VERIFY=off",
+                )
+
+    gpu_text = ", ".join(sorted({f"{g.name} sm_{g.sm}" for g in found[:per_node]})) or "none"
+    summary = (
+        f"kdtree launcher: mode={mode.value} (from {mode_source}); model={args.model_path}; "
+        f"tp={args.tp_size} pp={args.pp_size} nnodes={args.nnodes}; gpus={len(found)} visible [{gpu_text}]; "
+        f"kernel archs={','.join(f'sm_{a}' for a in have) or 'none'}; "
+        f"attention={'/'.join(f'{k}={v}' for k, v in backends.items()) or 'SGLang default'}; "
+        f"speculative={algorithm}"
+        + (f" draft={args.speculative_draft_model_path}" if args.speculative_draft_model_path else "")
+    )
+    return Plan(mode, mode_source, [sys.executable, "-m", "sglang.launch_server", *argv], summary)
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    environ: Mapping[str, str] = os.environ,
+    execve: Callable[[str, list[str], dict[str, str]], None] = os.execve,
+    **probes,
+) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        p = plan(argv, **probes)
+    except (LaunchError, ConfigError) as e:
+        print(f"kdtree launcher: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(p.summary, file=sys.stderr, flush=True)
+    env = {**environ, "KDTREE_VERIFY": p.mode.value}
+    execve(p.argv[0], p.argv, env)  # replaces this process; returns only when execve is a test double
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

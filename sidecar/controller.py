@@ -1,0 +1,473 @@
+"""The sidecar's state machine: what phase the server is in, and the gated, self-reverting mode flip.
+
+A flip runs as one background task, one at a time:
+  write KDTREE_STATE_DIR/mode -> restart the server container -> wait for readiness in the new mode
+  -> bake (N consecutive good probes, every rank in the new mode, no new errors) -> done.
+Any failure rolls back the same way to the previous mode. Each step is persisted before it is taken,
+so a sidecar that stops mid-way resolves the transition on its next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
+
+from kdtree.config import Mode
+from kdtree.control import read_desired_mode, write_desired_mode
+
+from .docker_control import ContainerMissing, ContainerState, DockerError, ServerControl
+from .evidence import LogMarker, crash_excerpt, latest_marker
+from .gate import Criterion, RankCheck, check_ranks, gate_to_on
+from .metrics import Metrics
+from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
+from .settings import SidecarSettings
+from .store import SidecarState, Store, Transition
+
+log = logging.getLogger("kdtree.sidecar")
+
+
+class ContainerView(BaseModel):
+    state: ContainerState | None = None
+    error: str | None = None
+    missing: bool = False  # Docker answered: there is no such container
+
+
+class Assessment(BaseModel):
+    phase: str  # what /status reports (a running transition overrides the server's own phase)
+    server_phase: str  # what the server itself looks like
+    ready: bool
+    reasons: list[str]
+    mode: Mode  # the mode the server is expected to run in right now
+    probe: ProbeResult | None
+    container: ContainerView
+    ranks: RankCheck
+
+
+class ModeRequest(BaseModel):
+    mode: Mode
+    dry_run: bool = False
+    force: bool = False
+    reason: str = ""
+
+
+class StepFailed(Exception):
+    pass
+
+
+class Controller:
+    def __init__(self, settings: SidecarSettings, server: ServerControl | None, metrics: Metrics):
+        self.settings = settings
+        self.server = server
+        self.metrics = metrics
+        self.store = Store(settings.state_dir, settings.history_limit)
+        self.state: SidecarState = self.store.load(read_desired_mode(settings.state_dir) or settings.verify)
+        self.prober = Prober(
+            settings.server_url,
+            settings.probe_prompt,
+            settings.probe_max_tokens,
+            settings.probe_deadline_s,
+            settings.served_model_name,
+        )
+        self.prober.on_result = self._observe_probe
+        self.container_flight: SingleFlight[ContainerView] = SingleFlight(self._inspect)
+        self._claimed = False  # a transition is being evaluated or run; checked and set without awaiting
+        self._task: asyncio.Task | None = None
+        metrics.mode.state(self.state.current_mode.value)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resolve a transition that a previous sidecar left unfinished."""
+        t = self.state.active
+        if t is None:
+            return
+        t.interrupted = True
+        self.store.audit("interrupted_transition_found", t, logging.WARNING, step=t.step)
+        if t.step in ("accepted", "writing_mode"):
+            # The server was not restarted: putting the mode file back is the whole resolution.
+            write_desired_mode(self.settings.state_dir, t.from_mode)
+            t.failure = t.failure or f"the sidecar stopped at step {t.step}, before the server was restarted"
+            self._finish(t, "aborted")
+            return
+        if self.server is None or (await self._inspect()).missing:
+            # No server container (a stack coming back up): it will start from the restored mode file.
+            write_desired_mode(self.settings.state_dir, t.from_mode)
+            t.failure = t.failure or (
+                f"the sidecar stopped at step {t.step}; the server container is gone, and the mode file is "
+                f"back at {t.from_mode.value} for its next start"
+            )
+            self._finish(t, "aborted")
+            return
+        t.failure = t.failure or f"the sidecar stopped at step {t.step}; the server's mode is unverified"
+        self._claimed = True
+        self._task = asyncio.create_task(self._rollback_and_finish(t))
+
+    async def stop(self) -> None:
+        """Stop a running transition; its persisted state makes the next start resolve it."""
+        if self._task and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # ---- observation -----------------------------------------------------------------------------
+
+    def _observe_probe(self, result: ProbeResult) -> None:
+        self.metrics.probe_duration.observe(result.latency_s)
+        if not result.ok:
+            self.metrics.probe_failures.labels(reason=result.reason).inc()
+
+    async def _inspect(self) -> ContainerView:
+        if self.server is None:
+            return ContainerView(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
+        try:
+            return ContainerView(state=await asyncio.to_thread(self.server.inspect))
+        except DockerError as e:
+            return ContainerView(error=str(e), missing=isinstance(e, ContainerMissing))
+
+    def expected_mode(self) -> Mode:
+        """The mode the server was last started in (by a transition still running, or the settled one)."""
+        t = self.state.active
+        if t is None or t.step in ("accepted", "writing_mode"):
+            return self.state.current_mode
+        return t.from_mode if t.step == "rolling_back" else t.to_mode
+
+    async def assess(
+        self, max_age: float | None = None, mode: Mode | None = None, started_after: float | None = None
+    ) -> Assessment:
+        s = self.settings
+        max_age = s.probe_ttl_s if max_age is None else max_age
+        mode = mode or self.expected_mode()
+        probe, container = await asyncio.gather(
+            self.prober.get(max_age),
+            self.container_flight.get(max(max_age, 1.0), wait=s.probe_deadline_s),
+        )
+        container = container or ContainerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
+        if s.expected_tp_size:
+            ranks = check_ranks(s, mode, started_after)
+        else:
+            ranks = RankCheck(ok=True, problems=[], ranks=[])
+        server_phase = self._server_phase(probe, container.state, ranks)
+        reasons = []
+        if probe is None:
+            reasons.append(f"the probe did not finish within {s.probe_deadline_s:g}s")
+        elif not probe.ok:
+            reasons.append(f"probe failed ({probe.reason}): {probe.detail}")
+        if container.state and container.state.crashed:
+            reasons.append(
+                f"server container is {container.state.status} (exit code {container.state.exit_code}, "
+                f"OOMKilled {container.state.oom_killed})"
+            )
+        reasons += ranks.problems
+        t = self.state.active
+        phase = server_phase if t is None else ("rolling_back" if t.step == "rolling_back" else "restarting")
+        self.metrics.phase.state(phase)
+        ready = not reasons
+        return Assessment(
+            phase=phase,
+            server_phase=server_phase,
+            ready=ready,
+            reasons=reasons,
+            mode=mode,
+            probe=probe,
+            container=container,
+            ranks=ranks,
+        )
+
+    def _server_phase(
+        self, probe: ProbeResult | None, container: ContainerState | None, ranks: RankCheck
+    ) -> str:
+        if container is not None:
+            if container.crashed:
+                return "crashed"
+            if container.status == "created":
+                return "starting"
+        if probe is None:
+            return "starting"
+        if probe.ok:
+            return "ready" if ranks.ok else "degraded"
+        if probe.reason == REFUSED:
+            return "loading"  # SGLang keeps its port closed until weights and CUDA graphs are in place
+        since = max(self.prober.last_refused_at or 0.0, (container.started_at if container else None) or 0.0)
+        served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > since
+        answering_busy = probe.reason == TIMEOUT or (probe.reason == HTTP_STATUS and probe.status_code == 503)
+        if answering_busy and not served_since_start:
+            return "warming"  # the port is open, the first completions are not through yet
+        return "degraded"
+
+    async def status(self) -> dict:
+        a = await self.assess()
+        marker: LogMarker | None = None
+        excerpt: list[str] = []
+        log_error = None
+        c = a.container.state
+        if self.server is not None and c is not None:
+            try:
+                text = await asyncio.wait_for(
+                    asyncio.to_thread(self.server.logs, self.settings.log_tail_lines, c.started_at),
+                    self.settings.probe_deadline_s,
+                )
+                marker = latest_marker(text)
+                if c.crashed or a.phase == "crashed":
+                    excerpt = crash_excerpt(text)
+            except (DockerError, TimeoutError) as e:
+                log_error = str(e) or "reading the logs timed out"
+        return {
+            "phase": a.phase,
+            "server_phase": a.server_phase,
+            "ready": a.ready,
+            "reasons": a.reasons,
+            "mode": {
+                "current": self.state.current_mode,
+                "expected_now": a.mode,
+                "desired_file": self._desired_file(),
+            },
+            "container": a.container.model_dump(),
+            "log": {
+                "latest_marker": marker.model_dump() if marker else None,
+                "crash_excerpt": excerpt,
+                "error": log_error,
+            },
+            "probe": a.probe.model_dump() if a.probe else None,
+            "ranks": [v.model_dump() for v in a.ranks.ranks],
+            "rank_problems": a.ranks.problems,
+            "expected_tp_size": self.settings.expected_tp_size,
+            "active_transition": self.state.active.model_dump() if self.state.active else None,
+            "transitions": [t.model_dump() for t in self.state.history[-10:]],
+        }
+
+    def _desired_file(self) -> str | None:
+        try:
+            m = read_desired_mode(self.settings.state_dir)
+        except ValueError as e:
+            return f"unreadable: {e}"
+        return m.value if m else None
+
+    # ---- the mode switch ---------------------------------------------------------------------------
+
+    async def request_mode(self, req: ModeRequest) -> tuple[int, dict]:
+        """Evaluate and, when allowed, start a transition. Returns (HTTP status, body)."""
+        if not req.dry_run:
+            if self._claimed:
+                active = self.state.active
+                return 409, {
+                    "error": "a mode transition is already running; retry when it has finished",
+                    "transition": active.model_dump() if active else {"step": "evaluating the gate"},
+                }
+            self._claimed = True  # no await since the check: concurrent requests cannot both get here
+        try:
+            status, body = await self._evaluate_and_start(req)
+        except BaseException:
+            if not req.dry_run:
+                self._claimed = False
+            raise
+        if not req.dry_run and status != 202:
+            self._claimed = False
+        return status, body
+
+    async def _evaluate_and_start(self, req: ModeRequest) -> tuple[int, dict]:
+        current = self.state.current_mode
+        target = req.mode
+        base = {"from_mode": current, "to_mode": target, "dry_run": req.dry_run, "force": req.force}
+        if target == current:
+            return 200, {**base, "changed": False, "detail": f"the server already runs in mode {current}"}
+        criteria = await self._criteria(target)
+        passed = all(c.passed for c in criteria)
+        allowed = passed or req.force
+        body = {
+            **base,
+            "allowed": allowed,
+            "gate_passed": passed,
+            "criteria": [c.model_dump() for c in criteria],
+        }
+        if req.dry_run:
+            return 200, body
+        if not allowed:
+            self.metrics.gate_refusals.labels(to_mode=target.value).inc()
+            failed = ", ".join(c.name for c in criteria if not c.passed)
+            self.store.audit(
+                "refused", None, from_mode=current, to_mode=target, failed=failed, reason=req.reason
+            )
+            return 412, {
+                **body,
+                "error": f"the gate to {target} failed: {failed}; nothing changed "
+                "(fix the evidence, or pass force to override, which is audited)",
+            }
+        if self.server is None:
+            return 503, {
+                **body,
+                "error": "the sidecar cannot restart the server: set KDTREE_SERVER_CONTAINER "
+                "and mount the Docker socket",
+            }
+        t = Transition(
+            from_mode=current,
+            to_mode=target,
+            reason=req.reason,
+            force=req.force,
+            gate=[c.model_dump() for c in criteria],
+        )
+        self.state.active = t
+        self.store.save(self.state)
+        if req.force:  # loud whether or not the gate would have passed: someone chose to skip it
+            self.store.audit(
+                "FORCED",
+                t,
+                logging.WARNING,
+                reason=req.reason,
+                failed=[c.name for c in criteria if not c.passed],
+                warning="the gate was skipped by force",
+            )
+        self.store.audit("accepted", t, reason=req.reason, force=req.force)
+        self._task = asyncio.create_task(self._transition(t))
+        body = {**body, "accepted": True, "transition": t.model_dump()}
+        if req.force and not passed:
+            body["warning"] = "FORCED: the gate failed and was skipped; this is recorded in the audit log"
+        return 202, body
+
+    async def _criteria(self, target: Mode) -> list[Criterion]:
+        if target == Mode.OFF:
+            return []  # the kill switch is never gated
+        a = await self.assess()
+        detail = "; ".join(a.reasons)
+        if target == Mode.VALIDATE:
+            up = a.probe is not None and a.probe.ok
+            return [Criterion(name="server_up", value=up, threshold=True, passed=up, detail=detail)]
+        return await asyncio.to_thread(gate_to_on, self.settings, a.ready, detail)
+
+    async def _transition(self, t: Transition) -> None:
+        try:
+            await self._flip(t)
+        except asyncio.CancelledError:
+            raise  # the sidecar is stopping: the persisted step makes the next start resolve it
+        except Exception as e:
+            t.failure = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}"
+            self.store.audit("flip_failed", t, logging.ERROR, step=t.step, failure=t.failure)
+            await self._rollback_and_finish(t)
+            return
+        self.state.current_mode = t.to_mode
+        self._finish(t, "succeeded")
+
+    def _step(self, t: Transition, step: str, **details) -> None:
+        t.step = step
+        self.store.save(self.state)
+        self.store.audit(step, t, **details)
+
+    async def _flip(self, t: Transition) -> None:
+        self._step(t, "writing_mode")
+        write_desired_mode(self.settings.state_dir, t.to_mode)
+        restarts = await self._restart(t)
+        self._step(t, "waiting_ready")
+        await self._wait_ready(t.to_mode, t.restarted_at, restarts)
+        self._step(t, "baking", probes=self.settings.bake_probes)
+        await self._bake(t, restarts)
+
+    async def _restart(self, t: Transition) -> int | None:
+        """Restart the server container; returns its restart count right after (to spot crash loops)."""
+        if t.step != "rolling_back":
+            self._step(t, "restarting")
+        t.restarted_at = time.time()  # rank records must come from processes started after this
+        self.store.save(self.state)
+        try:
+            await asyncio.to_thread(self.server.restart, self.settings.restart_stop_timeout_s)
+        except DockerError as e:
+            raise StepFailed(f"restart failed: {e}") from None
+        finally:
+            self.prober.invalidate()  # answers from before the restart say nothing about the new server
+            self.container_flight.invalidate()
+        view = await self._inspect()
+        return view.state.restart_count if view.state else None
+
+    async def _wait_ready(self, mode: Mode, started_after: float | None, restarts: int | None) -> Assessment:
+        s = self.settings
+
+        def settled(a: Assessment) -> bool:
+            return a.ready or self._crash_reason(a, restarts) is not None
+
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(s.ready_timeout_s),
+            wait=wait_exponential(
+                multiplier=s.ready_poll_min_s, min=s.ready_poll_min_s, max=s.ready_poll_max_s
+            ),
+            retry=retry_if_result(lambda a: not settled(a)),
+            retry_error_callback=lambda state: state.outcome.result(),
+        )
+        a = await retrying(self.assess, max_age=0, mode=mode, started_after=started_after)
+        crash = self._crash_reason(a, restarts)
+        if crash:
+            raise StepFailed(f"the server crashed while starting in mode {mode}: {crash}")
+        if not a.ready:
+            raise StepFailed(
+                f"not ready in mode {mode} within KDTREE_READY_TIMEOUT_S={s.ready_timeout_s:g}s: "
+                + "; ".join(a.reasons)
+            )
+        return a
+
+    @staticmethod
+    def _crash_reason(a: Assessment, restarts: int | None) -> str | None:
+        c = a.container.state
+        if c is None:
+            return None
+        if c.crashed:
+            return f"container {c.status}, exit code {c.exit_code}, OOMKilled {c.oom_killed}"
+        if restarts is not None and c.restart_count > restarts:
+            return f"the container restarted by itself {c.restart_count - restarts} time(s)"
+        return None
+
+    async def _bake(self, t: Transition, restarts: int | None) -> None:
+        """N consecutive good probes, all ranks in the new mode, no rank error, no crash since the restart."""
+        s = self.settings
+        for i in range(s.bake_probes):
+            if i:
+                await asyncio.sleep(s.bake_interval_s)
+            a = await self.assess(max_age=0, mode=t.to_mode, started_after=t.restarted_at)
+            where = f"bake probe {i + 1}/{s.bake_probes}"
+            crash = self._crash_reason(a, restarts)
+            if crash:
+                raise StepFailed(f"{where}: {crash}")
+            if not a.ready:
+                raise StepFailed(f"{where}: " + "; ".join(a.reasons))
+            # Records are from processes started after the restart, so any error on them is new.
+            for v in a.ranks.ranks:
+                if v.record.last_error and v.record.tp_rank < s.expected_tp_size:
+                    raise StepFailed(
+                        f"{where}: rank {v.record.tp_rank} reported an error: {v.record.last_error}"
+                    )
+
+    async def _rollback_and_finish(self, t: Transition) -> None:
+        try:
+            self._step(t, "rolling_back", failure=t.failure)
+            write_desired_mode(self.settings.state_dir, t.from_mode)
+            restarts = await self._restart(t)
+            await self._wait_ready(t.from_mode, t.restarted_at, restarts)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            t.rollback_failure = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}"
+            self._finish(t, "rollback_failed")
+            return
+        self._finish(t, "rolled_back")
+
+    def _finish(self, t: Transition, outcome: str) -> None:
+        t.outcome, t.finished_at = outcome, time.time()
+        self.state.active = None
+        self.state.history.append(t)
+        self.store.save(self.state)
+        level = logging.INFO if outcome == "succeeded" else logging.ERROR
+        self.store.audit(
+            outcome,
+            t,
+            level,
+            failure=t.failure,
+            rollback_failure=t.rollback_failure,
+            interrupted=t.interrupted,
+        )
+        self.metrics.transitions.labels(
+            from_mode=t.from_mode.value, to_mode=t.to_mode.value, outcome=outcome
+        ).inc()
+        self.metrics.mode.state(self.state.current_mode.value)
+        self._claimed = False

@@ -1,0 +1,61 @@
+"""What the server's own log says: the latest startup marker, and the error lines of a crash."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel
+
+# SGLang 0.5.23 prints these, in this order, on a healthy start (weights, CUDA graphs, HTTP up).
+LOG_MARKERS = (
+    ("loading_weights", "Load weight begin"),
+    ("weights_loaded", "Load weight end"),
+    ("capturing_cuda_graphs", "Capture cuda graph begin"),
+    ("cuda_graphs_captured", "Capture cuda graph end"),
+    ("fired_up", "The server is fired up and ready to roll!"),
+)
+
+_ERROR_LINE = re.compile(
+    r"Traceback \(most recent call last\)|\b\w*(Error|Exception)\b|\bERROR\b|\bFATAL\b|out of memory|"
+    r"\bKilled\b|Segmentation fault|core dumped|NCCL WARN",
+)
+
+
+class LogMarker(BaseModel):
+    name: str
+    text: str
+    line: str
+
+
+def latest_marker(log: str) -> LogMarker | None:
+    """The last startup marker in the log, with the line that carried it."""
+    latest = None
+    for line in log.splitlines():
+        for name, text in LOG_MARKERS:
+            if text in line:
+                latest = LogMarker(name=name, text=text, line=line.strip()[:300])
+    return latest
+
+
+def crash_excerpt(log: str, max_lines: int = 40) -> list[str]:
+    """Tracebacks (whole, up to the exception line) and other error lines, the last max_lines of them."""
+    lines = log.splitlines()
+    picked: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if "Traceback (most recent call last)" in line:
+            picked.append(line)
+            i += 1
+            # A traceback body is indented; its first unindented line is the exception itself.
+            while i < len(lines) and (lines[i].startswith((" ", "\t")) or not lines[i].strip()):
+                picked.append(lines[i])
+                i += 1
+            if i < len(lines):
+                picked.append(lines[i])
+                i += 1
+            continue
+        if _ERROR_LINE.search(line):
+            picked.append(line)
+        i += 1
+    return [p.rstrip()[:500] for p in picked if p.strip()][-max_lines:]

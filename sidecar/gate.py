@@ -1,0 +1,114 @@
+"""Evidence from the ranks' records: are they all there in the right mode, and does validate mode allow `on`."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from kdtree.config import Mode
+from kdtree.status import RankView, read_records
+
+from .settings import SidecarSettings
+
+
+class RankCheck(BaseModel):
+    ok: bool
+    problems: list[str]
+    ranks: list[RankView]
+
+
+def check_ranks(settings: SidecarSettings, mode: Mode, started_after: float | None = None) -> RankCheck:
+    """Every expected rank has a live record in `mode`, with the hook installed unless the mode is off.
+
+    started_after: records written by processes started before this time (the previous server) do not count.
+    """
+    views = read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
+    by_rank = {v.record.tp_rank: v for v in views}
+    problems = []
+    for rank in range(settings.expected_tp_size):
+        view = by_rank.get(rank)
+        if view is None:
+            problems.append(f"rank {rank}: no record in {settings.state_dir}")
+            continue
+        rec = view.record
+        if view.stale:
+            problems.append(f"rank {rank}: record is stale ({view.stale_reason})")
+        elif started_after is not None and rec.started_at < started_after:
+            problems.append(f"rank {rank}: record is from a server started before the restart")
+        elif rec.mode != mode.value:
+            problems.append(f"rank {rank}: reports mode {rec.mode}, expected {mode.value}")
+        elif mode != Mode.OFF and not rec.installed:
+            problems.append(
+                f"rank {rank}: kdtree hook not installed ({rec.last_error or 'no error recorded'})"
+            )
+    return RankCheck(ok=not problems, problems=problems, ranks=views)
+
+
+class Criterion(BaseModel):
+    name: str
+    value: float | int | bool | None
+    threshold: float | int | bool | None
+    passed: bool
+    detail: str = ""
+
+
+def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str) -> list[Criterion]:
+    """The criteria for switching to `on`, each with its value, threshold and verdict."""
+    live = [
+        v.record
+        for v in read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
+        if not v.stale and v.record.tp_rank < settings.expected_tp_size
+    ]
+    in_validate = [r for r in live if r.mode == Mode.VALIDATE.value and r.installed]
+    want = settings.expected_tp_size
+    all_there = len(in_validate) == want and want > 0
+    min_calls = min((r.parity.calls_compared for r in in_validate), default=0)
+    max_rel = max((r.parity.max_rel_l2 for r in in_validate), default=None)
+    nan_inf = sum(r.parity.nan_inf for r in in_validate)
+    over_tol = sum(r.parity.calls_over_tol for r in in_validate)
+    missing = sorted(set(range(want)) - {r.tp_rank for r in in_validate})
+    if want == 0:
+        ranks_detail = "KDTREE_EXPECTED_TP_SIZE=0: no rank evidence is read, so the gate cannot pass"
+    else:
+        ranks_detail = f"ranks without a live, installed validate record: {missing}" if missing else ""
+    # Parity numbers only count when every rank is in validate: a partial picture is no evidence.
+    no_evidence = "" if all_there else "not every rank reports validate mode"
+    return [
+        Criterion(
+            name="server_ready", value=server_ready, threshold=True, passed=server_ready, detail=ready_detail
+        ),
+        Criterion(
+            name="ranks_in_validate",
+            value=len(in_validate),
+            threshold=want,
+            passed=all_there,
+            detail=ranks_detail,
+        ),
+        Criterion(
+            name="min_calls_compared",
+            value=min_calls,
+            threshold=settings.gate_min_calls,
+            detail=no_evidence,
+            passed=all_there and min_calls >= settings.gate_min_calls,
+        ),
+        Criterion(
+            name="max_rel_err",
+            value=max_rel,
+            threshold=settings.gate_max_rel_err,
+            detail=no_evidence,
+            passed=all_there and max_rel is not None and max_rel <= settings.gate_max_rel_err,
+        ),
+        Criterion(
+            name="nan_inf",
+            value=nan_inf,
+            threshold=settings.gate_max_nan_inf,
+            detail=no_evidence,
+            passed=all_there and nan_inf <= settings.gate_max_nan_inf,
+        ),
+        Criterion(
+            name="calls_over_tol",
+            value=over_tol,
+            threshold=settings.gate_max_calls_over_tol,
+            detail=no_evidence,
+            passed=all_there and over_tol <= settings.gate_max_calls_over_tol,
+        ),
+    ]

@@ -1,0 +1,105 @@
+"""Prometheus metrics: kdtree_ prefix, base units, counters end in _total.
+
+Per-rank series are read from the rank records at scrape time (a custom collector), so they are never stale
+copies; the rank counters reset when the server restarts, which Prometheus' rate() handles.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kdtree.config import Mode
+from kdtree.status import read_records
+
+PHASES = ("starting", "loading", "warming", "ready", "degraded", "crashed", "restarting", "rolling_back")
+OUTCOMES = ("succeeded", "rolled_back", "rollback_failed", "aborted")
+
+
+class RankCollector(Collector):
+    def __init__(self, state_dir: str, max_age_s: float):
+        self.state_dir, self.max_age_s = state_dir, max_age_s
+
+    def collect(self):
+        up = GaugeMetricFamily(
+            "kdtree_rank_up", "1 when the rank's record is live, 0 when stale", labels=["rank"]
+        )
+        installed = GaugeMetricFamily(
+            "kdtree_rank_installed", "1 when the kdtree hook is installed", labels=["rank"]
+        )
+        compared = CounterMetricFamily(
+            "kdtree_rank_parity_calls_compared", "verify calls compared in validate mode", labels=["rank"]
+        )
+        over_tol = CounterMetricFamily(
+            "kdtree_rank_parity_calls_over_tol", "compared calls over tolerance", labels=["rank"]
+        )
+        nan_inf = CounterMetricFamily(
+            "kdtree_rank_parity_nan_inf", "compared calls with NaN/Inf in kdtree's output", labels=["rank"]
+        )
+        rel = GaugeMetricFamily(
+            "kdtree_rank_parity_max_rel_l2", "largest relative L2 error seen", labels=["rank"]
+        )
+        abs_err = GaugeMetricFamily(
+            "kdtree_rank_parity_max_abs_err", "largest absolute error seen", labels=["rank"]
+        )
+        served = CounterMetricFamily(
+            "kdtree_rank_verify_calls",
+            "target-verify calls by the path that served them",
+            labels=["rank", "path"],
+        )
+        fallbacks = CounterMetricFamily(
+            "kdtree_rank_fallbacks", "calls kdtree declined, by reason", labels=["rank", "reason"]
+        )
+        for view in read_records(self.state_dir, max_age_s=self.max_age_s):
+            r = view.record
+            rank = str(r.tp_rank)
+            up.add_metric([rank], 0 if view.stale else 1)
+            installed.add_metric([rank], 1 if r.installed else 0)
+            compared.add_metric([rank], r.parity.calls_compared)
+            over_tol.add_metric([rank], r.parity.calls_over_tol)
+            nan_inf.add_metric([rank], r.parity.nan_inf)
+            rel.add_metric([rank], r.parity.max_rel_l2)
+            abs_err.add_metric([rank], r.parity.max_abs_err)
+            served.add_metric([rank, "kdtree"], r.served_kdtree)
+            served.add_metric([rank, "original"], r.served_original)
+            for reason, count in r.fallbacks.items():
+                fallbacks.add_metric([rank, reason], count)
+        yield from (up, installed, compared, over_tol, nan_inf, rel, abs_err, served, fallbacks)
+
+
+class Metrics:
+    """One registry per app, so several apps (tests) never share series."""
+
+    def __init__(self, state_dir: str, max_age_s: float):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.probe_duration = Histogram(
+            "kdtree_probe_duration_seconds",
+            "completion probe latency",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.probe_failures = Counter(
+            "kdtree_probe_failures", "failed completion probes, by reason", ["reason"], registry=r
+        )
+        self.ready = Gauge("kdtree_ready", "1 when GET /ready last answered 200", registry=r)
+        self.phase = Enum(
+            "kdtree_server_phase",
+            "the server's phase as the sidecar sees it",
+            states=list(PHASES),
+            registry=r,
+        )
+        self.mode = Enum(
+            "kdtree_mode", "the verify mode the server runs in", states=[m.value for m in Mode], registry=r
+        )
+        self.transitions = Counter(
+            "kdtree_transitions",
+            "mode transitions, by outcome",
+            ["from_mode", "to_mode", "outcome"],
+            registry=r,
+        )
+        self.gate_refusals = Counter(
+            "kdtree_gate_refusals", "POST /mode requests refused by the gate", ["to_mode"], registry=r
+        )
+        r.register(RankCollector(state_dir, max_age_s))

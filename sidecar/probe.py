@@ -1,0 +1,196 @@
+"""The readiness probe: one tiny greedy completion through SGLang's OpenAI endpoint.
+
+It proves the whole serving path (tokenizer, scheduler, every TP rank, detokenizer, response schema).
+Probes are expensive, so results are cached for a TTL and concurrent callers share one probe in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+# Failure reasons, a closed set (they are metric label values).
+REFUSED = "connection_refused"  # nothing listens: SGLang keeps its port closed while it loads
+TIMEOUT = "timeout"
+HTTP_STATUS = "http_status"
+MALFORMED = "malformed_json"
+NO_CHOICES = "no_choices"
+NO_FINISH_REASON = "no_finish_reason"
+DISCONNECTED = "disconnected"  # the connection broke mid-answer
+NO_MODEL = "no_model"
+T = TypeVar("T")
+
+REASONS = (REFUSED, TIMEOUT, HTTP_STATUS, MALFORMED, NO_CHOICES, NO_FINISH_REASON, DISCONNECTED, NO_MODEL)
+
+
+class ProbeResult(BaseModel):
+    ok: bool
+    reason: str | None = None
+    detail: str = ""
+    status_code: int | None = None
+    latency_s: float
+    at: float  # epoch seconds when the probe finished
+    model: str | None = None
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+class ProbeFailure(Exception):
+    def __init__(self, reason: str, detail: str, status_code: int | None = None):
+        super().__init__(detail)
+        self.reason, self.detail, self.status_code = reason, detail, status_code
+
+
+class SingleFlight(Generic[T]):
+    """A value that is fetched at most once at a time and reused while younger than max_age."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[T]]):
+        self._fetch = fetch
+        self._task: asyncio.Task[T] | None = None
+        self._value: T | None = None
+        self._at = 0.0  # monotonic time the cached value was fetched
+        self._generation = 0
+
+    @property
+    def cached(self) -> T | None:
+        return self._value
+
+    def invalidate(self) -> None:
+        """Forget the cached value; a fetch already in flight is not reused either."""
+        self._generation += 1
+        self._value, self._task = None, None
+
+    async def get(self, max_age: float, wait: float | None = None) -> T | None:
+        """The cached value if fresh, else the shared in-flight fetch; None when `wait` runs out first."""
+        if self._value is not None and time.monotonic() - self._at <= max_age:
+            return self._value
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(self._generation))
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._task), wait)
+        except TimeoutError:
+            return None
+
+    async def _run(self, generation: int) -> T:
+        try:
+            value = await self._fetch()
+        finally:
+            if generation == self._generation:
+                self._task = None
+        if generation == self._generation:
+            self._value, self._at = value, time.monotonic()
+        return value
+
+
+class Prober:
+    def __init__(
+        self, server_url: str, prompt: str, max_tokens: int, deadline_s: float, model: str | None = None
+    ):
+        self.server_url = server_url.rstrip("/")
+        self.prompt, self.max_tokens, self.deadline_s = prompt, max_tokens, deadline_s
+        # The probe gives up a little before the deadline, so callers bounded by it still get its verdict.
+        self.timeout_s = deadline_s * 0.9
+        self.configured_model = model
+        self._discovered_model: str | None = None
+        self.flight: SingleFlight[ProbeResult] = SingleFlight(self.probe)
+        self.last_ok_at: float | None = None
+        self.last_refused_at: float | None = None
+        self.on_result: Callable[[ProbeResult], None] | None = None
+
+    async def get(self, max_age: float) -> ProbeResult | None:
+        return await self.flight.get(max_age, wait=self.deadline_s)
+
+    def invalidate(self) -> None:
+        """After a restart: old answers and the discovered model name no longer hold."""
+        self.flight.invalidate()
+        self._discovered_model = None
+
+    async def probe(self) -> ProbeResult:
+        start = time.monotonic()
+        model = None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with httpx.AsyncClient(base_url=self.server_url, timeout=self.timeout_s) as client:
+                    model = self.configured_model or self._discovered_model or await self._discover(client)
+                    self._discovered_model = None if self.configured_model else model
+                    result = await self._complete(client, model, start)
+        except ProbeFailure as f:
+            result = self._failed(f.reason, f.detail, start, model, f.status_code)
+        except TimeoutError:
+            result = self._failed(TIMEOUT, f"no answer within {self.timeout_s:.3g}s", start, model)
+        except httpx.ConnectError as e:
+            result = self._failed(REFUSED, f"cannot connect to {self.server_url}: {e}", start, model)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            result = self._failed(DISCONNECTED, f"connection broke: {e!r}", start, model)
+        except httpx.TimeoutException:
+            result = self._failed(TIMEOUT, f"no answer within {self.timeout_s:.3g}s", start, model)
+        except httpx.HTTPError as e:
+            result = self._failed(DISCONNECTED, f"HTTP transport failed: {e!r}", start, model)
+        if result.ok:
+            self.last_ok_at = result.at
+        elif result.reason == REFUSED:
+            self.last_refused_at = result.at
+        if self.on_result:
+            self.on_result(result)
+        return result
+
+    def _failed(self, reason, detail, start, model, status_code=None) -> ProbeResult:
+        return ProbeResult(
+            ok=False,
+            reason=reason,
+            detail=detail,
+            status_code=status_code,
+            latency_s=time.monotonic() - start,
+            at=time.time(),
+            model=model,
+        )
+
+    @staticmethod
+    def _json(resp: httpx.Response, what: str):
+        if resp.status_code != 200:
+            raise ProbeFailure(
+                HTTP_STATUS, f"{what} answered HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code
+            )
+        try:
+            return resp.json()
+        except ValueError:
+            raise ProbeFailure(
+                MALFORMED, f"{what} answered 200 with a body that is not JSON: {resp.text[:200]!r}", 200
+            ) from None
+
+    async def _discover(self, client: httpx.AsyncClient) -> str:
+        body = self._json(await client.get("/v1/models"), "GET /v1/models")
+        try:
+            return str(body["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise ProbeFailure(
+                NO_MODEL, f"GET /v1/models lists no model: {str(body)[:200]}; set KDTREE_SERVED_MODEL_NAME"
+            ) from None
+
+    async def _complete(self, client: httpx.AsyncClient, model: str, start: float) -> ProbeResult:
+        request = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0}
+        body = self._json(await client.post("/v1/completions", json=request), "POST /v1/completions")
+        choices = body.get("choices") if isinstance(body, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise ProbeFailure(
+                NO_CHOICES, f"POST /v1/completions answered 200 without choices: {str(body)[:200]}", 200
+            )
+        finish = choices[0].get("finish_reason")
+        if not finish:
+            raise ProbeFailure(
+                NO_FINISH_REASON, f"the completion has no finish_reason: {str(choices[0])[:200]}", 200
+            )
+        return ProbeResult(
+            ok=True,
+            status_code=200,
+            latency_s=time.monotonic() - start,
+            at=time.time(),
+            model=model,
+            finish_reason=str(finish),
+            text=str(choices[0].get("text", ""))[:100],
+        )

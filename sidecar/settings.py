@@ -1,0 +1,95 @@
+"""Sidecar settings, read from KDTREE_* environment variables (one table in the README)."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kdtree.config import ConfigError, Mode
+
+
+class SidecarSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", populate_by_name=True)
+
+    # Where the sidecar itself listens.
+    sidecar_host: str = "0.0.0.0"
+    sidecar_port: int = Field(8080, ge=1, le=65535)
+
+    # The SGLang server and the completion probe.
+    server_url: str = "http://127.0.0.1:30000"
+    served_model_name: str | None = Field(
+        None, description="model name for the probe; unset: ask GET /v1/models"
+    )
+    probe_prompt: str = "The capital of France is"
+    probe_max_tokens: int = Field(1, ge=1)
+    probe_deadline_s: float = Field(
+        10.0, gt=0, description="no probe and no GET /ready takes longer than this"
+    )
+    probe_ttl_s: float = Field(
+        5.0, ge=0, description="a probe result is reused this long: at most one probe per TTL"
+    )
+
+    # The tensor-parallel ranks and their records.
+    state_dir: str = Field(
+        "/var/run/kdtree", min_length=1, description="shared with the server: mode file, rank records"
+    )
+    verify: Mode = Field(
+        Mode.OFF, description="the server's mode when no mode file and no sidecar state exist yet"
+    )
+    expected_tp_size: int = Field(1, ge=0, description="ranks that must report; 0 skips the rank check")
+    heartbeat_stale_s: float = Field(30.0, gt=0)
+
+    # The one server container the sidecar observes and restarts.
+    server_container: str | None = None
+    restart_stop_timeout_s: int = Field(30, ge=0, description="SIGTERM grace before Docker kills the server")
+    log_tail_lines: int = Field(2000, ge=10)
+
+    # Who may change the mode.
+    admin_token: str | None = None
+    allow_open_admin: bool = False
+
+    # The gate to `on`: evidence collected in validate mode.
+    gate_min_calls: int = Field(1000, ge=0, description="compared verify calls each rank must have")
+    gate_max_rel_err: float = Field(2e-2, ge=0, description="largest relative L2 error allowed on any rank")
+    gate_max_nan_inf: int = Field(0, ge=0)
+    gate_max_calls_over_tol: int = Field(0, ge=0)
+
+    # The flip: restart, wait for readiness, bake.
+    ready_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="seconds the server has to get ready after a restart",
+        # Read as KDTREE_READY_TIMEOUT_S (like every duration here) or KDTREE_READY_TIMEOUT.
+        validation_alias=AliasChoices("KDTREE_READY_TIMEOUT_S", "KDTREE_READY_TIMEOUT"),
+    )
+    ready_poll_min_s: float = Field(2.0, gt=0)
+    ready_poll_max_s: float = Field(30.0, gt=0)
+    bake_probes: int = Field(
+        5, ge=1, description="consecutive good probes after the restart before the flip counts"
+    )
+    bake_interval_s: float = Field(10.0, ge=0)
+    history_limit: int = Field(
+        50, ge=1, description="transitions kept in the state file (the audit log keeps all)"
+    )
+
+    @model_validator(mode="after")
+    def _admin_is_decided(self) -> SidecarSettings:
+        if not self.admin_token and not self.allow_open_admin:
+            raise ValueError(
+                "no admin token: set KDTREE_ADMIN_TOKEN to a secret (clients send 'Authorization: Bearer <secret>'), "
+                "or set KDTREE_ALLOW_OPEN_ADMIN=true to let anyone who reaches the sidecar change the mode"
+            )
+        return self
+
+
+def load_sidecar_settings(**overrides) -> SidecarSettings:
+    """Read KDTREE_* from the environment; a bad or missing value raises ConfigError naming the fix."""
+    try:
+        return SidecarSettings(**overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if not err.get("loc"):
+            raise ConfigError(err["msg"].removeprefix("Value error, ")) from None
+        name = str(err["loc"][0]).upper()
+        var = name if name.startswith("KDTREE_") else "KDTREE_" + name
+        raise ConfigError(f"{var}={err.get('input')!r} is invalid: {err['msg']}") from None

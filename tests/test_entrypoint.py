@@ -1,0 +1,272 @@
+"""The server launcher's checks, on CPU: GPU and kernel-library probes are injected test doubles."""
+
+from __future__ import annotations
+
+import pytest
+
+from entrypoint import launch
+from entrypoint.launch import EXIT_CONFIG, Gpu
+from kdtree.control import write_desired_mode
+
+H200 = Gpu(0, "NVIDIA H200", (9, 0))
+RTX_PRO = Gpu(0, "NVIDIA RTX PRO 6000 Blackwell", (12, 0))
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "models" / "DeepSeek-V2-Lite"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch, tmp_path):
+    for var in ("KDTREE_VERIFY", "KDTREE_ALLOW_OTHER_BACKEND", "KDTREE_KERNEL_LIB"):
+        monkeypatch.delenv(var, raising=False)
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("KDTREE_STATE_DIR", str(state))
+    monkeypatch.setenv("KDTREE_VERIFY", "validate")
+    return state
+
+
+def args(model, *extra):
+    return [
+        "--model-path",
+        str(model),
+        "--attention-backend",
+        "triton",
+        "--speculative-algorithm",
+        "NGRAM",
+        *extra,
+    ]
+
+
+def gpus(n, gpu=H200):
+    return lambda: [Gpu(i, gpu.name, gpu.capability) for i in range(n)]
+
+
+def run(argv, *, n_gpus=1, gpu=H200, archs=(90, 100, 120)):
+    """main() with test doubles; returns (exit code, the exec call or None)."""
+    calls = []
+    rc = launch.main(
+        argv,
+        environ={"PATH": "/usr/bin"},
+        execve=lambda path, argv, env: calls.append((path, argv, env)),
+        gpus=gpus(n_gpus, gpu),
+        archs=lambda: list(archs),
+    )
+    return rc, (calls[0] if calls else None)
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # one line, always
+    assert err[0].startswith("kdtree launcher: error: ")
+    return err[0]
+
+
+def test_good_configuration_execs_sglang_with_the_mode_exported(model, capsys):
+    rc, call = run(args(model, "--tp-size", "1"))
+    assert rc == 0
+    path, argv, env = call
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[3:] == args(model, "--tp-size", "1")
+    assert env["KDTREE_VERIFY"] == "validate" and env["PATH"] == "/usr/bin"
+    summary = capsys.readouterr().err.strip().splitlines()
+    assert len(summary) == 1  # the effective configuration, printed once
+    assert "mode=validate (from KDTREE_VERIFY)" in summary[0] and "NVIDIA H200 sm_90" in summary[0]
+
+
+def test_the_sidecar_mode_file_wins_over_the_environment(model, env, capsys):
+    write_desired_mode(env, "on")
+    rc, (_, _, child_env) = run(args(model))
+    assert rc == 0 and child_env["KDTREE_VERIFY"] == "on"
+    assert "(written by the sidecar)" in capsys.readouterr().err
+
+
+def test_invalid_kdtree_verify(model, monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_VERIFY", "shadow")
+    assert run(args(model)) == (EXIT_CONFIG, None)
+    assert "KDTREE_VERIFY='shadow' is invalid: set it to one of: off, validate, on" in error_line(capsys)
+
+
+def test_invalid_mode_file(model, env, capsys):
+    (env / "mode").write_text("maybe\n")
+    assert run(args(model))[0] == EXIT_CONFIG
+    assert "holds 'maybe': expected one of off, validate, on; fix or delete the file" in error_line(capsys)
+
+
+def test_invalid_launcher_setting(model, monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_ALLOW_OTHER_BACKEND", "perhaps")
+    assert run(args(model))[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "KDTREE_ALLOW_OTHER_BACKEND='perhaps' is invalid" in line and "fix: set it to 1 or 0" in line
+
+
+def test_tp_size_above_visible_gpus(model, capsys):
+    assert run(args(model, "--tp-size", "8"), n_gpus=2)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "; fix: " in line
+    assert "--tp-size 8 needs 8 GPUs on this node, 2 visible" in line and "KDTREE_TP_SIZE" in line
+
+
+def test_tensor_parallel_alias_and_equals_form(model, capsys):
+    assert run(args(model, "--tensor-parallel-size=4"), n_gpus=2)[0] == EXIT_CONFIG
+    assert "--tp-size 4 needs 4 GPUs" in error_line(capsys)
+
+
+def test_unreadable_tp_size(model, capsys):
+    assert run(args(model, "--tp-size", "eight"))[0] == EXIT_CONFIG
+    assert "unreadable sglang.launch_server arguments: argument --tp-size" in error_line(capsys)
+
+
+def test_no_gpu_visible(model, capsys):
+    assert run(args(model), n_gpus=0)[0] == EXIT_CONFIG
+    assert "no CUDA GPU is visible" in error_line(capsys)
+
+
+def test_gpu_architecture_missing_from_the_library(model, capsys):
+    assert run(args(model), gpu=RTX_PRO, archs=(90, 100))[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert (
+        "GPU 0 (NVIDIA RTX PRO 6000 Blackwell) is sm_120; the kdtree library has code for sm_90, sm_100 only"
+        in line
+    )
+    assert 'KDTREE_CUDA_ARCHS="90;100;120"' in line
+
+
+def test_newer_minor_version_runs_older_sass(model):
+    assert run(args(model), gpu=Gpu(0, "sm_121 part", (12, 1)), archs=(90, 120))[0] == 0
+
+
+def test_missing_library_in_validate_mode(model, capsys):
+    assert run(args(model), archs=())[0] == EXIT_CONFIG
+    assert "KDTREE_VERIFY=validate but the kdtree kernel library is missing" in error_line(capsys)
+
+
+def test_off_mode_needs_no_kernel_code_for_the_gpu(model, monkeypatch):
+    monkeypatch.setenv("KDTREE_VERIFY", "off")
+    assert run(args(model), gpu=RTX_PRO, archs=(90,))[0] == 0
+
+
+def test_missing_model_path(tmp_path, capsys):
+    assert run(args(tmp_path / "models" / "absent"))[0] == EXIT_CONFIG
+    assert f"--model-path {tmp_path}/models/absent does not exist in the container" in error_line(capsys)
+
+
+def test_unreadable_model_path(model, monkeypatch, capsys):
+    monkeypatch.setattr(launch.os, "access", lambda path, mode: False)
+    assert run(args(model))[0] == EXIT_CONFIG
+    assert "is not readable by uid" in error_line(capsys)
+
+
+def test_hub_model_id_is_left_to_sglang(model):
+    argv = ["--model-path", "deepseek-ai/DeepSeek-V2-Lite", *args(model)[2:]]
+    assert run(argv)[0] == 0
+
+
+def test_model_path_missing_entirely(capsys):
+    assert run(["--attention-backend", "triton", "--speculative-algorithm", "NGRAM"])[0] == EXIT_CONFIG
+    assert "--model-path is missing" in error_line(capsys)
+
+
+def test_attention_backend_must_be_triton(model, capsys):
+    argv = [
+        "--model-path",
+        str(model),
+        "--attention-backend",
+        "flashinfer",
+        "--speculative-algorithm",
+        "NGRAM",
+    ]
+    assert run(argv)[0] == EXIT_CONFIG
+    assert "--attention-backend flashinfer: kdtree verifies only inside the triton backend" in error_line(
+        capsys
+    )
+
+
+def test_decode_backend_override_must_be_triton_too(model, capsys):
+    assert run(args(model, "--decode-attention-backend", "flashmla"))[0] == EXIT_CONFIG
+    assert "--decode-attention-backend flashmla" in error_line(capsys)
+
+
+def test_attention_backend_unset(model, capsys):
+    argv = ["--model-path", str(model), "--speculative-algorithm", "NGRAM"]
+    assert run(argv)[0] == EXIT_CONFIG
+    assert "--attention-backend is not set" in error_line(capsys)
+
+
+def test_other_backend_allowed_explicitly(model, monkeypatch):
+    monkeypatch.setenv("KDTREE_ALLOW_OTHER_BACKEND", "1")
+    argv = [
+        "--model-path",
+        str(model),
+        "--attention-backend",
+        "flashinfer",
+        "--speculative-algorithm",
+        "NGRAM",
+    ]
+    assert run(argv)[0] == 0
+
+
+def test_speculative_algorithm_required(model, capsys):
+    assert run(["--model-path", str(model), "--attention-backend", "triton"])[0] == EXIT_CONFIG
+    assert "--speculative-algorithm is not set" in error_line(capsys)
+
+
+def spec(model, *algorithm_args):
+    return [
+        "--model-path",
+        str(model),
+        "--attention-backend",
+        "triton",
+        "--speculative-algorithm",
+        *algorithm_args,
+    ]
+
+
+def test_eagle3_needs_a_draft_model(model, capsys):
+    assert run(spec(model, "EAGLE3"))[0] == EXIT_CONFIG
+    assert "--speculative-algorithm EAGLE3 needs a draft model" in error_line(capsys)
+
+
+def test_draft_path_must_exist(model, tmp_path, capsys):
+    assert (
+        run(spec(model, "EAGLE3", "--speculative-draft-model-path", str(tmp_path / "nope")))[0] == EXIT_CONFIG
+    )
+    assert f"--speculative-draft-model-path {tmp_path}/nope does not exist" in error_line(capsys)
+
+
+def test_nextn_needs_mtp_layers_in_the_checkpoint(model, capsys):
+    assert run(spec(model, "NEXTN"))[0] == EXIT_CONFIG  # DeepSeek-V2-Lite-like config: no MTP layers
+    line = error_line(capsys)
+    assert "has none (config.json num_nextn_predict_layers)" in line and "NGRAM" in line
+
+
+def test_eagle_uses_bundled_mtp_layers_or_a_draft(model):
+    (model / "config.json").write_text('{"num_nextn_predict_layers": 1}')
+    assert run(spec(model, "EAGLE"))[0] == 0
+    assert run(spec(model, "NEXTN"))[0] == 0
+    (model / "config.json").write_text("{}")
+    assert run(spec(model, "EAGLE", "--speculative-draft-model-path", str(model)))[0] == 0
+
+
+def test_model_folder_without_config_json(model, capsys):
+    (model / "config.json").unlink()
+    assert run(args(model))[0] == EXIT_CONFIG
+    assert "has no config.json" in error_line(capsys)
+
+
+def test_cuobjdump_fallback_parses_elf_listing(monkeypatch, tmp_path):
+    lib = tmp_path / "libkdtree_verify.so"
+    lib.write_bytes(b"\x7fELF")
+    monkeypatch.setenv("KDTREE_KERNEL_LIB", str(lib))
+    monkeypatch.setattr(launch.shutil, "which", lambda name: "/usr/bin/cuobjdump")
+    listing = (
+        "ELF file    1: libkdtree_verify.1.sm_90.cubin\nELF file    2: libkdtree_verify.2.sm_120.cubin\n"
+    )
+    monkeypatch.setattr(
+        launch.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": listing, "returncode": 0})()
+    )
+    assert launch._cuobjdump_archs() == [90, 120]

@@ -1,0 +1,412 @@
+"""The images and the compose stack, against a real Docker engine (marker `docker`).
+
+The images are built by `.ci/docker.sh build` (CI runs it before pytest); a missing image skips its tests
+with that command as the reason. Nothing here builds an image.
+
+The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compose.ci.yaml replaces the
+server's command with tests/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
+and HTTP contract and writes the per-rank records), and the test drops the server's GPU reservation from
+its copy of compose.yaml, since this machine has no GPU runtime. The sidecar is the real one, restarting
+the server container through the Docker socket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.docker
+
+REPO = Path(__file__).resolve().parents[1]
+TAG = os.environ.get("KDTREE_IMAGE_TAG", "ci")
+SERVER = f"kdtree-server:{TAG}"
+SIDECAR = f"kdtree-sidecar:{TAG}"
+TOKEN = "e2e-admin-token"
+INSTALLED_LIB = "python -c \"import kdtree, pathlib; print(pathlib.Path(kdtree.__file__).parent / 'lib' / 'libkdtree_verify.so')\""
+
+
+def require_image(name: str) -> None:
+    if subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode != 0:
+        pytest.skip(f"image {name} is missing: build it with .ci/docker.sh build")
+
+
+def docker_run(image: str, *args: str, entrypoint: str | None = None, volumes=(), env=None, timeout=180):
+    cmd = ["docker", "run", "--rm"]
+    if entrypoint:
+        cmd += ["--entrypoint", entrypoint]
+    for v in volumes:
+        cmd += ["-v", v]
+    for k, v in (env or {}).items():
+        cmd += ["-e", f"{k}={v}"]
+    return subprocess.run([*cmd, image, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server_image():
+    require_image(SERVER)
+    return SERVER
+
+
+@pytest.fixture(scope="module")
+def sidecar_image():
+    require_image(SIDECAR)
+    return SIDECAR
+
+
+@pytest.fixture
+def models():
+    """A model directory the container's uid 10001 can read (pytest's tmp_path is private to root)."""
+    root = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
+    root.chmod(0o755)
+    model = root / "DeepSeek-V2-Lite"
+    model.mkdir(mode=0o755)
+    (model / "config.json").write_text('{"architectures": ["DeepseekV2ForCausalLM"]}')
+    (model / "config.json").chmod(0o644)
+    yield root
+    shutil.rmtree(root)
+
+
+# ---- server image -----------------------------------------------------------------------------------
+
+
+def test_server_image_has_sglang_0_5_23(server_image):
+    r = docker_run(server_image, "-c", "import sglang; print(sglang.__version__)", entrypoint="python")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "0.5.23"
+
+
+def test_sglang_loader_discovers_and_runs_the_kdtree_plugin(server_image):
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group\n"
+        "found = load_plugins_by_group(GENERAL_PLUGINS_GROUP)\n"
+        "print('KDTREE_DIST', found['kdtree'][1])\n"
+        "load_plugins()\n"
+    )
+    r = docker_run(server_image, "-c", code, entrypoint="python")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "KDTREE_DIST kdtree" in r.stdout
+    assert "Executed general plugin: kdtree" in r.stderr
+    assert "Failed to execute general plugin: kdtree" not in r.stderr
+    assert "TritonAttnBackend.forward_extend (from: plugin=kdtree" in r.stderr
+
+
+def test_sitecustomize_is_on_the_path_and_imports_nothing_heavy(server_image):
+    code = (
+        "import sys, sitecustomize\n"
+        "print(sitecustomize.__file__)\n"
+        "print(sorted(m for m in ('torch', 'sglang', 'kdtree') if m in sys.modules))\n"
+    )
+    r = docker_run(server_image, "-c", code, entrypoint="python")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["/opt/kdtree/site/sitecustomize.py", "[]"]
+
+
+def test_installed_library_carries_sm90_and_sm120_code(server_image):
+    r = docker_run(server_image, "-c", f'cuobjdump --list-elf "$({INSTALLED_LIB})"', entrypoint="sh")
+    assert r.returncode == 0, r.stderr
+    for arch in ("sm_90", "sm_120"):
+        assert f"tree_verify.{arch}.cubin" in r.stdout, r.stdout
+    # What the launcher and the runtime read: the library's own list (kdtree.kernel.compiled_archs).
+    r = docker_run(
+        server_image,
+        "-c",
+        "from kdtree.kernel import compiled_archs; print(compiled_archs())",
+        entrypoint="python",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert {"sm_90", "sm_120"} <= set(eval(r.stdout.strip().splitlines()[-1]))
+
+
+def test_images_run_as_a_non_root_user(server_image, sidecar_image):
+    for image in (server_image, sidecar_image):
+        r = docker_run(image, "-c", "import os; print(os.getuid())", entrypoint="python")
+        assert r.stdout.strip() == "10001", (image, r.stderr)
+
+
+GOOD = [
+    "--model-path",
+    "/models/DeepSeek-V2-Lite",
+    "--attention-backend",
+    "triton",
+    "--speculative-algorithm",
+    "NGRAM",
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        (
+            {"KDTREE_VERIFY": "shadow"},
+            GOOD,
+            "KDTREE_VERIFY='shadow' is invalid: set it to one of: off, validate, on",
+        ),
+        (
+            {},
+            ["--model-path", "/models/absent", *GOOD[2:]],
+            "--model-path /models/absent does not exist in the container",
+        ),
+        (
+            {},
+            [*GOOD[:3], "flashinfer", *GOOD[4:]],
+            "--attention-backend flashinfer: kdtree verifies only inside the triton backend",
+        ),
+        ({}, GOOD[:4], "--speculative-algorithm is not set"),
+        ({}, [*GOOD[:5], "NEXTN"], "has none (config.json num_nextn_predict_layers)"),
+        ({}, GOOD, "no CUDA GPU is visible in the container"),  # the real torch probe, in the image
+    ],
+    ids=["bad-mode", "no-model", "backend", "no-speculation", "no-mtp-layers", "no-gpu"],
+)
+def test_entrypoint_rejects_a_bad_configuration(server_image, models, env, args, message):
+    r = docker_run(server_image, *args, volumes=[f"{models}:/models:ro"], env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("kdtree launcher: error: ") and message in lines[-1], r.stderr
+
+
+def test_entrypoint_names_a_model_the_server_user_cannot_read(server_image, models):
+    (models / "DeepSeek-V2-Lite").chmod(0o700)  # owned by root: uid 10001 may not enter
+    r = docker_run(server_image, *GOOD, volumes=[f"{models}:/models:ro"])
+    assert r.returncode == 2
+    assert "--model-path /models/DeepSeek-V2-Lite is not readable by uid 10001" in r.stderr
+
+
+def test_sidecar_image_has_neither_torch_nor_sglang(sidecar_image):
+    code = "import importlib.util as u; print([m for m in ('torch', 'sglang', 'fastapi', 'docker') if u.find_spec(m)])"
+    r = docker_run(sidecar_image, "-c", code, entrypoint="python")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['fastapi', 'docker']"
+
+
+# ---- compose ----------------------------------------------------------------------------------------
+
+
+def compose_files_for_cpu(tmp: Path) -> list[Path]:
+    """compose.yaml without the server's GPU reservation (its `deploy:` block), plus tests/compose.ci.yaml."""
+    lines = (REPO / "compose.yaml").read_text().splitlines(keepends=True)
+    assert lines.count("    deploy:\n") == 1, "compose.yaml: expected one `deploy:` block (the server's)"
+    start = lines.index("    deploy:\n")
+    end = start + 1
+    while end < len(lines) and (lines[end].startswith("      ") or not lines[end].strip()):
+        end += 1
+    assert "capabilities: [gpu]" in "".join(lines[start:end])
+    cpu = tmp / "compose.cpu.yaml"
+    cpu.write_text("".join(lines[:start] + lines[end:]))
+    return [cpu, REPO / "tests" / "compose.ci.yaml"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """One compose project (unique name), driven with docker-compose v1 and the sidecar's HTTP API."""
+
+    def __init__(self, tmp: Path, models: Path):
+        self.project = f"kdtree-e2e-{uuid.uuid4().hex[:8]}"
+        self.server = f"{self.project}-server"
+        self.files = compose_files_for_cpu(tmp)
+        self.env_file = tmp / "empty.env"  # a developer's .env must not leak into the test
+        self.env_file.write_text("")
+        sidecar_port = free_port()
+        self.env = {
+            **os.environ,
+            "KDTREE_DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
+            "KDTREE_ADMIN_TOKEN": TOKEN,
+            "KDTREE_MODEL_DIR": str(models),
+            "KDTREE_SERVER_CONTAINER": self.server,
+            "KDTREE_SIDECAR_IMAGE": SIDECAR,
+            "KDTREE_SERVER_IMAGE": SERVER,
+            "KDTREE_PUBLISH_SERVER_PORT": str(free_port()),
+            "KDTREE_PUBLISH_SIDECAR_PORT": str(sidecar_port),
+            "KDTREE_TP_SIZE": "2",
+            "KDTREE_VERIFY": "validate",
+        }
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{sidecar_port}", timeout=30)
+
+    def compose(self, *args: str, extra_env=None, timeout=300) -> subprocess.CompletedProcess:
+        cmd = [
+            "docker-compose",
+            "-p",
+            self.project,
+            "--project-directory",
+            str(REPO),
+            "--env-file",
+            str(self.env_file),
+        ]
+        for f in self.files:
+            cmd += ["-f", str(f)]
+        r = subprocess.run(
+            [*cmd, *args],
+            env={**self.env, **(extra_env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert r.returncode == 0, f"docker-compose {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
+        return r
+
+    def status(self) -> dict:
+        r = self.http.get("/status")
+        r.raise_for_status()
+        return r.json()
+
+    def wait(self, what: str, predicate, timeout: float = 120, seen=None) -> dict:
+        """Poll /status until predicate(status) holds; `seen` collects every phase on the way."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.status()
+            except httpx.HTTPError as e:
+                last = {"error": str(e)}
+            else:
+                if seen is not None:
+                    seen.append(last["phase"])
+                if predicate(last):
+                    return last
+            time.sleep(0.3)
+        logs = subprocess.run(["docker", "logs", "--tail", "40", self.server], capture_output=True, text=True)
+        pytest.fail(
+            f"timed out waiting for {what}; last /status: {last}\nserver log:\n{logs.stdout}{logs.stderr}"
+        )
+
+    def post_mode(self, mode: str, token: str | None = TOKEN) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return self.http.post("/mode", json={"mode": mode, "reason": "e2e"}, headers=headers)
+
+    def wait_transition(self, outcome_count: int, timeout: float = 150) -> dict:
+        """Until the transition count reaches outcome_count and none is active; returns the latest."""
+        s = self.wait(
+            f"transition #{outcome_count} to finish",
+            lambda s: s["active_transition"] is None and len(s["transitions"]) >= outcome_count,
+            timeout,
+        )
+        return s["transitions"][-1]
+
+    def container_started_at(self) -> str:
+        return subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.StartedAt}}", self.server], capture_output=True, text=True
+        ).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def stack(server_image, sidecar_image, tmp_path_factory):
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose (v1) is not installed: apt-get install -y docker-compose")
+    tmp = tmp_path_factory.mktemp("compose")
+    models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
+    models.chmod(0o755)
+    s = Stack(tmp, models)
+    try:
+        s.compose("up", "-d")
+        yield s
+    finally:
+        s.http.close()
+        subprocess.run(
+            [
+                "docker-compose",
+                "-p",
+                s.project,
+                "--project-directory",
+                str(REPO),
+                "--env-file",
+                str(s.env_file),
+            ]
+            + [a for f in s.files for a in ("-f", str(f))]
+            + ["down", "-v", "--remove-orphans", "-t", "2"],
+            env=s.env,
+            capture_output=True,
+        )
+        shutil.rmtree(models)
+
+
+# The e2e tests below share one stack and run in file order: each starts from where the previous ended.
+
+
+def test_compose_sidecar_reports_loading_while_the_port_is_closed_then_ready(stack):
+    seen: list[str] = []
+    s = stack.wait("the server to become ready", lambda s: s["ready"], timeout=120, seen=seen)
+    assert "loading" in seen, f"phases seen: {seen}"  # probe refused: the stand-in keeps its port closed
+    assert s["phase"] == "ready" and s["mode"]["current"] == "validate"
+    assert sorted(v["record"]["tp_rank"] for v in s["ranks"]) == [0, 1]
+    assert {v["record"]["mode"] for v in s["ranks"]} == {"validate"}
+    assert s["log"]["latest_marker"] is not None  # SGLang's startup markers, read from the container log
+    # The server container's own healthcheck goes through the sidecar's /ready.
+    health = lambda: subprocess.run(  # noqa: E731
+        ["docker", "inspect", "-f", "{{.State.Health.Status}}", stack.server], capture_output=True, text=True
+    ).stdout.strip()
+    deadline = time.monotonic() + 30
+    while health() != "healthy" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert health() == "healthy"
+
+
+def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
+    subprocess.run(["docker", "kill", stack.server], check=True, capture_output=True)
+    s = stack.wait("the crashed verdict", lambda s: s["phase"] == "crashed", timeout=30)
+    assert not s["ready"]
+    assert any("exit code 137" in r for r in s["reasons"]), s["reasons"]
+    assert s["log"]["latest_marker"] is not None, s["log"]  # how far the server got before it died
+    subprocess.run(["docker", "start", stack.server], check=True, capture_output=True)
+    stack.wait("ready after the manual start", lambda s: s["ready"], timeout=90)
+
+
+def test_compose_mode_on_restarts_the_server_and_ends_ready(stack):
+    assert stack.post_mode("on", token=None).status_code == 401
+    assert stack.post_mode("on", token="wrong").status_code == 403
+    before = stack.container_started_at()
+    r = stack.post_mode("on")
+    assert r.status_code == 202, r.text
+    t = stack.wait_transition(1)
+    assert t["outcome"] == "succeeded", t
+    s = stack.status()
+    assert s["ready"] and s["mode"]["current"] == "on" and s["mode"]["desired_file"] == "on"
+    assert {v["record"]["mode"] for v in s["ranks"]} == {"on"}  # the restarted server read the mode file
+    assert stack.container_started_at() != before
+
+
+def test_compose_failed_restart_rolls_back_to_validate(stack):
+    r = stack.post_mode("validate")
+    assert r.status_code == 202, r.text
+    assert stack.wait_transition(2)["outcome"] == "succeeded"
+    # Recreate the server so that it crashes at start whenever it starts in mode `on`.
+    stack.compose(
+        "up",
+        "-d",
+        "--no-deps",
+        "server",
+        extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start --fault-in-mode on"},
+    )
+    stack.wait("ready in validate", lambda s: s["ready"] and s["mode"]["current"] == "validate", timeout=90)
+    r = stack.post_mode("on")
+    assert r.status_code == 202, r.text
+    t = stack.wait_transition(3)
+    assert t["outcome"] == "rolled_back", t
+    assert "crashed while starting in mode on" in t["failure"], t
+    s = stack.wait("ready after the rollback", lambda s: s["ready"], timeout=60)
+    assert s["mode"]["current"] == "validate" and s["mode"]["desired_file"] == "validate"
+    assert {v["record"]["mode"] for v in s["ranks"]} == {"validate"}
+
+
+def test_compose_crash_at_start_shows_the_traceback(stack):
+    stack.compose(
+        "up", "-d", "--no-deps", "server", extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start"}
+    )
+    s = stack.wait(
+        "the crashed verdict", lambda s: s["phase"] == "crashed" and s["log"]["crash_excerpt"], timeout=60
+    )
+    excerpt = "\n".join(s["log"]["crash_excerpt"])
+    assert "Traceback (most recent call last)" in excerpt, excerpt

@@ -1,0 +1,431 @@
+"""POST /mode: the gate, the flip, rollback at each failure point, concurrency, auth, persistence.
+
+The server is tests/standin_engine.py, a stand-in for SGLang run as a separate local process; the sidecar
+restarts it through StandinProcess, which has the same inspect/logs/restart methods as the Docker-backed
+ServerContainer (that one is tested against a real dockerd in test_sidecar_docker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from standin_engine import StandinProcess
+
+from kdtree.config import Mode
+from kdtree.control import read_desired_mode, write_desired_mode
+from sidecar.app import create_app
+from sidecar.docker_control import ContainerMissing
+from sidecar.settings import SidecarSettings
+from sidecar.store import STATE_FILE, SidecarState, Store, Transition
+
+pytestmark = pytest.mark.anyio
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_settings(state_dir, port, **overrides) -> SidecarSettings:
+    base = dict(
+        server_url=f"http://127.0.0.1:{port}",
+        state_dir=str(state_dir),
+        admin_token=TOKEN,
+        expected_tp_size=2,
+        heartbeat_stale_s=3.0,
+        probe_deadline_s=1.0,
+        probe_ttl_s=0.2,
+        ready_timeout_s=6.0,
+        ready_poll_min_s=0.1,
+        ready_poll_max_s=0.3,
+        bake_probes=3,
+        bake_interval_s=0.1,
+        restart_stop_timeout_s=2,
+        gate_min_calls=100,
+        gate_max_rel_err=0.02,
+    )
+    return SidecarSettings(**{**base, **overrides})
+
+
+@asynccontextmanager
+async def sidecar(settings, server=None):
+    app = create_app(settings, server)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar", timeout=30) as client:
+            yield client
+
+
+@pytest.fixture
+def engine(tmp_path):
+    started = []
+
+    def start(*args, mode: Mode | None = None, wait=True) -> StandinProcess:
+        if mode is not None:
+            write_desired_mode(tmp_path, mode)
+        proc = StandinProcess(
+            free_port(), str(tmp_path), ["--tp-size", "2", "--heartbeat-s", "0.2", *args]
+        ).start()
+        started.append(proc)
+        if wait:
+            proc.wait_port()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:
+    """Wait for the running transition to finish; returns it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = (await c.get("/status")).json()
+        if st["active_transition"] is None:
+            return st["transitions"][-1]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"transition still running: {st['active_transition']}")
+
+
+def audit_events(state_dir) -> list[str]:
+    return [e["event"] for e in Store(state_dir, 50).audit_tail(1000)]
+
+
+# ---- auth -----------------------------------------------------------------------------------------------
+
+
+async def test_no_token_no_mutation(engine, tmp_path):
+    proc = engine()
+    pid = proc.proc.pid
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        r = await c.post("/mode", json={"mode": "validate"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = await c.post("/mode", json={"mode": "validate"}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 403
+        r = await c.post("/mode", json={"mode": "validate", "dry_run": True})
+        assert r.status_code == 401
+        st = (await c.get("/status")).json()
+    assert st["transitions"] == [] and st["active_transition"] is None
+    assert read_desired_mode(tmp_path) is None and proc.proc.pid == pid and proc.starts == 1
+    assert audit_events(tmp_path) == []
+
+
+async def test_open_admin_needs_no_token(engine, tmp_path):
+    proc = engine()
+    settings = make_settings(tmp_path, proc.port, admin_token=None, allow_open_admin=True)
+    async with sidecar(settings, server=proc) as c:
+        r = await c.post("/mode", json={"mode": "validate", "dry_run": True})
+    assert r.status_code == 200 and r.json()["allowed"] is True
+
+
+# ---- the flip ----------------------------------------------------------------------------------------------
+
+
+async def test_off_to_validate_restarts_the_server_into_validate(engine, tmp_path):
+    proc = engine()
+    old_pid = proc.proc.pid
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        assert (await c.get("/ready")).json()["mode"] == "off"
+        r = await c.post("/mode", json={"mode": "validate", "reason": "collect parity"}, headers=AUTH)
+        assert r.status_code == 202, r.json()
+        t = await settle(c)
+        ready = (await c.get("/ready")).json()
+        metrics = (await c.get("/metrics")).text
+    assert t["outcome"] == "succeeded" and t["reason"] == "collect parity" and t["failure"] is None
+    assert read_desired_mode(tmp_path) == Mode.VALIDATE
+    assert proc.proc.pid != old_pid and proc.starts == 2
+    assert ready["ready"] and ready["mode"] == "validate"
+    assert 'kdtree_transitions_total{from_mode="off",outcome="succeeded",to_mode="validate"} 1.0' in metrics
+    assert audit_events(tmp_path) == [
+        "accepted",
+        "writing_mode",
+        "restarting",
+        "waiting_ready",
+        "baking",
+        "succeeded",
+    ]
+
+
+async def test_same_mode_is_a_no_op(engine, tmp_path):
+    proc = engine()
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        r = await c.post("/mode", json={"mode": "off"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["changed"] is False and proc.starts == 1
+
+
+async def test_gate_to_on_refuses_thin_evidence_and_dry_run_changes_nothing(engine, tmp_path):
+    proc = engine("--parity-calls", "50", "--parity-max-rel", "0.001", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        dry = await c.post("/mode", json={"mode": "on", "dry_run": True}, headers=AUTH)
+        refused = await c.post("/mode", json={"mode": "on"}, headers=AUTH)
+        metrics = (await c.get("/metrics")).text
+    assert dry.status_code == 200 and dry.json()["allowed"] is False
+    crit = {c["name"]: c for c in dry.json()["criteria"]}
+    assert crit["min_calls_compared"] == {
+        "name": "min_calls_compared",
+        "value": 50,
+        "threshold": 100,
+        "passed": False,
+        "detail": "",
+    }
+    assert crit["server_ready"]["passed"] and crit["ranks_in_validate"]["value"] == 2
+    assert crit["max_rel_err"]["passed"] and crit["nan_inf"]["passed"] and crit["calls_over_tol"]["passed"]
+    assert refused.status_code == 412 and "min_calls_compared" in refused.json()["error"]
+    assert read_desired_mode(tmp_path) == Mode.VALIDATE and proc.starts == 1
+    assert audit_events(tmp_path) == ["refused"]
+    assert 'kdtree_gate_refusals_total{to_mode="on"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("args", "failing"),
+    [
+        (["--parity-max-rel", "0.5"], "max_rel_err"),
+        (["--parity-nan-inf", "1"], "nan_inf"),
+        (["--parity-over-tol", "3"], "calls_over_tol"),
+        (["--not-installed"], "ranks_in_validate"),
+    ],
+)
+async def test_gate_to_on_names_each_failed_criterion(engine, tmp_path, args, failing):
+    proc = engine("--parity-calls", "500", *args, mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        r = await c.post("/mode", json={"mode": "on", "dry_run": True}, headers=AUTH)
+    failed = {c["name"] for c in r.json()["criteria"] if not c["passed"]}
+    assert failing in failed and r.json()["allowed"] is False
+
+
+async def test_gate_to_on_passes_and_flips(engine, tmp_path):
+    proc = engine("--parity-calls", "500", "--parity-max-rel", "0.004", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        r = await c.post("/mode", json={"mode": "on", "reason": "parity clean"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["gate_passed"] is True
+        t = await settle(c)
+        st = (await c.get("/status")).json()
+    assert t["outcome"] == "succeeded" and st["mode"]["current"] == "on"
+    assert {r["record"]["mode"] for r in st["ranks"]} == {"on"}
+    assert all(r["record"]["installed"] for r in st["ranks"])
+
+
+async def test_force_skips_the_gate_loudly(engine, tmp_path):
+    proc = engine("--parity-calls", "0", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        r = await c.post("/mode", json={"mode": "on", "force": True, "reason": "incident 42"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["gate_passed"] is False
+        assert "FORCED" in r.json()["warning"]
+        t = await settle(c)
+    assert t["force"] is True and t["outcome"] == "succeeded"
+    forced = [e for e in Store(tmp_path, 50).audit_tail(100) if e["event"] == "FORCED"]
+    assert forced and forced[0]["reason"] == "incident 42" and "min_calls_compared" in forced[0]["failed"]
+
+
+async def test_validate_needs_the_server_up_and_off_never_does(engine, tmp_path):
+    proc = engine("--fault", "crash-on-start", "--fault-in-mode", "on", mode=Mode.ON, wait=False)
+    proc.proc.wait(10)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        assert (await c.get("/status")).json()["phase"] == "crashed"
+        refused = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+        assert refused.status_code == 412
+        assert refused.json()["criteria"][0]["name"] == "server_up"
+        kill = await c.post("/mode", json={"mode": "off", "reason": "kill switch"}, headers=AUTH)
+        assert kill.status_code == 202 and kill.json()["criteria"] == []
+        t = await settle(c)
+        ready = await c.get("/ready")
+    assert t["outcome"] == "succeeded" and ready.status_code == 200 and ready.json()["mode"] == "off"
+
+
+async def test_without_a_server_container_nothing_is_flipped(engine, tmp_path):
+    proc = engine()
+    async with sidecar(make_settings(tmp_path, proc.port), server=None) as c:
+        r = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+        again = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+    assert r.status_code == 503 and "KDTREE_SERVER_CONTAINER" in r.json()["error"]
+    assert again.status_code == 503  # the refusal released the claim: no stale 409
+    assert read_desired_mode(tmp_path) is None
+
+
+async def test_concurrent_requests_make_exactly_one_transition(engine, tmp_path):
+    proc = engine()
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        requests = [
+            c.post("/mode", json={"mode": m}, headers=AUTH) for m in ("validate", "on", "validate") * 4
+        ]
+        responses = await asyncio.gather(*requests)
+        codes = sorted(r.status_code for r in responses)
+        busy = [r.json() for r in responses if r.status_code == 409]
+        t = await settle(c)
+        st = (await c.get("/status")).json()
+    assert codes.count(202) == 1 and codes.count(409) == 11, codes
+    assert all("already running" in b["error"] for b in busy)
+    assert len(st["transitions"]) == 1 and t["outcome"] == "succeeded"
+    assert proc.starts == 2
+
+
+# ---- rollback at each failure point ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "args", "overrides", "failure"),
+    [
+        ("restart fails", [], {}, "restart failed: stand-in: injected restart failure"),
+        (
+            "crash on start",
+            ["--fault", "crash-on-start", "--fault-in-mode", "validate", "--load-seconds", "0.2"],
+            {},
+            "crashed while starting in mode validate: container exited, exit code 1",
+        ),
+        (
+            "readiness timeout",
+            ["--fault", "hang", "--fault-in-mode", "validate"],
+            {"ready_timeout_s": 2.0, "probe_deadline_s": 0.5},
+            "not ready in mode validate within",
+        ),
+        (
+            "ranks keep the old mode",
+            ["--report-mode", "off"],
+            {"ready_timeout_s": 2.0},
+            "rank 0: reports mode off, expected validate",
+        ),
+        (
+            "bake probe fails",
+            ["--fault", "http-500", "--fault-in-mode", "validate", "--fault-after", "1"],
+            {},
+            "bake probe 1/3: probe failed (http_status)",
+        ),
+        (
+            "rank error during bake",
+            ["--fault", "rank-error", "--fault-in-mode", "validate"],
+            {},
+            "reported an error: stand-in: injected rank error",
+        ),
+    ],
+)
+async def test_each_failure_rolls_back(engine, tmp_path, case, args, overrides, failure):
+    proc = engine(*args)
+    if case == "restart fails":
+        proc.restart_failures = 1
+    async with sidecar(make_settings(tmp_path, proc.port, **overrides), server=proc) as c:
+        r = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+        assert r.status_code == 202
+        t = await settle(c)
+        st = (await c.get("/status")).json()
+        ready = await c.get("/ready")
+        metrics = (await c.get("/metrics")).text
+    assert t["outcome"] == "rolled_back", t
+    assert failure in t["failure"], t["failure"]
+    assert st["mode"]["current"] == "off" and read_desired_mode(tmp_path) == Mode.OFF
+    assert ready.status_code == 200 and ready.json()["mode"] == "off"
+    events = audit_events(tmp_path)
+    assert "flip_failed" in events and "rolling_back" in events and events[-1] == "rolled_back"
+    assert 'kdtree_transitions_total{from_mode="off",outcome="rolled_back",to_mode="validate"} 1.0' in metrics
+
+
+async def test_a_failed_rollback_is_reported(engine, tmp_path):
+    proc = engine()
+    proc.restart_failures = 2
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        assert (await c.post("/mode", json={"mode": "validate"}, headers=AUTH)).status_code == 202
+        t = await settle(c)
+        assert (
+            await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+        ).status_code == 202  # not stuck
+        await settle(c)
+    assert t["outcome"] == "rollback_failed"
+    assert "restart failed" in t["failure"] and "restart failed" in t["rollback_failure"]
+
+
+# ---- persistence -----------------------------------------------------------------------------------------
+
+
+async def test_mode_and_history_survive_a_sidecar_restart(engine, tmp_path):
+    proc = engine()
+    settings = make_settings(tmp_path, proc.port)
+    async with sidecar(settings, server=proc) as c:
+        await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+        first = await settle(c)
+    async with sidecar(settings, server=proc) as c:
+        st = (await c.get("/status")).json()
+        ready = await c.get("/ready")
+    assert st["mode"]["current"] == "validate" and ready.json()["mode"] == "validate"
+    assert [t["id"] for t in st["transitions"]] == [first["id"]]
+    assert json.loads((tmp_path / STATE_FILE).read_text())["current_mode"] == "validate"
+
+
+async def test_interrupted_transition_is_rolled_back_on_start(engine, tmp_path):
+    # The new mode never gets ready, and the sidecar stops while it waits.
+    proc = engine("--fault", "hang", "--fault-in-mode", "validate")
+    settings = make_settings(tmp_path, proc.port, ready_timeout_s=60, probe_deadline_s=0.5)
+    async with sidecar(settings, server=proc) as c:
+        assert (await c.post("/mode", json={"mode": "validate"}, headers=AUTH)).status_code == 202
+        while (await c.get("/status")).json()["active_transition"]["step"] != "waiting_ready":
+            await asyncio.sleep(0.05)
+    saved = SidecarState.model_validate_json((tmp_path / STATE_FILE).read_text())
+    assert saved.active is not None and saved.active.step == "waiting_ready"
+    assert read_desired_mode(tmp_path) == Mode.VALIDATE
+
+    async with sidecar(settings, server=proc) as c:
+        st = (await c.get("/status")).json()
+        assert st["phase"] == "rolling_back" and st["active_transition"]["interrupted"] is True
+        t = await settle(c)
+        ready = await c.get("/ready")
+    assert t["outcome"] == "rolled_back" and t["interrupted"] is True
+    assert "stopped at step waiting_ready" in t["failure"]
+    assert read_desired_mode(tmp_path) == Mode.OFF and ready.status_code == 200
+    assert "interrupted_transition_found" in audit_events(tmp_path)
+
+
+async def test_transition_interrupted_before_the_restart_is_aborted_without_one(engine, tmp_path):
+    proc = engine()
+    store = Store(tmp_path, 50)
+    t = Transition(from_mode=Mode.OFF, to_mode=Mode.VALIDATE, step="writing_mode")
+    store.save(SidecarState(current_mode=Mode.OFF, active=t))
+    write_desired_mode(tmp_path, Mode.VALIDATE)  # it got as far as writing the mode file
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        st = (await c.get("/status")).json()
+    assert st["active_transition"] is None
+    assert st["transitions"][-1]["outcome"] == "aborted" and st["transitions"][-1]["interrupted"] is True
+    assert read_desired_mode(tmp_path) == Mode.OFF and proc.starts == 1
+
+
+class GoneServer:
+    """A server container that does not exist (yet): what Docker reports while a stack comes back up."""
+
+    name = "kdtree-server"
+
+    def inspect(self):
+        raise ContainerMissing("no container named 'kdtree-server' (check KDTREE_SERVER_CONTAINER)")
+
+    def logs(self, tail, since=None):
+        self.inspect()
+
+    def restart(self, stop_timeout_s):
+        raise AssertionError("nothing to restart")
+
+
+async def test_interrupted_transition_without_a_server_container_restores_the_mode_file(tmp_path):
+    store = Store(tmp_path, 50)
+    store.save(
+        SidecarState(
+            current_mode=Mode.VALIDATE,
+            active=Transition(from_mode=Mode.VALIDATE, to_mode=Mode.ON, step="baking"),
+        )
+    )
+    write_desired_mode(tmp_path, Mode.ON)
+    async with sidecar(make_settings(tmp_path, free_port()), server=GoneServer()) as c:
+        st = (await c.get("/status")).json()
+    t = st["transitions"][-1]
+    assert st["active_transition"] is None and t["outcome"] == "aborted" and t["interrupted"]
+    assert "container is gone" in t["failure"] and read_desired_mode(tmp_path) == Mode.VALIDATE
+    assert st["container"]["missing"] is True and st["mode"]["current"] == "validate"

@@ -1,0 +1,344 @@
+"""The sidecar's probe, /ready, /status and /metrics against tests/standin_engine.py.
+
+The stand-in engine stands in for the SGLang server (no model, no GPU): a separate local process that
+keeps its port closed while loading, answers 503 while warming, then serves SGLang's OpenAI endpoints,
+with injected faults. It also writes the per-rank records the SGLang ranks write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from standin_engine import StandinProcess
+
+from kdtree.config import ConfigError, Mode
+from kdtree.control import write_desired_mode
+from sidecar import probe as P
+from sidecar.app import create_app
+from sidecar.evidence import crash_excerpt, latest_marker
+from sidecar.settings import SidecarSettings, load_sidecar_settings
+
+pytestmark = pytest.mark.anyio
+TOKEN = "test-admin-token"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_settings(state_dir, port, **overrides) -> SidecarSettings:
+    base = dict(
+        server_url=f"http://127.0.0.1:{port}",
+        state_dir=str(state_dir),
+        admin_token=TOKEN,
+        expected_tp_size=2,
+        heartbeat_stale_s=3.0,
+        probe_deadline_s=1.0,
+        probe_ttl_s=0.3,
+    )
+    return SidecarSettings(**{**base, **overrides})
+
+
+@asynccontextmanager
+async def sidecar(settings, server=None):
+    app = create_app(settings, server)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar", timeout=30) as client:
+            yield client
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """Start stand-in engines; all are stopped at the end of the test."""
+    started = []
+
+    def start(*args, port=None, wait=True, mode: Mode | None = None) -> StandinProcess:
+        if mode is not None:
+            write_desired_mode(tmp_path, mode)
+        proc = StandinProcess(port or free_port(), str(tmp_path), args).start()
+        started.append(proc)
+        if wait:
+            proc.wait_port()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def prober(port, deadline=1.0, model=None) -> P.Prober:
+    return P.Prober(f"http://127.0.0.1:{port}", "The capital of France is", 1, deadline, model)
+
+
+# ---- the probe against each fault ---------------------------------------------------------------------
+
+
+async def test_probe_follows_loading_warming_ready(engine):
+    proc = engine("--load-seconds", "1.0", "--warm-seconds", "0.8", wait=False)
+    p = prober(proc.port)
+    seen = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        r = await p.probe()
+        seen.append("ok" if r.ok else f"{r.reason}:{r.status_code}")
+        if r.ok:
+            break
+        await asyncio.sleep(0.1)
+    # Port closed while loading, 503 while warming, then a completion with a finish reason.
+    assert seen[0] == "connection_refused:None"
+    assert "http_status:503" in seen
+    assert seen[-1] == "ok"
+    assert seen.index("http_status:503") > seen.index("connection_refused:None")
+    assert r.model == "stand-in/deepseek-v3" and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("malformed", P.MALFORMED),
+        ("no-choices", P.NO_CHOICES),
+        ("no-finish-reason", P.NO_FINISH_REASON),
+        ("http-500", P.HTTP_STATUS),
+        ("hang", P.TIMEOUT),
+    ],
+)
+async def test_probe_names_each_fault(engine, fault, reason):
+    proc = engine("--fault", fault)
+    start = time.monotonic()
+    r = await prober(proc.port, deadline=0.8).probe()
+    assert not r.ok and r.reason == reason, r
+    assert time.monotonic() - start < 0.8 + 0.3  # a hang costs the deadline, no more
+
+
+async def test_probe_slow_answer_within_and_past_deadline(engine):
+    proc = engine("--fault", "slow", "--fault-delay", "0.4")
+    ok = await prober(proc.port, deadline=2.0).probe()
+    assert ok.ok and ok.latency_s >= 0.4
+    late = await prober(proc.port, deadline=0.2).probe()
+    assert not late.ok and late.reason == P.TIMEOUT
+
+
+async def test_probe_server_dying_mid_answer(engine):
+    proc = engine("--fault", "die-mid-probe")
+    r = await prober(proc.port).probe()
+    assert not r.ok and r.reason == P.DISCONNECTED, r
+    assert proc.proc.wait(5) == 137
+    after = await prober(proc.port).probe()
+    assert after.reason == P.REFUSED
+
+
+async def test_probe_wrong_configured_model_is_an_http_error(engine):
+    proc = engine()
+    r = await prober(proc.port, model="no-such-model").probe()
+    assert not r.ok and r.reason == P.HTTP_STATUS and r.status_code == 404
+
+
+# ---- /live and /ready --------------------------------------------------------------------------------
+
+
+async def test_ready_needs_completion_and_every_rank(engine, tmp_path):
+    proc = engine("--tp-size", "2")
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        r = await c.get("/ready")
+        assert r.status_code == 200, r.json()
+        assert r.json()["ready"] is True and r.json()["phase"] == "ready"
+    # Three ranks expected, two report: not ready, and the reason names the missing rank.
+    async with sidecar(make_settings(tmp_path, proc.port, expected_tp_size=3)) as c:
+        r = await c.get("/ready")
+        assert r.status_code == 503
+        assert any("rank 2: no record" in reason for reason in r.json()["reasons"])
+        assert r.json()["phase"] == "degraded"
+
+
+async def test_ready_rejects_ranks_in_the_wrong_mode_or_without_the_hook(engine, tmp_path):
+    proc = engine("--tp-size", "2", "--not-installed", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        body = (await c.get("/ready")).json()
+        assert not body["ready"] and any("hook not installed" in r for r in body["reasons"])
+    proc.stop()
+    proc = engine("--tp-size", "2", "--report-mode", "off", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        body = (await c.get("/ready")).json()
+        assert not body["ready"] and any("reports mode off, expected validate" in r for r in body["reasons"])
+
+
+async def test_ready_sees_dead_ranks(engine, tmp_path):
+    proc = engine("--tp-size", "2")
+    async with sidecar(make_settings(tmp_path, proc.port, probe_ttl_s=0)) as c:
+        assert (await c.get("/ready")).status_code == 200
+        proc.stop()
+        r = await c.get("/ready")
+        assert r.status_code == 503
+        reasons = " ".join(r.json()["reasons"])
+        assert "connection_refused" in reasons and "is gone" in reasons  # the record's writer pid is gone
+
+
+async def test_live_never_touches_the_server(tmp_path):
+    async with sidecar(make_settings(tmp_path, free_port())) as c:
+        assert (await c.get("/live")).json() == {"live": True}
+
+
+async def test_ready_never_exceeds_the_deadline(engine, tmp_path):
+    proc = engine("--tp-size", "2", "--fault", "hang")
+    async with sidecar(make_settings(tmp_path, proc.port, probe_deadline_s=0.7, probe_ttl_s=0)) as c:
+        for _ in range(3):
+            start = time.monotonic()
+            r = await c.get("/ready")
+            assert time.monotonic() - start < 0.7 + 0.25
+            assert r.status_code == 503 and "timeout" in " ".join(r.json()["reasons"])
+
+
+async def test_ready_storm_causes_at_most_one_probe_per_ttl(engine, tmp_path):
+    proc = engine("--tp-size", "2", "--fault", "slow", "--fault-delay", "0.2")
+    ttl, deadline = 0.5, 1.0
+    async with sidecar(make_settings(tmp_path, proc.port, probe_ttl_s=ttl, probe_deadline_s=deadline)) as c:
+        durations = []
+
+        async def one():
+            start = time.monotonic()
+            r = await c.get("/ready")
+            durations.append(time.monotonic() - start)
+            return r.status_code
+
+        start = time.monotonic()
+        codes = []
+        while time.monotonic() - start < 2.0:
+            codes += await asyncio.gather(*(one() for _ in range(25)))
+        elapsed = time.monotonic() - start
+    stats = httpx.get(f"http://127.0.0.1:{proc.port}/_standin/stats").json()
+    assert len(codes) >= 100 and set(codes) == {200}
+    # Each probe takes 0.2 s and is then reused for the TTL: one probe per (0.2 + TTL) at most, plus the first.
+    assert stats["completions"] <= elapsed / ttl + 1, stats
+    assert max(durations) < deadline + 0.25
+
+
+# ---- /status: phases and evidence -------------------------------------------------------------------
+
+
+async def test_status_reports_loading_then_warming_then_ready_with_log_markers(engine, tmp_path):
+    proc = engine("--tp-size", "2", "--load-seconds", "1.2", "--warm-seconds", "1.0", wait=False)
+    settings = make_settings(tmp_path, proc.port, probe_ttl_s=0)
+    phases, markers = [], []
+    async with sidecar(settings, server=proc) as c:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            st = (await c.get("/status")).json()
+            if not phases or phases[-1] != st["phase"]:
+                phases.append(st["phase"])
+            markers.append((st["log"]["latest_marker"] or {}).get("name"))
+            if st["phase"] == "ready":
+                break
+            await asyncio.sleep(0.1)
+        assert st["container"]["state"]["status"] == "running"
+        assert [r["record"]["tp_rank"] for r in st["ranks"]] == [0, 1]
+        assert st["probe"]["ok"] and st["probe"]["latency_s"] > 0
+        metrics = (await c.get("/metrics")).text
+    assert phases[0] == "loading" and "warming" in phases and phases[-1] == "ready", phases
+    assert "capturing_cuda_graphs" in markers and markers[-1] == "fired_up"
+    assert 'kdtree_probe_failures_total{reason="connection_refused"}' in metrics
+    assert 'kdtree_server_phase{kdtree_server_phase="ready"} 1.0' in metrics
+    assert "kdtree_probe_duration_seconds_bucket" in metrics
+    assert 'kdtree_rank_up{rank="1"} 1.0' in metrics
+
+
+async def test_status_reports_a_crash_with_the_traceback(engine, tmp_path):
+    proc = engine("--load-seconds", "0.2", "--fault", "crash-on-start", "--exit-code", "3", wait=False)
+    proc.proc.wait(10)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        st = (await c.get("/status")).json()
+        ready = await c.get("/ready")
+    assert st["phase"] == "crashed"
+    assert st["container"]["state"]["exit_code"] == 3
+    excerpt = "\n".join(st["log"]["crash_excerpt"])
+    assert "Traceback (most recent call last)" in excerpt and "torch.OutOfMemoryError" in excerpt
+    assert st["log"]["latest_marker"]["name"] == "capturing_cuda_graphs"
+    assert ready.status_code == 503 and ready.json()["phase"] == "crashed"
+
+
+async def test_metrics_export_rank_parity(engine, tmp_path):
+    proc = engine("--tp-size", "2", "--parity-calls", "1234", "--parity-max-rel", "0.004", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        await c.get("/ready")
+        text = (await c.get("/metrics")).text
+    assert 'kdtree_rank_parity_calls_compared_total{rank="0"} 1234.0' in text
+    assert 'kdtree_rank_parity_max_rel_l2{rank="1"} 0.004' in text
+    assert 'kdtree_mode{kdtree_mode="validate"} 1.0' in text
+    assert "kdtree_ready 1.0" in text
+
+
+# ---- pure pieces ----------------------------------------------------------------------------------------
+
+
+def test_crash_excerpt_keeps_whole_tracebacks_and_error_lines():
+    log = "\n".join(
+        [
+            "[TP0] Load weight begin. avail mem=10 GB",
+            "[TP0] all good",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1, in <module>',
+            "    boom()",
+            "RuntimeError: NCCL error: unhandled system error",
+            "[TP0] WARNING something",
+            "[TP3] ERROR Scheduler hit an exception",
+        ]
+    )
+    excerpt = crash_excerpt(log)
+    assert excerpt[0] == "Traceback (most recent call last):"
+    assert "RuntimeError: NCCL error: unhandled system error" in excerpt
+    assert "[TP3] ERROR Scheduler hit an exception" in excerpt
+    assert not any("all good" in line or "WARNING" in line for line in excerpt)
+    assert latest_marker(log).name == "loading_weights"
+    assert latest_marker("nothing here") is None
+
+
+def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
+    monkeypatch.delenv("KDTREE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("KDTREE_ALLOW_OPEN_ADMIN", raising=False)
+    with pytest.raises(ConfigError, match="KDTREE_ADMIN_TOKEN.*KDTREE_ALLOW_OPEN_ADMIN=true"):
+        load_sidecar_settings()
+    monkeypatch.setenv("KDTREE_ALLOW_OPEN_ADMIN", "true")
+    assert load_sidecar_settings().allow_open_admin
+    monkeypatch.setenv("KDTREE_PROBE_DEADLINE_S", "soon")
+    with pytest.raises(ConfigError, match="KDTREE_PROBE_DEADLINE_S='soon' is invalid"):
+        load_sidecar_settings()
+
+
+def test_docker_timestamps_parse_with_nanoseconds_and_zero_time():
+    from sidecar.docker_control import _docker_time
+
+    assert _docker_time("2026-11-29T09:20:00.123456789Z") == pytest.approx(1795944000.123456)
+    assert _docker_time("2026-11-29T10:20:00.5+01:00") == pytest.approx(1795944000.5)
+    assert _docker_time("0001-01-01T00:00:00Z") is None
+    assert _docker_time("") is None and _docker_time(None) is None
+
+
+def test_an_unreadable_state_file_stops_the_sidecar_with_its_path(tmp_path):
+    (tmp_path / "sidecar-state.json").write_text("{broken")
+    with pytest.raises(ConfigError, match="sidecar-state.json is unreadable.*move it aside"):
+        create_app(make_settings(tmp_path, free_port()))
+    (tmp_path / "sidecar-state.json").unlink()
+    (tmp_path / "mode").write_text("fast\n")
+    with pytest.raises(ConfigError, match="holds 'fast': expected one of off, validate, on"):
+        create_app(make_settings(tmp_path, free_port()))
+
+
+def test_ready_timeout_is_read_under_both_names(monkeypatch):
+    monkeypatch.setenv("KDTREE_ADMIN_TOKEN", TOKEN)
+    assert load_sidecar_settings().ready_timeout_s == 1800
+    monkeypatch.setenv("KDTREE_READY_TIMEOUT", "600")
+    assert load_sidecar_settings().ready_timeout_s == 600
+    monkeypatch.setenv("KDTREE_READY_TIMEOUT_S", "900")
+    assert load_sidecar_settings().ready_timeout_s == 900
