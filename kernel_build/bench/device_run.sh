@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session: build for the local GPU, install SGLang's Python wheels (carried in .whl),
+# On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
 # usage: bash kernel_build/bench/device_run.sh [tests|bench|all] [pytest args...]
 # 'all' also profiles one batch-1 launch with Nsight Compute when ncu is present (ncu.txt).
