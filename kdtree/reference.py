@@ -135,3 +135,54 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(x).all():
         return float("inf")  # NaN never passes
     return float((x - ref).norm() / ref.norm())
+
+
+def kdtree_call(
+    b: VerifyBatch, out: torch.Tensor, workspace: torch.Tensor, counter=None, v_ext="batch"
+) -> None:
+    """kdtree's kernel on a batch: out [T, H*512] or [T, H, 512]. v_ext: "batch" (a separate tensor, as
+    SGLang passes it), "view" (k_ext[..., :512]) or None (values taken from the keys)."""
+    from kdtree import kernel
+
+    values = {"batch": b.v_ext, "view": b.k_ext[..., :V_DIM], None: None}[v_ext]
+    kernel.tree_verify(
+        b.q,
+        b.k_ext,
+        values,
+        b.k_buf,
+        b.v_buf,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        b.custom_mask,
+        b.mask_indptr,
+        b.sm_scale,
+        b.max_q_len,
+        out,
+        workspace,
+        counter,
+    )
+
+
+def triton_call(b: VerifyBatch, out: torch.Tensor) -> None:
+    """SGLang 0.5.23's Triton extend kernel on a batch, as TritonAttnBackend calls it for target-verify."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    extend_attention_fwd(
+        b.q,
+        b.k_ext,
+        b.v_ext,
+        out,
+        b.k_buf,
+        b.v_buf,
+        b.qo_indptr,
+        b.kv_indptr,
+        b.kv_indices,
+        b.custom_mask,
+        True,
+        b.mask_indptr,
+        b.max_q_len,
+        1.0,
+        1.0,
+        sm_scale=b.sm_scale,
+    )

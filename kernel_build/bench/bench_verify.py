@@ -24,7 +24,7 @@ import torch
 import triton.testing
 
 from kdtree import kernel
-from kdtree.reference import make_batch
+from kdtree.reference import kdtree_call, make_batch, triton_call
 
 L2_BYTES = 60e6
 
@@ -58,22 +58,7 @@ def time_ours(batches) -> float:
 
     def run():
         for b, o, w in zip(batches, outs, wss, strict=True):
-            kernel.tree_verify(
-                b.q,
-                b.k_ext,
-                b.v_ext,
-                b.k_buf,
-                b.v_buf,
-                b.qo_indptr,
-                b.kv_indptr,
-                b.kv_indices,
-                b.custom_mask,
-                b.mask_indptr,
-                b.sm_scale,
-                b.max_q_len,
-                o,
-                w,
-            )
+            kdtree_call(b, o, w)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -99,32 +84,9 @@ def time_ours(batches) -> float:
 
 
 def time_triton(b) -> float:
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-
     T, H = b.q.shape[:2]
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-
-    def fn():
-        return extend_attention_fwd(
-            b.q,
-            b.k_ext,
-            b.v_ext,
-            o,
-            b.k_buf,
-            b.v_buf,
-            b.qo_indptr,
-            b.kv_indptr,
-            b.kv_indices,
-            b.custom_mask,
-            True,
-            b.mask_indptr,
-            b.max_q_len,
-            1.0,
-            1.0,
-            sm_scale=b.sm_scale,
-        )
-
-    return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median") * 1e3
+    return triton.testing.do_bench(lambda: triton_call(b, o), warmup=5, rep=60, return_mode="median") * 1e3
 
 
 def time_torch(b) -> float:

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kdtree import kernel  # noqa: E402
-from kdtree.reference import make_batch, reference, rel_l2  # noqa: E402
+from kdtree.reference import kdtree_call, make_batch, reference, rel_l2, triton_call  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,55 +32,22 @@ def kernel_config(name: str | None):
         kernel._device_plan.cache_clear()
 
 
-def run_ours(b, out=None, v_ext="separate"):
+def run_ours(b, out=None, v_ext="batch"):
     T, H = b.q.shape[:2]
     if out is None:
         out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     ws = torch.empty(
         kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda"
     )
-    ve = b.v_ext if v_ext == "separate" else (b.k_ext[..., :512] if v_ext == "view" else None)
-    kernel.tree_verify(
-        b.q,
-        b.k_ext,
-        ve,
-        b.k_buf,
-        b.v_buf,
-        b.qo_indptr,
-        b.kv_indptr,
-        b.kv_indices,
-        b.custom_mask,
-        b.mask_indptr,
-        b.sm_scale,
-        b.max_q_len,
-        out,
-        ws,
-    )
+    kdtree_call(b, out, ws, v_ext=v_ext)
     return out.view(T, H, 512)
 
 
 def run_triton(b):
-    ext = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
     T, H = b.q.shape[:2]
     o = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ext.extend_attention_fwd(
-        b.q,
-        b.k_ext,
-        b.v_ext,
-        o,
-        b.k_buf,
-        b.v_buf,
-        b.qo_indptr,
-        b.kv_indptr,
-        b.kv_indices,
-        b.custom_mask,
-        True,
-        b.mask_indptr,
-        b.max_q_len,
-        1.0,
-        1.0,
-        sm_scale=b.sm_scale,
-    )
+    triton_call(b, o)
     return o
 
 
@@ -133,7 +100,7 @@ def test_index_and_mask_dtypes(mask_dtype, indptr_dtype, indices_dtype):
     assert rel_l2(run_ours(b), reference(b)) < 1e-2
 
 
-@pytest.mark.parametrize("v_ext", ["separate", "view", "none"])
+@pytest.mark.parametrize("v_ext", ["batch", "view", None])
 def test_draft_values_forms(v_ext):
     b = make_batch(2, 8, 16, 700, seed=11)
     assert rel_l2(run_ours(b, v_ext=v_ext), reference(b)) < 1e-2
