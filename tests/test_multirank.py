@@ -68,10 +68,9 @@ def scheduler_prologue(model_dir: str, tp_rank: int, tp_size: int, stop_file: st
     args = ServerArgs(model_path=model_dir, tp_size=tp_size, device="cpu", skip_tokenizer_init=True)
     world_rank = spawn_world_rank(args, tp_rank=tp_rank, pp_rank=0)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, dp_rank=None, gpu_id=tp_rank))
+    # Wait for a stop file (not an Event: a rank killed while waiting on one would wedge its set()).
     deadline = time.monotonic() + 300
-    while (
-        not os.path.exists(stop_file) and time.monotonic() < deadline
-    ):  # a file: a killed rank cannot wedge it
+    while not os.path.exists(stop_file) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

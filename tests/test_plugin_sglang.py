@@ -311,7 +311,10 @@ def test_calls_that_are_not_target_verify_are_passed_through_uncounted():
 def test_a_missing_kernel_library_is_a_counted_fallback(monkeypatch):
     import torch
 
+    import kdtree
+
     monkeypatch.setitem(sys.modules, "kdtree.kernel", None)  # `from kdtree import kernel` raises ImportError
+    monkeypatch.delattr(kdtree, "kernel", raising=False)  # ...also when an earlier test imported it
     override = _override("on")
     assert override._ready(torch.device("cuda", 0), capturing=False) == (None, "kernel_unavailable")
     assert "kdtree.kernel does not import" in override.snapshot()["last_error"]
