@@ -125,31 +125,14 @@ def test_cuda_graph_replay_equals_eager():
     out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     ws = torch.empty(kernel.workspace_bytes(4, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
     counter = kernel.DeviceCounter("cuda")
-    args = (
-        b.q,
-        b.k_ext,
-        b.v_ext,
-        b.k_buf,
-        b.v_buf,
-        b.qo_indptr,
-        b.kv_indptr,
-        b.kv_indices,
-        b.custom_mask,
-        b.mask_indptr,
-        b.sm_scale,
-        16,
-        out,
-        ws,
-        counter,
-    )
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        kernel.tree_verify(*args)  # warm-up outside capture
+        kdtree_call(b, out, ws, counter)  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        kernel.tree_verify(*args)
+        kdtree_call(b, out, ws, counter)
     for seed in range(3):
         fresh = make_batch(4, 16, 16, 4096, seed=300 + seed)
         for name in ("q", "k_ext", "v_ext", "k_buf", "kv_indices", "custom_mask"):
