@@ -100,7 +100,10 @@ def test_running_container_state_and_latest_marker(run_container):
 
 
 def test_exited_container_reports_exit_code_and_the_traceback(run_container):
+    # The markers (stdout) come well before the crash (stderr), as in a real start: Docker orders lines of
+    # the two streams only by arrival, so lines written in the same instant may interleave.
     script = SGLANG_START + (
+        "sleep 0.5; "
         'echo "Traceback (most recent call last):" >&2; '
         'echo "  File \\"/sgl/cuda_graph_runner.py\\", line 412, in capture" >&2; '
         'echo "torch.OutOfMemoryError: CUDA out of memory" >&2; exit 3'
