@@ -39,6 +39,12 @@ def _sglang_reason() -> str | None:
     return None
 
 
+@pytest.fixture
+def anyio_backend():
+    """The async tests (anyio's pytest plugin) run on asyncio."""
+    return "asyncio"
+
+
 def pytest_collection_modifyitems(config, items):
     reasons = {}
     for item in items:

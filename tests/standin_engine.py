@@ -62,6 +62,13 @@ FAULTS = (
 )
 
 
+def free_port() -> int:
+    """A free loopback port (for the tests that start stand-ins and sidecars)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def log(msg: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"[{stamp} TP0] {msg}", flush=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from standin_engine import StandinProcess
+from standin_engine import StandinProcess, free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode, write_desired_mode
@@ -27,12 +26,6 @@ from sidecar.settings import SidecarSettings
 
 TOKEN = "test-admin-token"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from standin_engine import free_port
 
 pytestmark = pytest.mark.docker
 
@@ -203,12 +203,6 @@ def compose_files_for_cpu(tmp: Path) -> list[Path]:
     cpu = tmp / "compose.cpu.yaml"
     cpu.write_text("".join(lines[:start] + lines[end:]))
     return [cpu, REPO / "tests" / "compose.ci.yaml"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import site
-import socket
 import subprocess
 import time
 import uuid
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode
@@ -165,12 +165,6 @@ async def sidecar(settings):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://sidecar", timeout=60) as client:
             yield client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_status_of_a_crashed_server_container(run_container, tmp_path):

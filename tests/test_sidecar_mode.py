@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from standin_engine import StandinProcess
+from standin_engine import StandinProcess, free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode, write_desired_mode
@@ -27,17 +26,6 @@ from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 pytestmark = pytest.mark.anyio
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_settings(state_dir, port, **overrides) -> SidecarSettings:

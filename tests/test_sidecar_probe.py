@@ -8,13 +8,12 @@ with injected faults. It also writes the per-rank records the SGLang ranks write
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from standin_engine import StandinProcess
+from standin_engine import StandinProcess, free_port
 
 from kdtree.config import ConfigError, Mode
 from kdtree.control import write_desired_mode
@@ -25,17 +24,6 @@ from sidecar.settings import SidecarSettings, load_sidecar_settings
 
 pytestmark = pytest.mark.anyio
 TOKEN = "test-admin-token"
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_settings(state_dir, port, **overrides) -> SidecarSettings:
