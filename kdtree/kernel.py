@@ -18,6 +18,7 @@ import torch
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
+ABI_VERSION = 2  # kernel_build/include/kdtree_verify.h
 CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
 _I32, _I64 = 0, 1
 
@@ -95,13 +96,15 @@ def library() -> ctypes.CDLL:
             continue
         lib = ctypes.CDLL(str(path))
         lib.kdtree_abi_version.restype = ctypes.c_int
-        if lib.kdtree_abi_version() != 1:
+        if lib.kdtree_abi_version() != ABI_VERSION:
             raise KernelUnavailable(
-                f"{path} has ABI {lib.kdtree_abi_version()}, this binding needs 1: rebuild kernel_build"
+                f"{path} has ABI {lib.kdtree_abi_version()}, this binding needs {ABI_VERSION}: "
+                "rebuild kernel_build"
             )
         lib.kdtree_compiled_archs.restype = ctypes.c_char_p
         lib.kdtree_last_error.restype = ctypes.c_char_p
         lib.kdtree_verify_smem_bytes.argtypes = [ctypes.c_int]
+        lib.kdtree_verify_ctas_per_sm.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
         lib.kdtree_verify_workspace_bytes.argtypes = [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_size_t)]
         lib.kdtree_verify_launch.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
         lib.kdtree_parity_stats_bytes.restype = ctypes.c_size_t
@@ -161,10 +164,12 @@ def _device_plan(index: int) -> tuple[int, int]:
             f"config {config} needs {need} B of shared memory per block; "
             f"{props.name} allows {props.shared_memory_per_block_optin}"
         )
-    per_sm = max(
-        1, props.shared_memory_per_multiprocessor // (need + 1024)
-    )  # 1 KB the system reserves per block
-    return props.multi_processor_count * per_sm, CONFIGS[config]
+    per_sm = ctypes.c_int(0)
+    with torch.cuda.device(index):
+        rc = library().kdtree_verify_ctas_per_sm(CONFIGS[config], ctypes.byref(per_sm))
+    if rc != 0:
+        raise KernelUnavailable(f"config {config}: {library().kdtree_last_error().decode()}")
+    return props.multi_processor_count * per_sm.value, CONFIGS[config]
 
 
 def _device_index(device) -> int:

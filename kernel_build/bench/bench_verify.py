@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--mma-tflops", type=float, required=True, help="measured mma.sync bf16 rate (mma_peak)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--ours-only", action="store_true", help="skip the baselines (for tuning runs)")
     ap.add_argument(
         "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
     )
@@ -131,15 +132,15 @@ def main() -> None:
         (bs, h, n, p) for bs in (1, 8, 32) for h in (8, 16) for n in (16, 64) for p in (4096, 32768, 131072)
     ]
     if args.quick:
-        shapes = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768)]
+        shapes = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768), (8, 8, 16, 131072)]
     for bs, h, n, p in shapes:
         kv_bytes = bs * (p + n) * 1152
         R = max(1, min(8, math.ceil(3 * L2_BYTES / kv_bytes)))
         batches = [make_batch(bs, h, n, p, seed=s, spare_slots=0) for s in range(R)]
         b = batches[0]
         ours = time_ours(batches)
-        tri = time_triton(b)
-        tch = time_torch(b)
+        tri = float("nan") if args.ours_only else time_triton(b)
+        tch = float("nan") if args.ours_only else time_torch(b)
         io_bytes = kv_bytes + b.q.numel() * 2 + bs * n * h * 512 * 2
         flops = 2 * h * n * (576 + 512) * (p + n) * bs
         roof = max(io_bytes / bw, flops / (args.mma_tflops * 1e12)) * 1e6

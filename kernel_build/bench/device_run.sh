@@ -32,6 +32,7 @@ ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | he
 if [ "$what" = all ] && [ -n "$ncu_bin" ]; then
   timeout 240 "$ncu_bin" --clock-control none -k regex:tree_verify_kernel -c 1 --section SpeedOfLight \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
     python3 kernel_build/bench/bench_verify.py --mma-tflops 1 --quick >"$out/ncu.txt" 2>&1
   echo "profile: $((SECONDS - t0)) s"
 fi

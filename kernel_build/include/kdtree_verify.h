@@ -16,12 +16,12 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 1
+#define KDTREE_ABI_VERSION 2
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
 enum kdtree_index_type { KDTREE_I32 = 0, KDTREE_I64 = 1 };
-/* Tile configurations. WIDE needs ~153 KB of shared memory per block (sm_90, sm_100);
+/* Tile configurations. WIDE needs ~194 KB of shared memory per block (sm_90, sm_100);
  * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
 enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
 
@@ -62,6 +62,8 @@ int kdtree_abi_version(void);
 const char* kdtree_compiled_archs(void);
 /* Dynamic shared memory one block of `config` uses, in bytes (0 for an unknown config). */
 int kdtree_verify_smem_bytes(int config);
+/* CTAs of `config` one multiprocessor of the current device holds at once (for cta_slots). */
+int kdtree_verify_ctas_per_sm(int config, int* ctas);
 /* Workspace the launch needs for these sizes; depends on sizes only, never on device data. */
 int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len, int cta_slots, int config, size_t* bytes);
 /* Enqueue the attention on `stream` (a cudaStream_t). No allocation, no host synchronisation. */

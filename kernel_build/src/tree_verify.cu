@@ -18,42 +18,57 @@ constexpr int QK = KDTREE_QK_DIM;  // 512 latent + 64 rope
 constexpr int DV = KDTREE_V_DIM;
 constexpr int ROW_BYTES = QK * 2 + 16;  // +16 B of padding: 8 ldmatrix rows land in 8 different bank groups
 constexpr int ROW_CHUNKS = QK * 2 / 16;  // 16-byte chunks per key row (72)
-constexpr int V_CHUNKS = DV * 2 / 16;  // 64
+constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
 constexpr int MIN_KEYS_PER_SPLIT = 256;  // below this, partial-result traffic outweighs the parallelism
 constexpr int MAX_SPLITS = 128;
 
-template <int BM_, int BN_, int STAGES_, int NW_>
+// Warp-specialised CTA: NS score warps (16 rows each, all BN keys of a tile) compute S = Q K^T and the
+// softmax and hand P to NO output warps (all BM rows, DV/NO value dims each), which accumulate O += P V
+// and load the key tiles. The two roles work on different tiles at once (scores of tile t+1 while the
+// output warps multiply tile t), so the tensor pipe is fed by one role while the other waits on memory.
+template <int BM_, int BN_, int STAGES_, int NO_, int QREG_>
 struct Cfg {
   static constexpr int BM = BM_;  // packed (token, head) rows per CTA
   static constexpr int BN = BN_;  // keys per pipeline stage
-  static constexpr int STAGES = STAGES_;
-  static constexpr int NW = NW_;
-  static constexpr int NT = NW * 32;
-  static constexpr int RB = BM / 16;  // 16-row blocks
-  static constexpr int KG = NW / RB;  // key groups in the QK phase (warps that share a row block)
-  static constexpr int KW = BN / KG;  // keys per warp in the QK phase
-  static constexpr int NB_QK = KW / 8;
-  static constexpr int DV_W = DV / NW;  // value dims per warp in the PV phase (all BM rows)
+  static constexpr int STAGES = STAGES_;  // >= 3: one tile in QK, one in PV, one loading
+  static constexpr int NS = BM / 16;  // score warps
+  static constexpr int NO = NO_;  // output warps
+  static constexpr int NT = (NS + NO) * 32;
+  static constexpr int QREG = QREG_;  // k-steps of Q a score warp keeps in registers (the rest: ldmatrix)
+  static constexpr int RB = BM / 16;
+  static constexpr int NB_QK = BN / 8;
+  static constexpr int DV_W = DV / NO;  // value dims per output warp
   static constexpr int NB_PV = DV_W / 8;
-  // With BM <= BN, P (BM x BN bf16) lives in the staged keys' rope columns (dims 512..575), dead once
-  // QK is done: row r of P in key row r, so no separate buffer (this is what lets wide take 64-key tiles).
-  static constexpr bool P_IN_K = BM <= BN && BN * 2 <= (QK - DV) * 2;
-  static constexpr int P_ROW_BYTES = P_IN_K ? ROW_BYTES : BN * 2 + 16;
-  static constexpr int LD_THREADS = NT / BN;  // loader threads per key row
-  static constexpr bool QK_DUAL = NB_QK < 4;  // fewer than 4 independent accumulators: add a second set
+  static constexpr int CW = DV_W / 8;  // latent 16-byte chunks per key row an output warp loads (its dims)
+  static constexpr int LAT_PER_LANE = BN * CW / 32;
+  static constexpr int ROPE_PER_WARP = BN * ROPE_CHUNKS / NO;
+  static constexpr int ROPE_PER_LANE = ROPE_PER_WARP / 32;
+  static constexpr int P_ROW_BYTES = BN * 2 + 16;
   static constexpr int SMEM_Q = BM * ROW_BYTES;
   static constexpr int SMEM_K = STAGES * BN * ROW_BYTES;
-  static constexpr int SMEM_P = P_IN_K ? 0 : BM * P_ROW_BYTES;
-  static constexpr int SMEM_STATS = (2 * KG * BM + 2 * BM) * 4;  // row max / sum per key group; alpha; final max
+  static constexpr int SMEM_P = 2 * BM * P_ROW_BYTES;  // double-buffered: P of tile t+1 while PV reads t
+  static constexpr int SMEM_STATS = 4 * BM * 4;  // alpha x 2 buffers; final row sum and max
   static constexpr int SMEM = SMEM_Q + SMEM_K + SMEM_P + SMEM_STATS;
-  static_assert(BM % 16 == 0 && NW % RB == 0 && KW % 8 == 0 && BN % 16 == 0, "tile shape");
-  static_assert(DV_W % 16 == 0, "PV n-blocks come in pairs");
-  static_assert(NT % BN == 0 && ROW_CHUNKS % LD_THREADS == 0 && (BM * ROW_CHUNKS) % NT == 0, "even load split");
+  // Named barriers (0 is __syncthreads): key tile landed (per stage), P ready / P free (per buffer).
+  static constexpr int BAR_K = 1, BAR_P_READY = BAR_K + STAGES, BAR_P_FREE = BAR_P_READY + 2;
+  static_assert(BM % 16 == 0 && STAGES >= 3 && BAR_P_FREE + 2 <= 16, "tile shape");
+  static_assert(32 % BN == 0 && BN % 16 == 0, "one pool slot per lane and tile");
+  static_assert(DV_W % 16 == 0 && 32 % CW == 0 && (BN * CW) % 32 == 0, "output warp split");
+  static_assert(ROPE_PER_WARP % 32 == 0, "rope chunks spread evenly");
+  static_assert(QREG <= QK / 16, "Q k-steps");
 };
-using Wide = Cfg<64, 64, 2, 8>;  // sm_90 / sm_100: 220.5 KB shared
-using Compact = Cfg<32, 16, 3, 4>;  // sm_120: fits 99 KB
+#ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
+#define KDTREE_WIDE_QREG 20
+#endif
+using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG>;  // sm_90 / sm_100: 12 warps (168 registers each), 194 KB shared
+using Compact = Cfg<32, 16, 3, 4, 36>;  // sm_120: 6 warps, Q wholly in registers, fits 99 KB
 static_assert(Compact::SMEM <= 101376, "sm_120 allows 99 KB of shared memory per block");
 static_assert(Wide::SMEM <= 232448, "sm_90 / sm_100 allow 227 KB of shared memory per block");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int SMEM_PER_BLOCK = 101376;  // sm_120
+#else
+constexpr int SMEM_PER_BLOCK = 232448;
+#endif
 
 struct Params {
   const __nv_bfloat16* q; int64_t q_st, q_sh;
@@ -74,6 +89,12 @@ __device__ __forceinline__ int64_t load_idx(const void* p, int t, int64_t i) {
   return t == KDTREE_I64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// Producer / consumer hand-offs between the two warp roles; `n` counts the threads of both.
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 // Keys [lo, hi) of request b that split s covers; the same arithmetic in both kernels.
 __device__ __forceinline__ void split_range(int L, int splits, int s, int BN, int& lo, int& hi, int& used) {
   int want = (L + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT;
@@ -86,201 +107,120 @@ __device__ __forceinline__ void split_range(int L, int splits, int s, int BN, in
   hi = min(L, lo + chunk);
 }
 
+// What one CTA works on: rows [m0, m0 + BM) of request b, keys [k_lo, k_hi) of prefix ++ draft.
+struct Work {
+  int64_t qs, kv0, mbase;
+  int qlen, rows, m0, P, L, k_lo, k_hi, ntiles;
+};
+
 template <class C>
-__global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* Qs = smem;
-  uint8_t* Ks = Qs + C::SMEM_Q;
-  uint8_t* Ps = Ks + C::SMEM_K;
-  float* red_max = reinterpret_cast<float*>(Ps + C::SMEM_P);  // [KG][BM]
-  float* red_sum = red_max + C::KG * C::BM;  // [KG][BM]
-  float* alpha_s = red_sum + C::KG * C::BM;  // [BM]
-  float* mfin_s = alpha_s + C::BM;  // [BM]
+struct Smem {
+  uint8_t* q;
+  uint8_t* k;
+  uint8_t* p;
+  float* alpha;  // [2][BM]
+  float* l_fin;  // [BM]
+  float* m_fin;  // [BM]
+  __device__ explicit Smem(uint8_t* base)
+      : q(base), k(base + C::SMEM_Q), p(k + C::SMEM_K), alpha(reinterpret_cast<float*>(p + C::SMEM_P)),
+        l_fin(alpha + 2 * C::BM), m_fin(l_fin + C::BM) {}
+};
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
-
-  if (p.counter != nullptr && split == 0 && mt == 0 && b == 0 && tid == 0) {
-    unsigned long long v = atomicAdd(p.counter, 1ull) + 1ull;
-    if (p.counter_mirror != nullptr) *reinterpret_cast<volatile unsigned long long*>(p.counter_mirror) = v;
+// Score warp `sw`: rows sw*16.., every key of each tile. Row max / sum stay in registers (the warp owns
+// whole rows); P (bf16, as SGLang's Triton kernel feeds its P.V product) and the rescale factor go to
+// shared memory for the output warps.
+template <class C>
+__device__ __forceinline__ void score_warp(const Params& p, const Work& w, const Smem<C>& sm, int sw, int lane) {
+#pragma unroll 4
+  for (int c = lane; c < 16 * ROW_CHUNKS; c += 32) {  // Q rows past this request's rows are zero-filled
+    const int r = sw * 16 + c / ROW_CHUNKS, col = c % ROW_CHUNKS, gr = w.m0 + r;
+    const bool ok = gr < w.rows;
+    const __nv_bfloat16* src = ok ? p.q + (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh + col * 8 : p.q;
+    cp_async16(sm.q + r * ROW_BYTES + col * 16, src, ok);
   }
-
-  const int64_t qs = load_idx(p.qo_indptr, p.qo_t, b);
-  const int qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - qs);
-  const int rows = qlen * p.H;
-  const int m0 = mt * C::BM;
-  if (m0 >= rows) return;
-  const int64_t kv0 = load_idx(p.kv_indptr, p.kvp_t, b);
-  const int P = static_cast<int>(load_idx(p.kv_indptr, p.kvp_t, b + 1) - kv0);
-  const int L = P + qlen;
-  int k_lo, k_hi, used;
-  split_range(L, p.splits, split, C::BN, k_lo, k_hi, used);
-  if (split >= used) return;
-  const int64_t mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
-
-  // Q tile: rows past this request's rows are zero-filled (their results are never stored).
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  const uint32_t q_addr = smem_u32(sm.q + (sw * 16 + (lane & 15)) * ROW_BYTES + (lane >> 4) * 16);
+  uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
 #pragma unroll
-  for (int it = 0; it < C::BM * ROW_CHUNKS / C::NT; ++it) {
-    int c = tid + it * C::NT, r = c / ROW_CHUNKS, col = c % ROW_CHUNKS;
-    int gr = m0 + r;
-    bool ok = gr < rows;
-    const __nv_bfloat16* src = p.q;
-    if (ok) src = p.q + (qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh + col * 8;
-    cp_async16(Qs + r * ROW_BYTES + col * 16, src, ok);
-  }
-  // Key tiles: LD_THREADS threads per key row, each copying its share of the 72 16-byte chunks. A thread
-  // needs one pool slot per tile, read one tile ahead so the index load's latency hides behind a tile of work.
-  const int ld_key = tid / C::LD_THREADS, ld_sub = tid % C::LD_THREADS;
-  auto slot_of = [&](int t) -> int64_t {
-    const int kp = k_lo + t * C::BN + ld_key;
-    return kp < P && kp < k_hi ? load_idx(p.kv_indices, p.kvi_t, kv0 + kp) : 0;
-  };
-  auto load_tile = [&](int t, int stage, int64_t slot) {
-    const int kp = k_lo + t * C::BN + ld_key;
-    const bool ok = kp < k_hi;  // past the range: zero-filled, then masked
-    const __nv_bfloat16* src = p.k_buf;
-    if (ok) src = kp < P ? p.k_buf + slot * p.k_buf_st : p.k_ext + (qs + kp - P) * p.k_ext_st;
-    uint8_t* dst = Ks + (stage * C::BN + ld_key) * ROW_BYTES;
-#pragma unroll
-    for (int i = 0; i < ROW_CHUNKS / C::LD_THREADS; ++i) {
-      const int col = ld_sub + C::LD_THREADS * i;
-      cp_async16(dst + col * 16, ok ? src + col * 8 : src, ok);
-    }
-  };
+  for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_addr + ks * 32);
 
-  const int ntiles = (k_hi - k_lo + C::BN - 1) / C::BN;
-#pragma unroll
-  for (int s = 0; s < C::STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(s, s, slot_of(s));
-    cp_async_commit();
-  }
-  int64_t next_slot = slot_of(C::STAGES - 1);
-
-  const int rb_qk = warp % C::RB, kg = warp / C::RB;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  float o[C::RB][C::NB_PV][4];
-#pragma unroll
-  for (int i = 0; i < C::RB; ++i)
-#pragma unroll
-    for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
-
-  // Draft-token index of this thread's two QK rows (for the tree mask).
-  int qi[2], qrow_ok[2];
+  const int r0 = sw * 16 + (lane >> 2);
+  int qi[2];
+  bool qrow_ok[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    int gr = m0 + rb_qk * 16 + (lane >> 2) + 8 * h;
-    qrow_ok[h] = gr < rows;
+    const int gr = w.m0 + r0 + 8 * h;
+    qrow_ok[h] = gr < w.rows;
     qi[h] = qrow_ok[h] ? gr / p.H : 0;
   }
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-  for (int t = 0; t < ntiles; ++t) {
-    cp_async_wait<C::STAGES - 2>();
-    __syncthreads();  // tile t landed; every warp is done with tile t-1 (its stage, P and stats)
-    if (t + C::STAGES - 1 < ntiles) load_tile(t + C::STAGES - 1, (t + C::STAGES - 1) % C::STAGES, next_slot);
-    cp_async_commit();
-    next_slot = slot_of(t + C::STAGES);  // consumed next iteration
+  for (int t = 0; t < w.ntiles; ++t) {
+    const int stage = t % C::STAGES;
+    bar_sync(C::BAR_K + stage, C::NT);
+    const uint8_t* Kt = sm.k + stage * C::BN * ROW_BYTES;
+    const int kt0 = w.k_lo + t * C::BN;
 
-    uint8_t* Kt = Ks + (t % C::STAGES) * C::BN * ROW_BYTES;
-    const int kt0 = k_lo + t * C::BN;
-
-    // S = Q K^T for 16 rows x KW keys; with few n-blocks, two accumulator sets (even/odd k-steps) halve
-    // the mma dependency chain.
+    // S = Q K^T for 16 rows x BN keys; two accumulator sets (even / odd k-steps) halve the mma
+    // dependency chain, which one warp per scheduler cannot otherwise hide.
     float s[C::NB_QK][4], s2[C::NB_QK][4];
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = s2[j][e] = 0.f;
-    const uint32_t q_addr = smem_u32(Qs + (rb_qk * 16 + (lane & 15)) * ROW_BYTES + (lane >> 4) * 16);
-    const uint32_t k_addr = smem_u32(Kt + (kg * C::KW + ((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES + ((lane >> 3) & 1) * 16);
-    auto qk_step = [&](int ks, float (&acc)[C::NB_QK][4]) {
-      uint32_t a[4];
-      ldmatrix_x4(a, q_addr + ks * 32);
+    const uint32_t k_addr = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES + ((lane >> 3) & 1) * 16);
 #pragma unroll
-      for (int nb = 0; nb + 1 < C::NB_QK; nb += 2) {
+    for (int ks = 0; ks < QK / 16; ++ks) {
+      uint32_t a[4];
+      if (ks < C::QREG) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = qf[ks < C::QREG ? ks : 0][e];
+      } else {
+        ldmatrix_x4(a, q_addr + ks * 32);
+      }
+      float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : s;
+#pragma unroll
+      for (int nb = 0; nb < C::NB_QK; nb += 2) {
         uint32_t bb[4];
         ldmatrix_x4(bb, k_addr + nb * 8 * ROW_BYTES + ks * 32);
         mma_bf16(acc[nb], a, bb[0], bb[1]);
         mma_bf16(acc[nb + 1], a, bb[2], bb[3]);
       }
-      if constexpr (C::NB_QK % 2 == 1) {
-        uint32_t bb[2];
-        ldmatrix_x2(bb, k_addr + (C::NB_QK - 1) * 8 * ROW_BYTES + ks * 32);
-        mma_bf16(acc[C::NB_QK - 1], a, bb[0], bb[1]);
-      }
-    };
-    if constexpr (C::QK_DUAL) {
-#pragma unroll 2
-      for (int ks = 0; ks < QK / 16; ks += 2) {
-        qk_step(ks, s);
-        qk_step(ks + 1, s2);
-      }
-#pragma unroll
-      for (int j = 0; j < C::NB_QK; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
-    } else {
-#pragma unroll 4
-      for (int ks = 0; ks < QK / 16; ++ks) qk_step(ks, s);
     }
 
     // Scale into the log2 domain; mask draft keys (tree or causal) and keys past the range.
-    const bool edge = kt0 + C::BN > P;
+    const bool edge = kt0 + C::BN > w.P;
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = s[j][e] * p.scale_log2;
+        float v = (s[j][e] + s2[j][e]) * p.scale_log2;
         if (edge) {
-          int h = e >> 1;
-          int kp = kt0 + kg * C::KW + j * 8 + 2 * (lane & 3) + (e & 1);
-          bool vis = kp < P;
-          if (!vis && kp < k_hi) {
+          const int h = e >> 1;
+          const int kp = kt0 + j * 8 + 2 * (lane & 3) + (e & 1);
+          bool vis = kp < w.P;
+          if (!vis && kp < w.k_hi) {
             if (!qrow_ok[h]) vis = true;
-            else if (p.mask != nullptr) vis = p.mask[mbase + static_cast<int64_t>(qi[h]) * L + kp] != 0;
-            else vis = kp - P <= qi[h];
+            else if (p.mask != nullptr) vis = p.mask[w.mbase + static_cast<int64_t>(qi[h]) * w.L + kp] != 0;
+            else vis = kp - w.P <= qi[h];
           }
           if (!vis) v = -INFINITY;
         }
         s[j][e] = v;
       }
 
-    // Row max across the key groups that share these rows.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < C::NB_QK; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    }
-    const int r0 = rb_qk * 16 + (lane >> 2);
-    if ((lane & 3) == 0) {
-      red_max[kg * C::BM + r0] = mx[0];
-      red_max[kg * C::BM + r0 + 8] = mx[1];
-    }
-    __syncthreads();  // also: every warp finished reading this stage's keys for QK
-
-    // Draft values from a separate tensor replace the latent part of the staged draft rows.
-    if (p.v_ext != nullptr && edge) {
-      const int d_lo = max(kt0, P), d_hi = min(kt0 + C::BN, k_hi);
-      for (int c = tid; c < (d_hi - d_lo) * V_CHUNKS; c += C::NT) {
-        int kp = d_lo + c / V_CHUNKS, col = c % V_CHUNKS;
-        uint4 v = *reinterpret_cast<const uint4*>(p.v_ext + (qs + kp - P) * p.v_ext_st + col * 8);
-        *reinterpret_cast<uint4*>(Kt + (kp - kt0) * ROW_BYTES + col * 16) = v;
-      }
-    }
-
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float tm = -INFINITY;
 #pragma unroll
-      for (int g = 0; g < C::KG; ++g) tm = fmaxf(tm, red_max[g * C::BM + r0 + 8 * h]);
-      float m_new = fmaxf(m_run[h], tm);
-      float m_use = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: keep zeros, no NaN
+      for (int j = 0; j < C::NB_QK; ++j) tm = fmaxf(tm, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+      tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+      const float m_new = fmaxf(m_run[h], tm);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: keep zeros, no NaN
       alpha[h] = exp2f(m_run[h] - m_use);
       m_run[h] = m_new;
       l_run[h] *= alpha[h];
@@ -291,25 +231,109 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
         l_run[h] += s[j][2 * h] + s[j][2 * h + 1];
       }
     }
-    // P in bf16 (as SGLang's Triton kernel feeds its P.V product); the row sum stays fp32.
-    uint8_t* const Pt = C::P_IN_K ? Kt + DV * 2 : Ps;
+
+    const int buf = t & 1;
+    if (t >= 2) bar_sync(C::BAR_P_FREE + buf, C::NT);  // the output warps are done with tile t-2's P
+    uint8_t* Pt = sm.p + buf * C::BM * C::P_ROW_BYTES;
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j) {
-      int col = kg * C::KW + j * 8 + 2 * (lane & 3);
+      const int col = j * 8 + 2 * (lane & 3);
       *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(s[j][0], s[j][1]);
       *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(s[j][2], s[j][3]);
     }
-    if (kg == 0 && (lane & 3) == 0) {
-      alpha_s[r0] = alpha[0];
-      alpha_s[r0 + 8] = alpha[1];
+    if ((lane & 3) == 0) {
+      sm.alpha[buf * C::BM + r0] = alpha[0];
+      sm.alpha[buf * C::BM + r0 + 8] = alpha[1];
     }
-    __syncthreads();
+    bar_arrive(C::BAR_P_READY + buf, C::NT);
+  }
+  // Take the last (up to two) P-free arrivals so every named barrier ends balanced.
+  for (int t = max(w.ntiles, 2); t < w.ntiles + 2; ++t) bar_sync(C::BAR_P_FREE + (t & 1), C::NT);
 
-    // O = O * alpha + P V for all BM rows x this warp's DV_W value dims.
-    const int d0 = warp * C::DV_W;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  if ((lane & 3) == 0) {
+    sm.l_fin[r0] = l_run[0];
+    sm.l_fin[r0 + 8] = l_run[1];
+    sm.m_fin[r0] = m_run[0];
+    sm.m_fin[r0 + 8] = m_run[1];
+  }
+}
+
+// Output warp `ow`: loads its share of every key tile (its own value dims of each key row, so no other
+// output warp reads what it overwrites, plus an even share of the rope dims), then O = O * alpha + P V
+// for all BM rows x its DV_W dims.
+template <class C>
+__device__ __forceinline__ void output_warp(const Params& p, const Work& w, const Smem<C>& sm, int ow, int lane,
+                                            float (&o)[C::RB][C::NB_PV][4]) {
+  // Lane k reads the pool slot of key row k of a tile (a tile ahead); the copies themselves go out in
+  // 16-byte chunks with consecutive lanes on consecutive chunks of a row, so each request is whole lines.
+  const int key = lane % C::BN;
+  auto slot_of = [&](int t) -> int {  // a pool holds fewer than 2^31 rows (that would be 2.4 TB)
+    const int kp = w.k_lo + t * C::BN + key;
+    return kp < w.P && kp < w.k_hi ? static_cast<int>(load_idx(p.kv_indices, p.kvi_t, w.kv0 + kp)) : 0;
+  };
+  auto load_tile = [&](int t, int slot) {
+    const int k0 = w.k_lo + t * C::BN;
+    uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+    auto copy = [&](int r, int col) {  // chunk `col` of key row r
+      const int64_t sl = __shfl_sync(0xffffffffu, slot, r);
+      const int kp = k0 + r;
+      const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
+      const __nv_bfloat16* src = p.k_buf;
+      if (ok) src = kp < w.P ? p.k_buf + sl * p.k_buf_st : p.k_ext + (w.qs + kp - w.P) * p.k_ext_st;
+      cp_async16(stage + r * ROW_BYTES + col * 16, ok ? src + col * 8 : src, ok);
+    };
+#pragma unroll
+    for (int i = 0; i < C::LAT_PER_LANE; ++i) {
+      const int idx = lane + 32 * i;
+      copy(idx / C::CW, ow * C::CW + idx % C::CW);
+    }
+#pragma unroll
+    for (int i = 0; i < C::ROPE_PER_LANE; ++i) {
+      const int g = ow * C::ROPE_PER_WARP + lane + 32 * i;
+      copy(g / ROPE_CHUNKS, DV / 8 + g % ROPE_CHUNKS);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < C::STAGES; ++s) {
+    if (s < w.ntiles) load_tile(s, slot_of(s));
+    cp_async_commit();
+  }
+  int next_slot = slot_of(C::STAGES);
+  cp_async_wait<C::STAGES - 1>();
+  bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
+
+  const int d0 = ow * C::DV_W;
+  for (int t = 0; t < w.ntiles; ++t) {
+    if (t + 1 < w.ntiles) {
+      cp_async_wait<C::STAGES - 2>();
+      bar_arrive(C::BAR_K + (t + 1) % C::STAGES, C::NT);
+    }
+    const int buf = t & 1;
+    bar_sync(C::BAR_P_READY + buf, C::NT);  // P of tile t written; the score warps are done with its keys
+    uint8_t* Kt = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+    const int kt0 = w.k_lo + t * C::BN;
+
+    // Draft values from a separate tensor replace this warp's dims of the staged draft rows.
+    if (p.v_ext != nullptr && kt0 + C::BN > w.P) {
+      const int d_lo = max(kt0, w.P), d_hi = min(kt0 + C::BN, w.k_hi);
+      for (int c = lane; c < (d_hi - d_lo) * C::CW; c += 32) {
+        const int kp = d_lo + c / C::CW, col = ow * C::CW + c % C::CW;
+        const uint4 v = *reinterpret_cast<const uint4*>(p.v_ext + (w.qs + kp - w.P) * p.v_ext_st + col * 8);
+        *reinterpret_cast<uint4*>(Kt + (kp - kt0) * ROW_BYTES + col * 16) = v;
+      }
+      __syncwarp();
+    }
+
+    const float* alpha = sm.alpha + buf * C::BM;
 #pragma unroll
     for (int rb = 0; rb < C::RB; ++rb) {
-      float a0 = alpha_s[rb * 16 + (lane >> 2)], a1 = alpha_s[rb * 16 + (lane >> 2) + 8];
+      const float a0 = alpha[rb * 16 + (lane >> 2)], a1 = alpha[rb * 16 + (lane >> 2) + 8];
       if (a0 != 1.f || a1 != 1.f) {  // the running max rarely moves once a few tiles are in
 #pragma unroll
         for (int j = 0; j < C::NB_PV; ++j) {
@@ -317,6 +341,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
         }
       }
     }
+    const uint8_t* Pt = sm.p + buf * C::BM * C::P_ROW_BYTES;
 #pragma unroll
     for (int kk = 0; kk < C::BN / 16; ++kk) {
       uint32_t a[C::RB][4];
@@ -336,42 +361,72 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
         }
       }
     }
+    __syncwarp();  // every lane is done reading this stage before this warp refills it
+    bar_arrive(C::BAR_P_FREE + buf, C::NT);
+    if (t + C::STAGES < w.ntiles) load_tile(t + C::STAGES, next_slot);
+    cp_async_commit();
+    next_slot = slot_of(t + C::STAGES + 1);
   }
   cp_async_wait<0>();
+}
 
-  // Row sums across the key groups, then normalise and store.
+template <class C>
+__global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
+#ifdef __CUDA_ARCH__
+  if constexpr (C::SMEM > SMEM_PER_BLOCK) return;  // a config this architecture cannot launch: no code
+#endif
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const Smem<C> sm(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
+
+  if (p.counter != nullptr && split == 0 && mt == 0 && b == 0 && tid == 0) {
+    unsigned long long v = atomicAdd(p.counter, 1ull) + 1ull;
+    if (p.counter_mirror != nullptr) *reinterpret_cast<volatile unsigned long long*>(p.counter_mirror) = v;
+  }
+
+  Work w;
+  w.qs = load_idx(p.qo_indptr, p.qo_t, b);
+  w.qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - w.qs);
+  w.rows = w.qlen * p.H;
+  w.m0 = mt * C::BM;
+  if (w.m0 >= w.rows) return;
+  w.kv0 = load_idx(p.kv_indptr, p.kvp_t, b);
+  w.P = static_cast<int>(load_idx(p.kv_indptr, p.kvp_t, b + 1) - w.kv0);
+  w.L = w.P + w.qlen;
+  int used;
+  split_range(w.L, p.splits, split, C::BN, w.k_lo, w.k_hi, used);
+  if (split >= used) return;
+  w.mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
+  w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
+
+  if (warp < C::NS) {
+    score_warp<C>(p, w, sm, warp, lane);
+    __syncthreads();  // row sums and maxima are in shared memory
+    return;
+  }
+  const int ow = warp - C::NS;
+  float o[C::RB][C::NB_PV][4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
-  }
-  {
-    const int r0 = rb_qk * 16 + (lane >> 2);
-    if ((lane & 3) == 0) {
-      red_sum[kg * C::BM + r0] = l_run[0];
-      red_sum[kg * C::BM + r0 + 8] = l_run[1];
-      if (kg == 0) {
-        mfin_s[r0] = m_run[0];
-        mfin_s[r0 + 8] = m_run[1];
-      }
-    }
-  }
+  for (int i = 0; i < C::RB; ++i)
+#pragma unroll
+    for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
+  output_warp<C>(p, w, sm, ow, lane, o);
   __syncthreads();
 
-  const int d0 = warp * C::DV_W;
+  // Normalise and store (no split), or write the split's partial O and log-sum-exp for the combine.
+  const int d0 = ow * C::DV_W;
 #pragma unroll
   for (int rb = 0; rb < C::RB; ++rb)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rb * 16 + (lane >> 2) + 8 * h;
-      const int gr = m0 + r;
-      float l = 0.f;
-#pragma unroll
-      for (int g = 0; g < C::KG; ++g) l += red_sum[g * C::BM + r];
+      const int gr = w.m0 + r;
+      const float l = sm.l_fin[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
       if (p.splits == 1) {
-        if (gr < rows) {
-          __nv_bfloat16* dst = p.out + (qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0 + 2 * (lane & 3);
+        if (gr < w.rows) {
+          __nv_bfloat16* dst = p.out + (w.qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0 + 2 * (lane & 3);
 #pragma unroll
           for (int j = 0; j < C::NB_PV; ++j)
             *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
@@ -383,7 +438,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #pragma unroll
         for (int j = 0; j < C::NB_PV; ++j)
           *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
-        if (warp == 0 && (lane & 3) == 0) p.part_lse[wrow] = l > 0.f ? mfin_s[r] + log2f(l) : -INFINITY;
+        if (ow == 0 && (lane & 3) == 0) p.part_lse[wrow] = l > 0.f ? sm.m_fin[r] + log2f(l) : -INFINITY;
       }
     }
 }
@@ -456,19 +511,37 @@ static Plan plan(int batch, int H, int max_q_len, int cta_slots) {
   return pl;
 }
 
+// Raise the kernel's dynamic shared memory limit, once per thread and device (outside the steady state).
+template <class C>
+static int prepare() {
+  static thread_local int attr_set_device = -1;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (attr_set_device != dev) {
+    cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+    attr_set_device = dev;
+  }
+  return KDTREE_OK;
+}
+
+// CTAs of this config one multiprocessor of the current device holds at once (shared memory, registers
+// and threads all counted): the split sizing fills exactly one wave of them.
+template <class C>
+static int resident_ctas(int* ctas) {
+  if (int rc = prepare<C>(); rc != KDTREE_OK) return rc;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C>, C::NT, C::SMEM);
+  if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+  if (*ctas < 1) return fail(KDTREE_ERR_CUDA, "the kernel does not fit on this device");
+  return KDTREE_OK;
+}
+
 template <class C>
 static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots);
   if (a->workspace_bytes < pl.ws_bytes || (pl.ws_bytes > 0 && a->workspace == nullptr))
     return fail(KDTREE_ERR_WORKSPACE, "workspace is smaller than kdtree_verify_workspace_bytes()");
-  static thread_local int attr_set_device = -1;
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (attr_set_device != dev) {  // once per thread and device, outside the steady state
-    cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-    if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
-    attr_set_device = dev;
-  }
+  if (int rc = prepare<C>(); rc != KDTREE_OK) return rc;
   Params p;
   p.q = static_cast<const __nv_bfloat16*>(a->q); p.q_st = a->q_stride_t; p.q_sh = a->q_stride_h;
   p.k_ext = static_cast<const __nv_bfloat16*>(a->k_ext); p.k_ext_st = a->k_ext_stride;
@@ -512,6 +585,13 @@ __attribute__((visibility("default"))) const char* kdtree_last_error(void) { ret
 
 __attribute__((visibility("default"))) int kdtree_verify_smem_bytes(int config) {
   return config == KDTREE_CONFIG_WIDE ? Wide::SMEM : config == KDTREE_CONFIG_COMPACT ? Compact::SMEM : 0;
+}
+
+__attribute__((visibility("default"))) int kdtree_verify_ctas_per_sm(int config, int* ctas) {
+  if (ctas == nullptr) return fail(KDTREE_ERR_ARGUMENT, "ctas is NULL");
+  if (config == KDTREE_CONFIG_WIDE) return resident_ctas<Wide>(ctas);
+  if (config == KDTREE_CONFIG_COMPACT) return resident_ctas<Compact>(ctas);
+  return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
 }
 
 __attribute__((visibility("default"))) int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len,
