@@ -50,6 +50,9 @@ struct Cfg {
   static constexpr int SMEM_STATS = 4 * BM * 4;  // alpha x 2 buffers; final row sum and max
   static constexpr int SMEM = SMEM_Q + SMEM_K + SMEM_P + SMEM_STATS;
   // Named barriers (0 is __syncthreads): key tile landed (per stage), P ready / P free (per buffer).
+  // A producer never arrives twice at one barrier before its consumers took the first arrival: K[s] is
+  // re-armed for tile t+STAGES only after P ready(t), which follows the score warps' sync on K[s] for t;
+  // P ready(buf) only after P free(buf) of two tiles back; P free(buf) only after P ready(buf) of its tile.
   static constexpr int BAR_K = 1, BAR_P_READY = BAR_K + STAGES, BAR_P_FREE = BAR_P_READY + 2;
   static_assert(BM % 16 == 0 && STAGES >= 3 && BAR_P_FREE + 2 <= 16, "tile shape");
   static_assert(32 % BN == 0 && BN % 16 == 0, "one pool slot per lane and tile");
