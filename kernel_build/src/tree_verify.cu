@@ -388,6 +388,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     if (p.counter_mirror != nullptr) *reinterpret_cast<volatile unsigned long long*>(p.counter_mirror) = v;
   }
 
+  asm volatile("griddepcontrol.launch_dependents;\n");  // the combine may be scheduled as CTAs retire
   Work w;
   w.qs = load_idx(p.qo_indptr, p.qo_t, b);
   w.qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - w.qs);
@@ -446,11 +447,16 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     }
 }
 
-// Merge the prefix splits of each row by log-sum-exp. One block per (request, packed row); its four
-// warps each own 128 of the 512 value dims, so a lane carries one float4 and many splits stay in flight.
-template <class C>
-__global__ void __launch_bounds__(128) combine_kernel(const Params p) {
-  const int lane = threadIdx.x & 31, quarter = threadIdx.x >> 5;
+// Merge the prefix splits of each row by log-sum-exp. One block per (request, packed row); each of its G
+// groups of four warps sums every G-th split (a lane carries one float4 of the 512 value dims), so with
+// many splits many partial rows are in flight at once; group 0 adds the groups up and stores.
+// Launched as a programmatic dependent of the main kernel: its blocks are scheduled as main-kernel CTAs
+// retire and wait (griddepcontrol.wait) for the whole main grid before reading a partial result.
+constexpr int COMBINE_MANY_SPLITS = 16;  // from here on, 4 groups per row; below, one
+template <class C, int G>
+__global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
+  __shared__ float4 part[G > 1 ? G - 1 : 1][128];
+  const int lane = threadIdx.x & 31, col = threadIdx.x & 127, grp = threadIdx.x >> 7;
   const int gr = blockIdx.x, b = blockIdx.y;
   const int64_t qs = load_idx(p.qo_indptr, p.qo_t, b);
   const int qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - qs);
@@ -460,25 +466,41 @@ __global__ void __launch_bounds__(128) combine_kernel(const Params p) {
   split_range(P + qlen, p.splits, 0, C::BN, lo, hi, used);
   const int mt = gr / C::BM, r = gr % C::BM;
   const int64_t base = (static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits * C::BM + r;
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   float mx = -INFINITY;
   for (int s = lane; s < used; s += 32) mx = fmaxf(mx, p.part_lse[base + s * C::BM]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float wsum = 0.f;  // over every split, so each group has the total
+  for (int s = lane; s < used; s += 32) {
+    const float lse = p.part_lse[base + s * C::BM];
+    wsum += lse == -INFINITY ? 0.f : exp2f(lse - mx);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
   if (mx != -INFINITY) {
-    const float4* src = reinterpret_cast<const float4*>(p.part_o + base * DV) + quarter * 32 + lane;
-#pragma unroll 8
-    for (int s = 0; s < used; ++s) {
+    const float4* src = reinterpret_cast<const float4*>(p.part_o + base * DV) + col;
+#pragma unroll 4
+    for (int s = grp; s < used; s += G) {
       const float lse = p.part_lse[base + s * C::BM];
       const float w = lse == -INFINITY ? 0.f : exp2f(lse - mx);
       const float4 v = src[static_cast<int64_t>(s) * C::BM * DV / 4];
-      wsum += w;
       acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
   }
+  if constexpr (G > 1) {
+    if (grp > 0) part[grp - 1][col] = acc;
+    __syncthreads();
+    if (grp > 0) return;
+#pragma unroll
+    for (int g = 0; g < G - 1; ++g) {
+      const float4 v = part[g][col];
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+  }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  __nv_bfloat16* dst = p.out + (qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + (quarter * 32 + lane) * 4;
+  __nv_bfloat16* dst = p.out + (qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + col * 4;
   __nv_bfloat162 lo2 = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   __nv_bfloat162 hi2 = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   uint2 packed;
@@ -566,9 +588,17 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   if (pl.splits > 1) {
-    dim3 cgrid(pl.m_tiles * C::BM, a->batch);
-    combine_kernel<C><<<cgrid, 128, 0, stream>>>(p);
-    e = cudaGetLastError();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(pl.m_tiles * C::BM, a->batch);
+    const bool many = pl.splits >= COMBINE_MANY_SPLITS;
+    cfg.blockDim = dim3(many ? 512 : 128);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    e = many ? cudaLaunchKernelEx(&cfg, combine_kernel<C, 4>, p) : cudaLaunchKernelEx(&cfg, combine_kernel<C, 1>, p);
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   }
   return KDTREE_OK;
