@@ -110,6 +110,8 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model-path", "--model")
     p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pp-size", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--enable-dp-attention", action="store_true")  # deprecated: --dp-size N is attention DP
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--attention-backend")
     p.add_argument("--prefill-attention-backend")
@@ -237,11 +239,21 @@ def plan(
             "pass --speculative-draft-model-path /models/<draft>, or use --speculative-algorithm NGRAM",
         )
 
-    if min(args.tp_size, args.pp_size, args.nnodes) < 1:
+    if min(args.tp_size, args.pp_size, args.dp_size, args.nnodes) < 1:
         raise LaunchError(
-            "--tp-size, --pp-size and --nnodes must be >= 1", "fix the value in the server command"
+            "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1", "fix the value in the server command"
         )
-    per_node = args.tp_size * args.pp_size // args.nnodes
+    # Data-parallel replicas (not attention DP, which runs inside the TP group) each bring tp x pp GPUs.
+    replicas = 1 if args.enable_dp_attention else args.dp_size
+    if mode is not Mode.OFF and (replicas > 1 or args.pp_size > 1):
+        layout = f"--dp-size {args.dp_size}" if replicas > 1 else f"--pp-size {args.pp_size}"
+        raise LaunchError(
+            f"{layout} runs several schedulers per tp rank, and kdtree's per-rank status records are keyed "
+            "by tp rank: they would overwrite each other and the sidecar's gate would judge partial evidence",
+            "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size), "
+            "or set KDTREE_VERIFY=off",
+        )
+    per_node = replicas * args.tp_size * args.pp_size // args.nnodes
     found = gpus()
     if not found:
         raise LaunchError(
@@ -251,7 +263,10 @@ def plan(
         )
     if per_node > len(found):
         raise LaunchError(
-            f"--tp-size {args.tp_size} needs {per_node} GPUs on this node, {len(found)} visible",
+            f"--tp-size {args.tp_size}"
+            + (f" x --pp-size {args.pp_size}" if args.pp_size > 1 else "")
+            + (f" x --dp-size {replicas}" if replicas > 1 else "")
+            + f" needs {per_node} GPUs on this node, {len(found)} visible",
             "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count) "
             "or lower --tp-size (KDTREE_TP_SIZE) to match",
         )
@@ -276,7 +291,8 @@ def plan(
     gpu_text = ", ".join(sorted({f"{g.name} sm_{g.sm}" for g in found[:per_node]})) or "none"
     summary = (
         f"kdtree launcher: mode={mode.value} (from {mode_source}); model={args.model_path}; "
-        f"tp={args.tp_size} pp={args.pp_size} nnodes={args.nnodes}; gpus={len(found)} visible [{gpu_text}]; "
+        f"tp={args.tp_size} pp={args.pp_size} dp={args.dp_size} nnodes={args.nnodes}; "
+        f"gpus={len(found)} visible [{gpu_text}]; "
         f"kernel archs={','.join(f'sm_{a}' for a in have) or 'none'}; "
         f"attention={'/'.join(f'{k}={v}' for k, v in backends.items()) or 'SGLang default'}; "
         f"speculative={algorithm}"

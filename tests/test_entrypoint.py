@@ -116,6 +116,29 @@ def test_tensor_parallel_alias_and_equals_form(model, capsys):
     assert "--tp-size 4 needs 4 GPUs" in error_line(capsys)
 
 
+@pytest.mark.parametrize("layout", [["--dp-size", "2"], ["--data-parallel-size=2"], ["--pp-size", "2"]])
+def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsys, layout):
+    # Several schedulers would share a tp rank, and so one status record file.
+    assert run(args(model, *layout), n_gpus=8)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "runs several schedulers per tp rank" in line and "--attn-dp-size" in line
+    assert "KDTREE_VERIFY=off" in line
+
+
+def test_attention_dp_keeps_one_scheduler_per_tp_rank(model):
+    for layout in (["--attn-dp-size", "2"], ["--dp-size", "2", "--enable-dp-attention"]):
+        rc, call = run(args(model, "--tp-size", "2", *layout), n_gpus=2)
+        assert rc == 0 and call is not None, layout
+
+
+def test_replicas_count_towards_the_gpus_needed(model, monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_VERIFY", "off")  # replicas are allowed when kdtree is off
+    assert run(args(model, "--tp-size", "4", "--dp-size", "2"), n_gpus=4)[0] == EXIT_CONFIG
+    assert "--tp-size 4 x --dp-size 2 needs 8 GPUs on this node, 4 visible" in error_line(capsys)
+    rc, call = run(args(model, "--tp-size", "4", "--dp-size", "2"), n_gpus=8)
+    assert rc == 0 and call is not None
+
+
 def test_unreadable_tp_size(model, capsys):
     assert run(args(model, "--tp-size", "eight"))[0] == EXIT_CONFIG
     assert "unreadable sglang.launch_server arguments: argument --tp-size" in error_line(capsys)
