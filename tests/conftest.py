@@ -6,6 +6,10 @@ import shutil
 import subprocess
 
 import pytest
+from standin_engine import StandinProcess, free_port
+
+from kdtree.config import Mode
+from kdtree.control import write_desired_mode
 
 
 def _cuda_reason() -> str | None:
@@ -43,6 +47,26 @@ def _sglang_reason() -> str | None:
 def anyio_backend():
     """The async tests (anyio's pytest plugin) run on asyncio."""
     return "asyncio"
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """Start stand-in SGLang engines (tests/standin_engine.py) with tmp_path as their state dir:
+    engine(*engine_args, port=None, wait=True, mode=None) -> StandinProcess; all are stopped at the end."""
+    started = []
+
+    def start(*args, port=None, wait=True, mode: Mode | None = None) -> StandinProcess:
+        if mode is not None:
+            write_desired_mode(tmp_path, mode)
+        proc = StandinProcess(port or free_port(), str(tmp_path), args).start()
+        started.append(proc)
+        if wait:
+            proc.wait_port()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,14 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from standin_engine import StandinProcess, free_port
+from sidecar_harness import TOKEN, make_settings
+from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
+from kdtree.control import read_desired_mode
 from sidecar.app import create_app
 from sidecar.settings import SidecarSettings
 
-TOKEN = "test-admin-token"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -49,36 +49,14 @@ def serve(settings: SidecarSettings, server):
 
 
 @pytest.fixture
-def stack(tmp_path):
+def stack(engine):
     """A stand-in engine and a sidecar in front of it: stack(*engine_args) -> (sidecar URL, engine)."""
-    engines, contexts = [], []
+    contexts = []
 
     def start(*args, mode: Mode | None = None, **overrides):
-        if mode is not None:
-            write_desired_mode(tmp_path, mode)
-        proc = StandinProcess(
-            free_port(), str(tmp_path), ["--tp-size", "2", "--heartbeat-s", "0.2", *args]
-        ).start()
-        engines.append(proc)
-        settings = SidecarSettings(
-            **{
-                **dict(
-                    server_url=f"http://127.0.0.1:{proc.port}",
-                    state_dir=str(tmp_path),
-                    admin_token=TOKEN,
-                    expected_tp_size=2,
-                    heartbeat_stale_s=3.0,
-                    probe_deadline_s=1.0,
-                    probe_ttl_s=0.2,
-                    ready_timeout_s=10,
-                    ready_poll_min_s=0.1,
-                    ready_poll_max_s=0.3,
-                    bake_probes=2,
-                    bake_interval_s=0.1,
-                    gate_min_calls=100,
-                ),
-                **overrides,
-            }
+        proc = engine("--tp-size", "2", "--heartbeat-s", "0.2", *args, mode=mode, wait=False)
+        settings = make_settings(
+            proc.state_dir, proc.port, **{"ready_timeout_s": 10, "bake_probes": 2, **overrides}
         )
         ctx = serve(settings, proc)
         contexts.append(ctx)
@@ -87,8 +65,6 @@ def stack(tmp_path):
     yield start
     for ctx in contexts:
         ctx.__exit__(None, None, None)
-    for proc in engines:
-        proc.stop()
 
 
 def kdtreectl(

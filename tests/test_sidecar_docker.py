@@ -12,24 +12,20 @@ import site
 import subprocess
 import time
 import uuid
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
 import pytest
+from sidecar_harness import AUTH, make_settings, sidecar
 from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode
-from sidecar.app import create_app
 from sidecar.docker_control import DockerError, ServerContainer
 from sidecar.evidence import crash_excerpt, latest_marker
-from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.docker
 IMAGE = "kdtree-test-base:bookworm"
 REPO = Path(__file__).resolve().parents[1]
-TOKEN = "test-admin-token"
 
 
 def build_base_image() -> None:
@@ -158,28 +154,13 @@ def test_unreachable_docker_is_a_clear_error(monkeypatch):
 # ---- the sidecar with a real container --------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def sidecar(settings):
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar", timeout=60) as client:
-            yield client
-
-
 def test_status_of_a_crashed_server_container(run_container, tmp_path):
     c = run_container(["sh", "-c", SGLANG_START + 'echo "RuntimeError: NCCL error" >&2; exit 7'])
     wait_for(lambda: ServerContainer(c.name).inspect().status == "exited")
-    settings = SidecarSettings(
-        server_url=f"http://127.0.0.1:{free_port()}",
-        state_dir=str(tmp_path),
-        admin_token=TOKEN,
-        server_container=c.name,
-        probe_deadline_s=1.0,
-    )
+    settings = make_settings(tmp_path, free_port(), server_container=c.name, expected_tp_size=1)
 
     async def check():
-        async with sidecar(settings) as client:
+        async with sidecar(settings, timeout=60) as client:
             return (await client.get("/status")).json(), (await client.get("/ready"))
 
     st, ready = asyncio.run(check())
@@ -220,33 +201,24 @@ def test_mode_flip_through_a_real_docker_restart(run_container, tmp_path):
         },
         environment={"PYTHONPATH": "/src:/sp"},
     )
-    settings = SidecarSettings(
-        server_url=f"http://127.0.0.1:{port}",
-        state_dir=str(state_dir),
-        admin_token=TOKEN,
+    settings = make_settings(
+        state_dir,
+        port,
         server_container=c.name,
-        expected_tp_size=2,
-        heartbeat_stale_s=3.0,
-        probe_deadline_s=1.0,
-        probe_ttl_s=0.2,
         ready_timeout_s=30,
         ready_poll_min_s=0.2,
         ready_poll_max_s=0.5,
-        bake_probes=3,
-        bake_interval_s=0.1,
         restart_stop_timeout_s=5,
     )
 
     async def flip():
-        async with sidecar(settings) as client:
+        async with sidecar(settings, timeout=60) as client:
             deadline = time.monotonic() + 30
             while not (ready := await client.get("/ready")).status_code == 200:
                 assert time.monotonic() < deadline, ready.json()
                 await asyncio.sleep(0.2)
             assert ready.json()["mode"] == "off"
-            r = await client.post(
-                "/mode", json={"mode": "validate"}, headers={"Authorization": f"Bearer {TOKEN}"}
-            )
+            r = await client.post("/mode", json={"mode": "validate"}, headers=AUTH)
             assert r.status_code == 202, r.json()
             while (st := (await client.get("/status")).json())["active_transition"]:
                 assert time.monotonic() < deadline + 60, st["active_transition"]

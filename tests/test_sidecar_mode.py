@@ -10,72 +10,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from standin_engine import StandinProcess, free_port
+from sidecar_harness import AUTH, make_settings, sidecar
+from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode, write_desired_mode
-from sidecar.app import create_app
 from sidecar.docker_control import ContainerMissing
-from sidecar.settings import SidecarSettings
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 
 pytestmark = pytest.mark.anyio
-TOKEN = "test-admin-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def make_settings(state_dir, port, **overrides) -> SidecarSettings:
-    base = dict(
-        server_url=f"http://127.0.0.1:{port}",
-        state_dir=str(state_dir),
-        admin_token=TOKEN,
-        expected_tp_size=2,
-        heartbeat_stale_s=3.0,
-        probe_deadline_s=1.0,
-        probe_ttl_s=0.2,
-        ready_timeout_s=6.0,
-        ready_poll_min_s=0.1,
-        ready_poll_max_s=0.3,
-        bake_probes=3,
-        bake_interval_s=0.1,
-        restart_stop_timeout_s=2,
-        gate_min_calls=100,
-        gate_max_rel_err=0.02,
-    )
-    return SidecarSettings(**{**base, **overrides})
-
-
-@asynccontextmanager
-async def sidecar(settings, server=None):
-    app = create_app(settings, server)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar", timeout=30) as client:
-            yield client
 
 
 @pytest.fixture
-def engine(tmp_path):
-    started = []
-
-    def start(*args, mode: Mode | None = None, wait=True) -> StandinProcess:
-        if mode is not None:
-            write_desired_mode(tmp_path, mode)
-        proc = StandinProcess(
-            free_port(), str(tmp_path), ["--tp-size", "2", "--heartbeat-s", "0.2", *args]
-        ).start()
-        started.append(proc)
-        if wait:
-            proc.wait_port()
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
+def engine(engine):
+    """Stand-in engines that report two ranks with a fast heartbeat."""
+    return lambda *args, **kw: engine("--tp-size", "2", "--heartbeat-s", "0.2", *args, **kw)
 
 
 async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:

@@ -9,62 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from standin_engine import StandinProcess, free_port
+from sidecar_harness import TOKEN, make_settings, sidecar
+from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
-from kdtree.control import write_desired_mode
 from sidecar import probe as P
 from sidecar.app import create_app
 from sidecar.evidence import crash_excerpt, latest_marker
-from sidecar.settings import SidecarSettings, load_sidecar_settings
+from sidecar.settings import load_sidecar_settings
 
 pytestmark = pytest.mark.anyio
-TOKEN = "test-admin-token"
-
-
-def make_settings(state_dir, port, **overrides) -> SidecarSettings:
-    base = dict(
-        server_url=f"http://127.0.0.1:{port}",
-        state_dir=str(state_dir),
-        admin_token=TOKEN,
-        expected_tp_size=2,
-        heartbeat_stale_s=3.0,
-        probe_deadline_s=1.0,
-        probe_ttl_s=0.3,
-    )
-    return SidecarSettings(**{**base, **overrides})
-
-
-@asynccontextmanager
-async def sidecar(settings, server=None):
-    app = create_app(settings, server)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar", timeout=30) as client:
-            yield client
-
-
-@pytest.fixture
-def engine(tmp_path):
-    """Start stand-in engines; all are stopped at the end of the test."""
-    started = []
-
-    def start(*args, port=None, wait=True, mode: Mode | None = None) -> StandinProcess:
-        if mode is not None:
-            write_desired_mode(tmp_path, mode)
-        proc = StandinProcess(port or free_port(), str(tmp_path), args).start()
-        started.append(proc)
-        if wait:
-            proc.wait_port()
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def prober(port, deadline=1.0, model=None) -> P.Prober:

@@ -1,0 +1,47 @@
+"""What the sidecar tests share: settings with short timings, and the app behind an in-process client."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import httpx
+
+from sidecar.app import create_app
+from sidecar.settings import SidecarSettings
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def make_settings(state_dir, port, **overrides) -> SidecarSettings:
+    """A sidecar for a stand-in engine on `port`, two ranks expected, every wait shortened for tests."""
+    base = dict(
+        server_url=f"http://127.0.0.1:{port}",
+        state_dir=str(state_dir),
+        admin_token=TOKEN,
+        expected_tp_size=2,
+        heartbeat_stale_s=3.0,
+        probe_deadline_s=1.0,
+        probe_ttl_s=0.2,
+        ready_timeout_s=6.0,
+        ready_poll_min_s=0.1,
+        ready_poll_max_s=0.3,
+        bake_probes=3,
+        bake_interval_s=0.1,
+        restart_stop_timeout_s=2,
+        gate_min_calls=100,
+        gate_max_rel_err=0.02,
+    )
+    return SidecarSettings(**{**base, **overrides})
+
+
+@asynccontextmanager
+async def sidecar(settings: SidecarSettings, server=None, timeout: float = 30):
+    """The sidecar app with its lifespan running, behind an httpx client (no socket)."""
+    app = create_app(settings, server)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://sidecar", timeout=timeout
+        ) as client:
+            yield client
