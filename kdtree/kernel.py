@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import numbers
 import os
 from pathlib import Path
 
@@ -336,6 +338,12 @@ def tree_verify(
         max_q_len,
     )
     _aligned(q, "q", q.stride(0), q.stride(1))
+    _need(
+        isinstance(sm_scale, numbers.Real) and math.isfinite(sm_scale) and sm_scale > 0,
+        "sm_scale",
+        "a positive finite float",
+        sm_scale,
+    )
     for name, t in (
         ("k_ext", k_ext),
         ("k_buf", k_buf),
@@ -356,6 +364,7 @@ def tree_verify(
     _aligned(k_ext, "k_ext", k_ext.stride(0))
     k_rows = _as_rows(k_buf, "k_buf", QK_DIM)
     _aligned(k_rows, "k_buf", k_rows.stride(0))
+    _need(k_rows.stride(0) < 2**31, "k_buf", "a row stride below 2^31 elements", k_rows.stride(0))
     v_rows = _as_rows(v_buf, "v_buf", V_DIM)
     if v_rows.data_ptr() != k_rows.data_ptr() or v_rows.stride(0) != k_rows.stride(0):
         raise Unsupported("v_buf must be the first 512 dims of k_buf (MLATokenToKVPool's layout)")

@@ -1,8 +1,11 @@
 // Ceiling for the roofline: the rate of mma.sync.m16n8k16 bf16 (fp32 accumulate), the tensor instruction
 // the kdtree kernel uses (and the one sm_120 has). 8 independent accumulators per warp, all SMs busy.
+// usage: mma_peak [warps per SM]; with the argument, one block of that many warps per SM (4 = one warp
+// per scheduler: the rate a lone warp reaches).
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 
 __global__ void mma_loop(float* sink, int iters) {
   uint32_t a[4] = {0x3f803f80u ^ threadIdx.x, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u}, b0 = 0x3f803f80u, b1 = b0 ^ blockIdx.x;
@@ -19,12 +22,13 @@ __global__ void mma_loop(float* sink, int iters) {
   if (s == 12345.f) sink[threadIdx.x] = s;
 }
 
-int main() {
+int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   float* sink;
   cudaMalloc(&sink, 4096);
-  const int threads = 256, blocks = sms * 4, iters = 20000;
+  const int wps = argc > 1 ? atoi(argv[1]) : 0;
+  const int threads = wps > 0 ? 32 * wps : 256, blocks = wps > 0 ? sms : sms * 4, iters = 20000;
   mma_loop<<<blocks, threads>>>(sink, 100);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);

@@ -201,6 +201,10 @@ def test_bad_arguments_name_the_argument():
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             kernel.tree_verify(**{**base, name: value})
+    # The kernel folds a positive scale into its exp2 argument.
+    for scale in (0.0, -b.sm_scale, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sm_scale"):
+            kernel.tree_verify(**{**base, "sm_scale": scale})
     with pytest.raises(kernel.Unsupported, match="k_buf"):
         kernel.tree_verify(**{**base, "k_buf": b.k_buf.view(torch.uint8)[..., :576]})
     with pytest.raises(kernel.Unsupported, match="v_buf"):
