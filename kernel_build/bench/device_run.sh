@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|all] [pytest args...]
-# 'all' also profiles one batch-1 launch with Nsight Compute when ncu is present (ncu.txt).
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|profile|all] [pytest args...]
+# 'profile' (and 'all') profiles one batch-1 launch with Nsight Compute when ncu is present: ncu.txt (the
+# summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-$PWD/device-out}; mkdir -p "$out"
@@ -18,22 +19,25 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD:$PWD/tests/gpu:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 rc=0
-if [ "$what" != bench ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest_timeout*.whl 2>/dev/null
   python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}
   echo "tests: $((SECONDS - t0)) s (rc=$rc)"
 fi
-if [ "$what" != tests ]; then
+if [ "$what" = bench ] || [ "$what" = all ]; then
   mma=$(kernel_build/build/mma_peak)
   python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
 fi
 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-if [ "$what" = all ] && [ -n "$ncu_bin" ]; then
+if { [ "$what" = profile ] || [ "$what" = all ]; } && [ -n "$ncu_bin" ]; then
   timeout 240 "$ncu_bin" --clock-control none -k regex:tree_verify_kernel -c 1 --section SpeedOfLight \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-    python3 kernel_build/bench/bench_verify.py --mma-tflops 1 --quick >"$out/ncu.txt" 2>&1
+    --section SourceCounters --import-source no \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' -f -o /tmp/kdtree-ncu \
+    python3 kernel_build/bench/bench_verify.py --mma-tflops 1 --quick --ours-only >"$out/ncu.log" 2>&1
+  "$ncu_bin" -i /tmp/kdtree-ncu.ncu-rep --page details >"$out/ncu.txt" 2>&1
+  "$ncu_bin" -i /tmp/kdtree-ncu.ncu-rep --page source --csv --print-source sass >"$out/ncu-source.csv" 2>&1
   echo "profile: $((SECONDS - t0)) s"
 fi
 exit $rc
