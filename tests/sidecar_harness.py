@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from contextlib import asynccontextmanager
 
 import httpx
@@ -45,3 +47,16 @@ async def sidecar(settings: SidecarSettings, server=None, timeout: float = 30):
             transport=transport, base_url="http://sidecar", timeout=timeout
         ) as client:
             yield client
+
+
+async def wait_ready(c: httpx.AsyncClient, timeout: float = 30) -> dict:
+    """Poll GET /ready until the sidecar's completion probe passes (a busy machine can take a few seconds
+    to answer the stand-in's first completion); returns the /ready body."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await c.get("/ready")
+        if r.status_code == 200:
+            return r.json()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the sidecar was not ready within {timeout:g}s: {r.json()}")
+        await asyncio.sleep(0.1)
