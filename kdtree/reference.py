@@ -53,6 +53,17 @@ def tree_mask_rows(parents: list[int]) -> torch.Tensor:
     return m
 
 
+def full_layout_mask(prefix_lens: list[int], draft_masks: list[torch.Tensor]) -> torch.Tensor:
+    """SGLang's FULL mask layout, flat: per request a row-major [n, prefix + n] block whose prefix columns
+    are all visible and whose draft columns are that request's [n, n] draft mask."""
+    blocks = []
+    for P, m in zip(prefix_lens, draft_masks, strict=True):
+        full = torch.ones(m.shape[0], P + m.shape[0], dtype=torch.bool)
+        full[:, P:] = m
+        blocks.append(full.flatten())
+    return torch.cat(blocks)
+
+
 def make_batch(
     batch: int,
     heads: int,
@@ -84,15 +95,14 @@ def make_batch(
     slots = (torch.randperm(S - 1, generator=gen)[:total_prefix] + 1).to(indices_dtype).to(device)
     qo = torch.tensor([0] + q_lens).cumsum(0).to(indptr_dtype).to(device)
     kv = torch.tensor([0] + prefix_lens).cumsum(0).to(indptr_dtype).to(device)
-    parents, rows, mask_ptr = [], [], [0]
+    parents, mask_ptr = [], [0]
     for P, n in zip(prefix_lens, q_lens, strict=True):
-        par = random_parents(n, gen) if tree else [i - 1 for i in range(n)]
-        parents.append(par)
-        full = torch.ones(n, P + n, dtype=torch.bool)
-        full[:, P:] = tree_mask_rows(par)
-        rows.append(full.flatten())
+        parents.append(random_parents(n, gen) if tree else [i - 1 for i in range(n)])
         mask_ptr.append(mask_ptr[-1] + n * (P + n))
-    mask = torch.cat(rows).to(mask_dtype).to(device) if tree else None
+    mask = None
+    if tree:
+        drafts = [tree_mask_rows(par) for par in parents]
+        mask = full_layout_mask(prefix_lens, drafts).to(mask_dtype).to(device)
     return VerifyBatch(
         q,
         k_ext,
@@ -131,7 +141,7 @@ def reference(b: VerifyBatch) -> torch.Tensor:
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x = x.double()
+    x, ref = x.double(), ref.double()
     if not torch.isfinite(x).all():
         return float("inf")  # NaN never passes
     return float((x - ref).norm() / ref.norm())

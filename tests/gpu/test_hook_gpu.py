@@ -123,26 +123,17 @@ class Setup:
         return self.runner.token_to_kv_pool.get_key_buffer(0)
 
 
-def random_tree(torch, n, gen):
-    """Ancestor-or-self matrix [n, n] of a random tree whose parents precede their children."""
-    parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parent[j]
-    return anc
+def random_trees(count, n, gen):
+    """Draft masks [n, n] of `count` random trees whose parents precede their children."""
+    from kdtree.reference import random_parents, tree_mask_rows
+
+    return [tree_mask_rows(random_parents(n, gen)) for _ in range(count)]
 
 
-def full_mask(torch, prefix_lens, ancestors):
-    """EAGLE's FULL_MASK layout: per request a row-major [n, prefix + n] block, prefix columns True."""
-    parts = []
-    for p, anc in zip(prefix_lens, ancestors, strict=True):
-        block = torch.ones(anc.shape[0], p + anc.shape[0], dtype=torch.bool)
-        block[:, p:] = anc
-        parts.append(block.reshape(-1))
-    return torch.cat(parts).cuda()
+def full_mask(prefix_lens, ancestors):
+    from kdtree.reference import full_layout_mask
+
+    return full_layout_mask(prefix_lens, ancestors).cuda()
 
 
 def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0) -> Setup:
@@ -167,10 +158,10 @@ def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0) -> Setup:
     fb = fx.forward_batch
     _prepare_target_verify_batch(fb, case, "cuda")  # seq_lens = committed prefix, as production
     gen = torch.Generator().manual_seed(seed)
-    ancestors = [random_tree(torch, n, gen) for _ in prefix_lens]
+    ancestors = random_trees(len(prefix_lens), n, gen)
     t = bs * n
     fb.spec_info = EagleVerifyInput(
-        draft_token=fb.input_ids, custom_mask=full_mask(torch, prefix_lens, ancestors), positions=fb.positions,
+        draft_token=fb.input_ids, custom_mask=full_mask(prefix_lens, ancestors), positions=fb.positions,
         retrieve_index=torch.arange(t, device="cuda").view(bs, n),
         retrieve_next_token=torch.full((bs, n), -1, device="cuda"),
         retrieve_next_sibling=torch.full((bs, n), -1, device="cuda"),
@@ -215,7 +206,9 @@ def reference(torch, s):
 
 
 def rel_l2(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    from kdtree.reference import rel_l2 as rel_l2_fp64  # NaN never passes
+
+    return rel_l2_fp64(a, b)
 
 
 def snapshot(torch, override):
@@ -359,8 +352,8 @@ def change_inputs_in_place(torch, s, step):
     s.q.copy_(torch.randn(s.q.shape, generator=gen).to(s.q))
     s.k.copy_(torch.randn(s.k.shape, generator=gen).to(s.k))
     s.v.copy_(s.k[..., :512])
-    s.ancestors = [random_tree(torch, s.n, gen) for _ in s.prefix_lens]
-    s.fb.spec_info.custom_mask = full_mask(torch, s.prefix_lens, s.ancestors)
+    s.ancestors = random_trees(len(s.prefix_lens), s.n, gen)
+    s.fb.spec_info.custom_mask = full_mask(s.prefix_lens, s.ancestors)
     req_to_token = s.runner.req_to_token_pool.req_to_token
     for b, p in enumerate(s.prefix_lens):
         slots = req_to_token[b, :p].long()
