@@ -193,8 +193,12 @@ def workspace_bytes(batch: int, num_heads: int, max_q_len: int, device) -> int:
     return out.value
 
 
-def _need(cond: bool, arg: str, expected: str, got) -> None:
+def _need(cond: bool, arg: str, expected, got) -> None:
+    """Raise ValueError naming `arg` unless `cond`. `expected` and `got` may be callables, formatted only on
+    failure: the checks run on every eager call (once per attention layer), so the passing path stays cheap."""
     if not cond:
+        expected = expected() if callable(expected) else expected
+        got = got() if callable(got) else got
         raise ValueError(f"{arg}: expected {expected}, got {got}")
 
 
@@ -204,7 +208,7 @@ def _index_type(t: torch.Tensor, arg: str, allowed=(torch.int32, torch.int64)) -
         t.dim() == 1 and t.stride(0) == 1,
         arg,
         "a contiguous 1-D tensor",
-        f"shape {tuple(t.shape)} stride {t.stride()}",
+        lambda: f"shape {tuple(t.shape)} stride {t.stride()}",
     )
     return _I64 if t.dtype == torch.int64 else _I32
 
@@ -214,20 +218,20 @@ def _aligned(t: torch.Tensor, arg: str, *strides: int) -> None:
         t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides),
         arg,
         "16-byte aligned rows (pointer and row strides multiples of 8 elements)",
-        f"strides {t.stride()}",
+        lambda: f"strides {t.stride()}",
     )
 
 
 def _as_rows(t: torch.Tensor, arg: str, width: int) -> torch.Tensor:
     """[T, 1, width] or [T, width] with a contiguous last dim -> [T, width] view."""
     if t.dim() == 3:
-        _need(t.shape[1] == 1, arg, f"[T, 1, {width}] (one latent KV head)", tuple(t.shape))
+        _need(t.shape[1] == 1, arg, lambda: f"[T, 1, {width}] (one latent KV head)", lambda: tuple(t.shape))
         t = t[:, 0]
     _need(
         t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1,
         arg,
-        f"[T, 1, {width}] with a contiguous last dim",
-        f"shape {tuple(t.shape)} stride {t.stride()}",
+        lambda: f"[T, 1, {width}] with a contiguous last dim",
+        lambda: f"shape {tuple(t.shape)} stride {t.stride()}",
     )
     return t
 
@@ -321,13 +325,13 @@ def tree_verify(
     _need(q.is_cuda, "q", "a CUDA tensor", q.device)
     dev = q.device
     if q.dim() == 2:
-        _need(q.shape[1] % QK_DIM == 0, "q", f"[T, H*{QK_DIM}]", tuple(q.shape))
+        _need(q.shape[1] % QK_DIM == 0, "q", f"[T, H*{QK_DIM}]", lambda: tuple(q.shape))
         q = q.view(q.shape[0], -1, QK_DIM)
     _need(
         q.dim() == 3 and q.shape[2] == QK_DIM and q.stride(2) == 1,
         "q",
         f"[T, H, {QK_DIM}] with a contiguous last dim",
-        f"shape {tuple(q.shape)} stride {q.stride()}",
+        lambda: f"shape {tuple(q.shape)} stride {q.stride()}",
     )
     T, H = q.shape[0], q.shape[1]
     _need(1 <= H <= MAX_HEADS, "q", f"1..{MAX_HEADS} heads", H)
@@ -353,13 +357,13 @@ def tree_verify(
         ("kv_indices", kv_indices),
         ("workspace", workspace),
     ):
-        _need(t.device == dev, name, f"on {dev} like q", t.device)
+        _need(t.device == dev, name, lambda: f"on {dev} like q", t.device)
     k_ext = _as_rows(k_ext, "k_ext", QK_DIM)
     _need(
         k_ext.dtype == torch.bfloat16 and k_ext.shape[0] == T,
         "k_ext",
-        f"bfloat16 with {T} rows",
-        f"{k_ext.dtype} {tuple(k_ext.shape)}",
+        lambda: f"bfloat16 with {T} rows",
+        lambda: f"{k_ext.dtype} {tuple(k_ext.shape)}",
     )
     _aligned(k_ext, "k_ext", k_ext.stride(0))
     k_rows = _as_rows(k_buf, "k_buf", QK_DIM)
@@ -373,14 +377,14 @@ def tree_verify(
         _need(
             v_ext.device == dev and v_ext.dtype == torch.bfloat16 and v_ext.shape[0] == T,
             "v_ext",
-            f"bfloat16 [T={T}, 1, 512] on {dev}",
-            f"{v_ext.dtype} {tuple(v_ext.shape)} {v_ext.device}",
+            lambda: f"bfloat16 [T={T}, 1, 512] on {dev}",
+            lambda: f"{v_ext.dtype} {tuple(v_ext.shape)} {v_ext.device}",
         )
         _aligned(v_ext, "v_ext", v_ext.stride(0))
         if v_ext.data_ptr() == k_ext.data_ptr() and v_ext.stride(0) == k_ext.stride(0):
             v_ext = None  # values already are the keys' first 512 dims
     if out.dim() == 2:
-        _need(out.shape == (T, H * V_DIM), "out", f"[{T}, {H * V_DIM}]", tuple(out.shape))
+        _need(out.shape == (T, H * V_DIM), "out", lambda: f"[{T}, {H * V_DIM}]", lambda: tuple(out.shape))
         out = out.view(T, H, V_DIM)
     _need(
         out.dim() == 3
@@ -388,8 +392,8 @@ def tree_verify(
         and out.stride(2) == 1
         and out.dtype == torch.bfloat16,
         "out",
-        f"bfloat16 [{T}, {H}, {V_DIM}] with a contiguous last dim",
-        f"{out.dtype} {tuple(out.shape)}",
+        lambda: f"bfloat16 [{T}, {H}, {V_DIM}] with a contiguous last dim",
+        lambda: f"{out.dtype} {tuple(out.shape)}",
     )
     _aligned(out, "out", out.stride(0), out.stride(1))
     _index_type(qo_indptr, "qo_indptr")
@@ -399,7 +403,7 @@ def tree_verify(
     _need(
         batch >= 1 and kv_indptr.numel() == batch + 1,
         "kv_indptr",
-        f"{batch + 1} entries like qo_indptr",
+        lambda: f"{batch + 1} entries like qo_indptr",
         kv_indptr.numel(),
     )
     if custom_mask is not None:
@@ -409,16 +413,16 @@ def tree_verify(
             and custom_mask.stride(0) == 1,
             "custom_mask",
             "a contiguous 1-D bool or uint8 tensor (SGLang's FULL layout) or None",
-            f"{custom_mask.dtype} shape {tuple(custom_mask.shape)}",
+            lambda: f"{custom_mask.dtype} shape {tuple(custom_mask.shape)}",
         )
-        _need(custom_mask.device == dev, "custom_mask", f"on {dev}", custom_mask.device)
+        _need(custom_mask.device == dev, "custom_mask", lambda: f"on {dev}", custom_mask.device)
         _need(mask_indptr is not None, "mask_indptr", "a tensor when custom_mask is given", None)
         _index_type(mask_indptr, "mask_indptr")
         _need(
             mask_indptr.numel() >= batch + 1 and mask_indptr.device == dev,
             "mask_indptr",
-            f">= {batch + 1} entries on {dev}",
-            f"{mask_indptr.numel()} on {mask_indptr.device}",
+            lambda: f">= {batch + 1} entries on {dev}",
+            lambda: f"{mask_indptr.numel()} on {mask_indptr.device}",
         )
         custom_mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     else:
@@ -433,7 +437,7 @@ def tree_verify(
     _need(
         workspace.numel() >= need,
         "workspace",
-        f">= {need} bytes (kdtree.kernel.workspace_bytes)",
+        lambda: f">= {need} bytes (kdtree.kernel.workspace_bytes)",
         workspace.numel(),
     )
     torch.ops.kdtree.tree_verify(
