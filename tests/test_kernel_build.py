@@ -1,7 +1,10 @@
-"""The kernel library as built: architectures, shared memory per block, no register spills.
+"""The kernel library as built: architectures, shared memory per block, register spills.
 
 Needs nvcc (CI has it); runs no GPU code. The sm_120 variant must fit the 99 KB of shared memory an
-RTX PRO 6000 Blackwell block may have, and no kernel may spill registers to local memory.
+RTX PRO 6000 Blackwell block may have, and no sm_120 kernel may spill registers to local memory. On
+sm_90 the `wide` configuration runs at its 168-register cap (384 threads) and ptxas keeps a few scalars
+in local memory (the output warps read them about twice per key tile, from L1); that build measured
+faster than the spill-free one before it (kernel_build/NOTES.md, v8), so a small allowance, and no more.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "kernel_build"
 SM120_SMEM_LIMIT = 101376  # 99 KB: sm_120's per-block opt-in maximum
 SM90_SMEM_LIMIT = 232448  # 227 KB
+WIDE_SM90_SPILL_BYTES = 64  # spill stores or loads allowed for `wide` (Cfg<64, 32, ...>) on sm_90
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None,
@@ -52,14 +56,23 @@ def _ptxas_report(log: str) -> dict[tuple[str, str], str]:
     return report
 
 
-def test_every_kernel_on_every_arch_without_spills(build):
+def _spill_bytes(text: str) -> tuple[int, int]:
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert m, f"no spill line in the ptxas report:\n{text}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_no_spills_on_sm120_and_at_most_a_few_scalars_in_wide_on_sm90(build):
     report = _ptxas_report(build[1])
     archs = {arch for _, arch in report}
     assert {"sm_90", "sm_120"} <= archs
     verify = [k for k in report if "tree_verify_kernel" in k[0]]
     assert len(verify) == 4  # two tile configurations x two architectures
-    for key, text in report.items():
-        assert "0 bytes spill stores, 0 bytes spill loads" in text, f"{key} spills:\n{text}"
+    for (kernel, arch), text in report.items():
+        stores, loads = _spill_bytes(text)
+        wide_on_sm90 = arch == "sm_90" and "tree_verify_kernel" in kernel and "Li64ELi32E" in kernel
+        limit = WIDE_SM90_SPILL_BYTES if wide_on_sm90 else 0
+        assert stores <= limit and loads <= limit, f"{kernel} on {arch} spills (allowed: {limit} bytes):\n{text}"
 
 
 def test_shared_memory_fits_each_target(build):

@@ -19,7 +19,7 @@ constexpr int DV = KDTREE_V_DIM;
 constexpr int ROW_BYTES = QK * 2 + 16;  // +16 B of padding: 8 ldmatrix rows land in 8 different bank groups
 constexpr int ROW_CHUNKS = QK * 2 / 16;  // 16-byte chunks per key row (72)
 constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
-constexpr int MIN_KEYS_PER_SPLIT = 256;  // below this, partial-result traffic outweighs the parallelism
+constexpr int MIN_KEYS_PER_SPLIT = 128;  // keys per split below which partial-result traffic outweighs parallelism
 constexpr int MAX_SPLITS = 128;
 
 // Warp-specialised CTA: NS score warps (16 rows each, all BN keys of a tile) compute S = Q K^T and the
@@ -56,8 +56,14 @@ struct Cfg {
   // A producer never arrives twice at one barrier before its consumers took the first arrival: K[s] is
   // re-armed for tile t+STAGES only after P ready(t), which follows the score warps' sync on K[s] for t;
   // P ready(buf) only after P free(buf) of two tiles back; P free(buf) only after P ready(buf) of its tile.
+  // BAR_EPILOGUE: the output warps' partial rows are staged in shared memory.
   static constexpr int BAR_K = 1, BAR_P_READY = BAR_K + STAGES, BAR_P_FREE = BAR_P_READY + 2;
-  static_assert(BM % 16 == 0 && STAGES >= 3 && BAR_P_FREE + 2 <= 16, "tile shape");
+  static constexpr int BAR_EPILOGUE = BAR_P_FREE + 2;
+  static_assert(BM % 16 == 0 && STAGES >= 3 && BAR_EPILOGUE < 16, "tile shape");
+  // Staged partial rows (fp32, +8 floats per row: the eight rows of one fragment store hit distinct
+  // banks) reuse Q and the key stages; the row statistics after them stay intact.
+  static constexpr int STAGED_ROW = DV + 8;
+  static_assert(BM * STAGED_ROW * 4 <= SMEM_Q + SMEM_K, "staged partial rows fit below P and the statistics");
   static_assert(32 % BN == 0 && BN % 16 == 0, "one pool slot per lane and tile");
   static_assert(DV_W % 16 == 0 && 32 % CW == 0 && (BN * CW) % 32 == 0, "output warp split");
   static_assert(ROPE_PER_WARP % 32 == 0, "rope chunks spread evenly");
@@ -391,14 +397,19 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     }
   };
 
+  // Tile 0 alone first: at launch every CTA also loads its Q rows, and with the next tiles in the same
+  // queue tile 0 and Q landed ~2 us later. The next tiles are requested once tile 0 is in, a tile's mma
+  // ahead of their use.
+  load_tile(0, slot_of(0));  // ntiles >= 1
+  cp_async_commit();
+  cp_async_wait<0>();
+  bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
 #pragma unroll
-  for (int s = 0; s < C::STAGES; ++s) {
+  for (int s = 1; s < C::STAGES; ++s) {
     if (s < w.ntiles) load_tile(s, slot_of(s));
     cp_async_commit();
   }
   int next_slot = slot_of(C::STAGES);
-  cp_async_wait<C::STAGES - 1>();
-  bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
 
   const int d0 = ow * C::DV_W;
   for (int t = 0; t < w.ntiles; ++t) {
@@ -507,8 +518,11 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   output_warp<C>(p, w, sm, ow, lane, o);
   __syncthreads();
 
-  // Normalise and store (no split), or write the split's partial O and log-sum-exp for the combine.
+  // Normalise and store (no split), or write the split's partial O and log-sum-exp for the combine. The
+  // partial rows (fp32) go through shared memory, free now that every key tile is consumed, so that each
+  // global store is 512 contiguous bytes of one row instead of 32-byte pieces of eight rows.
   const int d0 = ow * C::DV_W;
+  float* staged = reinterpret_cast<float*>(smem_raw);
 #pragma unroll
   for (int rb = 0; rb < C::RB; ++rb)
 #pragma unroll
@@ -526,14 +540,25 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
                 __floats2bfloat162_rn(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
         }
       } else {
-        const int64_t wrow = ((static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits + split) * C::BM + r;
-        float* dst = p.part_o + wrow * DV + d0 + 2 * (lane & 3);
 #pragma unroll
         for (int j = 0; j < C::NB_PV; ++j)
-          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
-        if (ow == 0 && (lane & 3) == 0) p.part_lse[wrow] = l > 0.f ? sm.m_fin[r] + log2f(l) : -INFINITY;
+          *reinterpret_cast<float2*>(staged + r * C::STAGED_ROW + d0 + j * 8 + 2 * (lane & 3)) =
+              make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
       }
     }
+  if (p.splits == 1) return;
+  bar_sync(C::BAR_EPILOGUE, C::NO * 32);
+  const int64_t row0 = ((static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits + split) * C::BM;
+  for (int r = ow; r < C::BM; r += C::NO) {
+    const float4* src = reinterpret_cast<const float4*>(staged + r * C::STAGED_ROW);
+    float4* dst = reinterpret_cast<float4*>(p.part_o + (row0 + r) * DV);
+#pragma unroll
+    for (int c = lane; c < DV / 4; c += 32) dst[c] = src[c];
+    if (lane == 0) {
+      const float l = sm.l_fin[r];
+      p.part_lse[row0 + r] = l > 0.f ? sm.m_fin[r] + log2f(l) : -INFINITY;
+    }
+  }
 }
 
 // Merge the prefix splits of each row by log-sum-exp. One block per (request, packed row); each of its G
@@ -545,7 +570,7 @@ constexpr int COMBINE_MANY_SPLITS = 16;  // from here on, 4 groups per row; belo
 template <class C, int G>
 __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   __shared__ float4 part[G > 1 ? G - 1 : 1][128];
-  const int lane = threadIdx.x & 31, col = threadIdx.x & 127, grp = threadIdx.x >> 7;
+  const int col = threadIdx.x & 127, grp = threadIdx.x >> 7;
   const int gr = blockIdx.x, b = blockIdx.y;
   const int64_t qs = load_idx(p.qo_indptr, p.qo_t, b);
   const int qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - qs);
@@ -556,36 +581,41 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   const int mt = gr / C::BM, r = gr % C::BM;
   const int64_t base = (static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits * C::BM + r;
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  float mx = -INFINITY;
-  for (int s = lane; s < used; s += 32) mx = fmaxf(mx, p.part_lse[base + s * C::BM]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float wsum = 0.f;  // over every split, so each group has the total
-  for (int s = lane; s < used; s += 32) {
-    const float lse = p.part_lse[base + s * C::BM];
-    wsum += lse == -INFINITY ? 0.f : exp2f(lse - mx);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  // One pass over the splits: each group keeps a running maximum of their log-sum-exp and rescales when
+  // it grows (a branch uniform over the block), so the partial rows are requested without waiting for a
+  // maximum over all splits first.
+  float mx = -INFINITY, wsum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (mx != -INFINITY) {
-    const float4* src = reinterpret_cast<const float4*>(p.part_o + base * DV) + col;
-#pragma unroll 4
-    for (int s = grp; s < used; s += G) {
-      const float lse = p.part_lse[base + s * C::BM];
-      const float w = lse == -INFINITY ? 0.f : exp2f(lse - mx);
-      const float4 v = src[static_cast<int64_t>(s) * C::BM * DV / 4];
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  const float4* src = reinterpret_cast<const float4*>(p.part_o + base * DV) + col;
+#pragma unroll 8
+  for (int s = grp; s < used; s += G) {
+    const float lse = p.part_lse[base + s * C::BM];
+    const float4 v = src[static_cast<int64_t>(s) * C::BM * DV / 4];
+    if (lse > mx) {
+      const float f = exp2f(mx - lse);  // 0 while mx is -inf
+      acc.x *= f; acc.y *= f; acc.z *= f; acc.w *= f; wsum *= f;
+      mx = lse;
     }
+    const float w = lse == -INFINITY ? 0.f : exp2f(lse - mx);  // a split with no visible key adds nothing
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w; wsum += w;
   }
   if constexpr (G > 1) {
+    __shared__ float g_max[G], g_sum[G];
     if (grp > 0) part[grp - 1][col] = acc;
+    if (col == 0) g_max[grp] = mx, g_sum[grp] = wsum;
     __syncthreads();
     if (grp > 0) return;
+    float m_all = mx;
 #pragma unroll
-    for (int g = 0; g < G - 1; ++g) {
-      const float4 v = part[g][col];
-      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    for (int g = 1; g < G; ++g) m_all = fmaxf(m_all, g_max[g]);
+    const float f = mx == -INFINITY ? 0.f : exp2f(mx - m_all);
+    acc.x *= f; acc.y *= f; acc.z *= f; acc.w *= f; wsum *= f;
+#pragma unroll
+    for (int g = 1; g < G; ++g) {
+      const float fg = g_max[g] == -INFINITY ? 0.f : exp2f(g_max[g] - m_all);
+      const float4 v = part[g - 1][col];
+      acc.x += fg * v.x; acc.y += fg * v.y; acc.z += fg * v.z; acc.w += fg * v.w;
+      wsum += fg * g_sum[g];
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
