@@ -43,6 +43,17 @@ def cublas_tflops() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+def _commit() -> str:
+    """HEAD, marked when the kernel or the runtime differ from it (what a table must not hide)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "kernel_build/src", "kernel_build/include", "kdtree")
+    return head + (" + uncommitted changes to the kernel or runtime" if dirty else "")
+
+
 def time_ours(batches) -> float:
     outs, wss = [], []
     for b in batches:
@@ -169,11 +180,9 @@ def main() -> None:
         del batches, b
         torch.cuda.empty_cache()
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = _commit()
     head = [
-        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit or 'unknown'}",
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit}",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s; mma.sync bf16 {args.mma_tflops:.0f} TFLOP/s "
         f"(the kernel's instruction; roofline uses it); cuBLAS bf16 {cublas:.0f} TFLOP/s",
         f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}; command: {' '.join(sys.argv)}",
