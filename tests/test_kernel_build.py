@@ -72,7 +72,9 @@ def test_no_spills_on_sm120_and_at_most_a_few_scalars_in_wide_on_sm90(build):
         stores, loads = _spill_bytes(text)
         wide_on_sm90 = arch == "sm_90" and "tree_verify_kernel" in kernel and "Li64ELi32E" in kernel
         limit = WIDE_SM90_SPILL_BYTES if wide_on_sm90 else 0
-        assert stores <= limit and loads <= limit, f"{kernel} on {arch} spills (allowed: {limit} bytes):\n{text}"
+        assert stores <= limit and loads <= limit, (
+            f"{kernel} on {arch} spills (allowed: {limit} bytes):\n{text}"
+        )
 
 
 def test_shared_memory_fits_each_target(build):
