@@ -16,7 +16,12 @@ namespace kdtree {
 
 constexpr int QK = KDTREE_QK_DIM;  // 512 latent + 64 rope
 constexpr int DV = KDTREE_V_DIM;
-constexpr int ROW_BYTES = QK * 2 + 16;  // +16 B of padding: 8 ldmatrix rows land in 8 different bank groups
+// A 576-dim row of Q or of a key stage in shared memory: 1152 bytes, 128-byte aligned. Chunk c (16 bytes) of
+// row r sits at position (c ^ r) & 7 of its 128-byte group: the 8 rows one ldmatrix reads land in 8 bank
+// groups, and every copy writes whole aligned lines (padded rows made the gathers' shared-memory writes
+// straddle lines: 2.75x the ideal wavefronts).
+constexpr int ROW_BYTES = QK * 2;
+__device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + ((c >> 3) << 7) + (((c ^ r) & 7) << 4); }
 constexpr int ROW_CHUNKS = QK * 2 / 16;  // 16-byte chunks per key row (72)
 constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
 constexpr int MIN_KEYS_PER_SPLIT = 128;  // keys per split below which partial-result traffic outweighs parallelism
@@ -65,12 +70,12 @@ struct Cfg {
   static constexpr int STAGED_ROW = DV + 8;
   static_assert(BM * STAGED_ROW * 4 <= SMEM_Q + SMEM_K, "staged partial rows fit below P and the statistics");
   static_assert(32 % BN == 0 && BN % 16 == 0, "one pool slot per lane and tile");
-  static_assert(DV_W % 16 == 0 && 32 % CW == 0 && (BN * CW) % 32 == 0, "output warp split");
+  static_assert(DV_W % 64 == 0 && 32 % CW == 0 && (BN * CW) % 32 == 0, "output warp split (whole 128-byte groups)");
   static_assert(ROPE_PER_WARP % 32 == 0, "rope chunks spread evenly");
   static_assert(QREG <= QK / 16, "Q k-steps");
 };
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
-#define KDTREE_WIDE_QREG 20
+#define KDTREE_WIDE_QREG 16
 #endif
 // sm_90 / sm_100: 12 warps (168 registers each), 194 KB shared, tile by tile.
 using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG, false>;
@@ -150,15 +155,19 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     const int r = sw * 16 + c / ROW_CHUNKS, col = c % ROW_CHUNKS, gr = w.m0 + r;
     const bool ok = gr < w.rows;
     const __nv_bfloat16* src = ok ? p.q + (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh + col * 8 : p.q;
-    cp_async16(sm.q + r * ROW_BYTES + col * 16, src, ok);
+    cp_async16(sm.q + swz(r, col), src, ok);
   }
   cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
-  const uint32_t q_addr = smem_u32(sm.q + (sw * 16 + (lane & 15)) * ROW_BYTES + (lane >> 4) * 16);
+  // Lane l reads row sw*16 + (l & 15), chunk 2*ks + (l >> 4) of Q: with 2*ks even, its position in the
+  // 128-byte group is (2*ks & 7) ^ q_x.
+  const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * ROW_BYTES);
+  const int q_x = ((lane >> 4) ^ lane) & 7;
+  auto q_at = [&](int ks) { return q_row + ((ks >> 2) << 7) + ((((2 * ks) & 7) ^ q_x) << 4); };
   uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
 #pragma unroll
-  for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_addr + ks * 32);
+  for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_at(ks));
 
   const int r0 = sw * 16 + (lane >> 2);
   int qi[2];
@@ -181,7 +190,9 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[j][e] = s2[j][e] = 0.f;
-    const uint32_t k_addr = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES + ((lane >> 3) & 1) * 16);
+    // Lane l reads key row nb*8 + ((l >> 4) << 3) + (l & 7), chunk 2*ks + ((l >> 3) & 1).
+    const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
+    const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
 #pragma unroll
     for (int ks = 0; ks < QK / 16; ++ks) {
       side(ks);
@@ -190,13 +201,13 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 #pragma unroll
         for (int e = 0; e < 4; ++e) a[e] = qf[ks < C::QREG ? ks : 0][e];
       } else {
-        ldmatrix_x4(a, q_addr + ks * 32);
+        ldmatrix_x4(a, q_at(ks));
       }
       float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
 #pragma unroll
       for (int nb = 0; nb < C::NB_QK; nb += 2) {
         uint32_t bb[4];
-        ldmatrix_x4(bb, k_addr + nb * 8 * ROW_BYTES + ks * 32);
+        ldmatrix_x4(bb, k_row + nb * 8 * ROW_BYTES + ((ks >> 2) << 7) + ((((2 * ks) & 7) ^ k_x) << 4));
         mma_bf16(acc[nb], a, bb[0], bb[1]);
         mma_bf16(acc[nb + 1], a, bb[2], bb[3]);
       }
@@ -373,7 +384,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
           r = g / ROPE_CHUNKS, col = DV / 8 + g % ROPE_CHUNKS;
         }
         const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));
-        cp_async16(stage + r * ROW_BYTES + col * 16, p.k_buf + static_cast<uint64_t>(sl) * st + col * 8, true);
+        cp_async16(stage + swz(r, col), p.k_buf + static_cast<uint64_t>(sl) * st + col * 8, true);
       }
       return;
     }
@@ -383,7 +394,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
       const __nv_bfloat16* src = p.k_buf;
       if (ok) src = kp < w.P ? p.k_buf + sl * p.k_buf_st : p.k_ext + (w.qs + kp - w.P) * p.k_ext_st;
-      cp_async16(stage + r * ROW_BYTES + col * 16, ok ? src + col * 8 : src, ok);
+      cp_async16(stage + swz(r, col), ok ? src + col * 8 : src, ok);
     };
 #pragma unroll
     for (int i = 0; i < C::LAT_PER_LANE; ++i) {
@@ -428,7 +439,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       for (int c = lane; c < (d_hi - d_lo) * C::CW; c += 32) {
         const int kp = d_lo + c / C::CW, col = ow * C::CW + c % C::CW;
         const uint4 v = *reinterpret_cast<const uint4*>(p.v_ext + (w.qs + kp - w.P) * p.v_ext_st + col * 8);
-        *reinterpret_cast<uint4*>(Kt + (kp - kt0) * ROW_BYTES + col * 16) = v;
+        *reinterpret_cast<uint4*>(Kt + swz(kp - kt0, col)) = v;
       }
       __syncwarp();
     }
@@ -451,12 +462,15 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
 #pragma unroll
       for (int rb = 0; rb < C::RB; ++rb)
         ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
-      const uint32_t v_addr =
-          smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES + (d0 + (lane >> 4) * 8) * 2);
+      // Lane l reads key row kk*16 + ((l >> 3) & 1)*8 + (l & 7), chunk d0/8 + nb + (l >> 4) (d0/8 is a
+      // multiple of 8, nb even).
+      const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
+      const int v_x = ((lane >> 4) ^ lane) & 7;
 #pragma unroll
       for (int nb = 0; nb < C::NB_PV; nb += 2) {
+        const uint32_t v_addr = v_row + (((d0 / 8 + nb) >> 3) << 7) + (((nb & 7) ^ v_x) << 4);
         uint32_t bb[4];
-        ldmatrix_x4_trans(bb, v_addr + nb * 16);
+        ldmatrix_x4_trans(bb, v_addr);
 #pragma unroll
         for (int rb = 0; rb < C::RB; ++rb) {
           mma_bf16(o[rb][nb], a[rb], bb[0], bb[1]);
