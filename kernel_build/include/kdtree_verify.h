@@ -21,7 +21,7 @@ extern "C" {
 #define KDTREE_V_DIM 512
 
 enum kdtree_index_type { KDTREE_I32 = 0, KDTREE_I64 = 1 };
-/* Tile configurations. WIDE needs ~194 KB of shared memory per block (sm_90, sm_100);
+/* Tile configurations. WIDE needs ~191 KB of shared memory per block (sm_90, sm_100);
  * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
 enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
 

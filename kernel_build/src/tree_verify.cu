@@ -77,7 +77,7 @@ struct Cfg {
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
-// sm_90 / sm_100: 12 warps (168 registers each), 194 KB shared, tile by tile.
+// sm_90 / sm_100: 12 warps (168 registers each), 191 KB shared, tile by tile.
 using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG, false>;
 // sm_120: 6 warps, Q wholly in registers, fits 99 KB, scores pipelined across tiles.
 using Compact = Cfg<32, 16, 3, 4, 36, true>;
