@@ -6,21 +6,13 @@
 # summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
 set -uo pipefail
 what=${1:-all}; shift || true
-out=${OUT:-$PWD/device-out}; mkdir -p "$out"
-cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 t0=$SECONDS
+source kernel_build/bench/gpu_env.sh
 cmake -S kernel_build -B kernel_build/build -DCMAKE_CUDA_ARCHITECTURES="${cc}-real" >"$out/cmake.log" 2>&1 \
   && cmake --build kernel_build/build -j8 >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-nvcc -O3 -arch=sm_"$cc" kernel_build/bench/mma_peak.cu -o kernel_build/build/mma_peak || exit 1
 echo "build: $((SECONDS - t0)) s"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:$PWD/tests/gpu:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest_timeout*.whl 2>/dev/null
   python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}
   echo "tests: $((SECONDS - t0)) s (rc=$rc)"
 fi
