@@ -71,6 +71,7 @@ run)
       say "   dropped, see $dir/$n/tests.log"
     fi
   done
+  [ ${#ok[@]} -gt 0 ] || { say "no variant passed its tests: nothing to time"; exit 1; }
   for ((r = 0; r < rounds; r++)); do
     order=("${ok[@]}")
     if ((r % 2)); then mapfile -t order < <(printf '%s\n' "${ok[@]}" | tac); fi
