@@ -43,12 +43,12 @@ run)
   [ ${#names[@]} -gt 0 ] || { echo "no variants in $dir: add them with '$0 add' and carry them here" >&2; exit 2; }
   t0=$SECONDS
   source kernel_build/bench/gpu_env.sh
-  log=$out/variants.log  # per-variant build and test logs beside it: $out/NAME.build.log, $out/NAME.tests.log
+  log=$out/variants.log  # each variant's build and test output beside it: $out/NAME.log
   : >"$log"
   say() { echo "$*" | tee -a "$log"; }
   for n in "${names[@]}"; do  # all builds at once: a few seconds each
     (cmake -S "$dir/$n" -B "$dir/$n/build" -DCMAKE_CUDA_ARCHITECTURES="${cc}-real" -DCMAKE_CUDA_FLAGS="$(cat "$dir/$n/flags")" \
-      && cmake --build "$dir/$n/build" -j4) >"$out/$n.build.log" 2>&1 &
+      && cmake --build "$dir/$n/build" -j4) >"$out/$n.log" 2>&1 &
   done
   wait
   mma=$(kernel_build/build/mma_peak) && [ -n "$mma" ] || { echo "mma_peak failed: no usable GPU" >&2; exit 1; }
@@ -57,18 +57,18 @@ run)
   for n in "${names[@]}"; do
     lib=$dir/$n/build/libkdtree_verify.so
     if [ ! -f "$lib" ]; then
-      say "## $n ($(cat "$dir/$n/origin")): build failed, dropped (see $out/$n.build.log)"
+      say "## $n ($(cat "$dir/$n/origin")): build failed, dropped (see $out/$n.log)"
       continue
     fi
     KDTREE_KERNEL_LIB=$lib timeout 180 python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_kernel_gpu.py \
-      -W ignore::DeprecationWarning >"$out/$n.tests.log" 2>&1
+      -W ignore::DeprecationWarning >>"$out/$n.log" 2>&1
     rc=$?
-    summary=$(tail -1 "$out/$n.tests.log")
+    summary=$(tail -1 "$out/$n.log")
     say "## $n ($(cat "$dir/$n/origin")): kernel tests rc=$rc: $summary ($((SECONDS - t0)) s)"
     if [ $rc = 0 ] && [[ $summary != *skipped* ]]; then
       ok+=("$n")
     else  # rc 124: timed out (a hang); skipped tests: the variant was not checked
-      say "   dropped, see $out/$n.tests.log"
+      say "   dropped, see $out/$n.log"
     fi
   done
   [ ${#ok[@]} -gt 0 ] || { say "no variant passed its tests: nothing to time"; exit 1; }
