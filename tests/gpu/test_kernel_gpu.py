@@ -65,6 +65,8 @@ CASES = [
     (64, 8, 16, 513, True),
     (2, 8, 200, 1500, True),  # draft tokens past one tile of rows
     (1, 4, 1024, 64, True),  # the largest tree
+    # 66 row tiles of wide on a 132-SM H200: two splits, some requests too short for the second one
+    (33, 8, 16, [5, 4096, 0, 130, 2000, 700] * 5 + [77, 3000, 1], True),
 ]
 
 
