@@ -22,6 +22,7 @@ import sys
 
 import torch
 import triton.testing
+from source_id import source_id  # this script's folder is on sys.path
 
 from kdtree import kernel
 from kdtree.reference import kdtree_call, make_batch, triton_call
@@ -44,14 +45,20 @@ def cublas_tflops() -> float:
 
 
 def _commit() -> str:
-    """HEAD, marked when the kernel or the runtime differ from it (what a table must not hide)."""
+    """HEAD, marked when the kernel or the runtime differ from it (what a table must not hide), and the id of
+    the sources that ran: a GPU machine's copy of the checkout may carry an older HEAD than its files, and
+    `source_id.py REV` here says which commit the id belongs to."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--", "kernel_build/src", "kernel_build/include", "kdtree")
-    return head + (" + uncommitted changes to the kernel or runtime" if dirty else "")
+    try:
+        ids = f"; sources {source_id()}"
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
+        ids = ""
+    return head + (" + uncommitted changes to the kernel or runtime" if dirty else "") + ids
 
 
 def time_ours(batches) -> float:

@@ -1,0 +1,49 @@
+"""A content id of the kernel and runtime sources, the same whether computed from the files of a checkout
+or from a commit, so that a benchmark table names exactly the code it measured.
+
+The GPU machine's copy of the checkout can carry an older HEAD than the files it holds, so the commit a
+benchmark prints is not proof of what ran; this id is. Check a table's id against a commit here:
+
+    python3 kernel_build/bench/source_id.py 759721f     # the id of that commit's sources
+    python3 kernel_build/bench/source_id.py             # the id of the files in this checkout
+
+The id is the sha256 (first 12 hex digits) of the sorted "blob-id path" lines of every file under SOURCES
+that git tracks or would track (ignored files left out); blob ids are git's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+SOURCES = ("kernel_build/CMakeLists.txt", "kernel_build/src", "kernel_build/include", "kdtree")
+
+
+def _git(*args: str, cwd: str | None = None) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=cwd).stdout
+
+
+def _digest(pairs: list[tuple[str, str]]) -> str:
+    lines = sorted(f"{blob} {path}" for blob, path in pairs)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
+def source_id(rev: str | None = None, cwd: str | None = None) -> str:
+    """The id of commit `rev`'s sources, or (None) of the files in the checkout at `cwd`."""
+    if rev is not None:
+        listing = _git("ls-tree", "-r", "--format=%(objectname) %(path)", rev, "--", *SOURCES, cwd=cwd)
+        return _digest([tuple(line.split(" ", 1)) for line in listing.splitlines()])
+    root = cwd or "."
+    listed = _git("ls-files", "-co", "--exclude-standard", "--", *SOURCES, cwd=cwd).splitlines()
+    files = sorted({p for p in listed if os.path.isfile(os.path.join(root, p))})  # the index may be stale
+    blobs = _git("hash-object", "--", *files, cwd=cwd).split() if files else []
+    return _digest(list(zip(blobs, files, strict=True)))
+
+
+if __name__ == "__main__":
+    try:
+        print(source_id(sys.argv[1] if len(sys.argv) > 1 else None))
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"git failed: {e.stderr.strip()} (run inside the checkout; REV must name a commit)")
