@@ -32,13 +32,14 @@ class Loop:
     body: list[str]
 
     def count(self, op: str) -> int:
-        # "LDS" must not count LDSM: match whole opcodes (the text before the first '.' or space).
-        return sum(1 for t in self.body if _opcode(t).split(".")[0] == op)
+        return sum(1 for t in self.body if _opcode(t) == op)
 
 
 def _opcode(text: str) -> str:
+    """The base opcode of an instruction ("@P0 LDS.U.128 R4, [R2]" -> "LDS"), so that LDS does not count LDSM."""
     words = text.split()
-    return words[1] if words and words[0].startswith("@") else (words[0] if words else "")
+    word = words[1] if words and words[0].startswith("@") else (words[0] if words else "")
+    return word.split(".")[0]
 
 
 def parse(sass: str) -> dict[str, list[tuple[int, str]]]:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no {args.arch} kernel matching '{args.kernel}' in {args.binary}", file=sys.stderr)
         return 1
     for name, instructions in functions.items():
-        spills = sum(1 for _, t in instructions if _opcode(t).split(".")[0] in ("LDL", "STL"))
+        spills = sum(1 for _, t in instructions if _opcode(t) in ("LDL", "STL"))
         print(f"{name}: {len(instructions)} instructions, {spills} local loads/stores")
         for lp in key_loops(instructions):
             counts = ", ".join(f"{op} {lp.count(op)}" for op in COUNTED)

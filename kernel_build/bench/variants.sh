@@ -43,6 +43,9 @@ run)
   [ ${#names[@]} -gt 0 ] || { echo "no variants in $dir: add them with '$0 add' and carry them here" >&2; exit 2; }
   t0=$SECONDS
   source kernel_build/bench/gpu_env.sh
+  if [ ${#names[@]} -gt 7 ]; then  # the device tool returns at most 8 files from $OUT
+    echo "warning: ${#names[@]} variants: the logs of some will not come back from \$OUT (at most 8 files)" >&2
+  fi
   log=$out/variants.log  # each variant's build and test output beside it: $out/NAME.log
   : >"$log"
   say() { echo "$*" | tee -a "$log"; }
