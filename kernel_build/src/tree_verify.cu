@@ -21,7 +21,10 @@ constexpr int DV = KDTREE_V_DIM;
 // groups, and every copy writes whole aligned lines (padded rows made the gathers' shared-memory writes
 // straddle lines: 2.75x the ideal wavefronts).
 constexpr int ROW_BYTES = QK * 2;
-__device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + ((c >> 3) << 7) + (((c ^ r) & 7) << 4); }
+// Byte offset of chunk c within a row whose xor key is x (the row index, or for an ldmatrix address the
+// lane's row and chunk parity combined).
+__device__ __forceinline__ int swz_in_row(int c, int x) { return ((c >> 3) << 7) + (((c ^ x) & 7) << 4); }
+__device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + swz_in_row(c, r); }
 constexpr int ROW_CHUNKS = QK * 2 / 16;  // 16-byte chunks per key row (72)
 constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
 constexpr int MIN_KEYS_PER_SPLIT = 128;  // keys per split below which partial-result traffic outweighs parallelism
@@ -160,11 +163,11 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
-  // Lane l reads row sw*16 + (l & 15), chunk 2*ks + (l >> 4) of Q: with 2*ks even, its position in the
-  // 128-byte group is (2*ks & 7) ^ q_x.
+  // Lane l reads row sw*16 + (l & 15), chunk 2*ks + (l >> 4) of Q. With 2*ks even, the chunk's low bit
+  // (l >> 4) goes into the xor key q_x with the row (the same holds for the K and V addresses below).
   const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * ROW_BYTES);
   const int q_x = ((lane >> 4) ^ lane) & 7;
-  auto q_at = [&](int ks) { return q_row + ((ks >> 2) << 7) + ((((2 * ks) & 7) ^ q_x) << 4); };
+  auto q_at = [&](int ks) { return q_row + swz_in_row(2 * ks, q_x); };
   uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
 #pragma unroll
   for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_at(ks));
@@ -207,7 +210,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 #pragma unroll
       for (int nb = 0; nb < C::NB_QK; nb += 2) {
         uint32_t bb[4];
-        ldmatrix_x4(bb, k_row + nb * 8 * ROW_BYTES + ((ks >> 2) << 7) + ((((2 * ks) & 7) ^ k_x) << 4));
+        ldmatrix_x4(bb, k_row + nb * 8 * ROW_BYTES + swz_in_row(2 * ks, k_x));
         mma_bf16(acc[nb], a, bb[0], bb[1]);
         mma_bf16(acc[nb + 1], a, bb[2], bb[3]);
       }
@@ -369,6 +372,8 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     const int k0 = w.k_lo + t * C::BN;
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
     // Lane `idx` of copy i takes chunk idx % CW of key row idx / CW (its own dims), then the rope chunks.
+    // The mapping is spelled out in both paths below: one shared helper moved the output warps' register
+    // allocation (6 more loop instructions and 2 more spill loads per tile, bench/sass_loops.py).
     if (k0 + C::BN <= min(w.P, w.k_hi)) {
       // Every key of the tile is a pool slot (all but a split's last tile): straight-line code, one
       // shuffle, one address multiply and one copy per chunk.
@@ -468,7 +473,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       const int v_x = ((lane >> 4) ^ lane) & 7;
 #pragma unroll
       for (int nb = 0; nb < C::NB_PV; nb += 2) {
-        const uint32_t v_addr = v_row + (((d0 / 8 + nb) >> 3) << 7) + (((nb & 7) ^ v_x) << 4);
+        const uint32_t v_addr = v_row + swz_in_row(d0 / 8 + nb, v_x);
         uint32_t bb[4];
         ldmatrix_x4_trans(bb, v_addr);
 #pragma unroll
