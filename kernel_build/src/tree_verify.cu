@@ -1,7 +1,8 @@
 // MLA tree-verify attention: one pass over each request's prefix and draft keys, all of a request's
 // (draft token x head) rows packed into the MMA M dimension so every key row is read once per row
-// tile; the prefix is split across CTAs and merged by log-sum-exp. Tensor cores through mma.sync
-// m16n8k16 (bf16 in, fp32 accumulate), the instruction sm_90, sm_100 and sm_120 all have.
+// tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of two
+// CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate), the instruction
+// sm_90, sm_100 and sm_120 all have.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -58,7 +59,7 @@ struct Cfg {
   static constexpr int SMEM_Q = BM * ROW_BYTES;
   static constexpr int SMEM_K = STAGES * BN * ROW_BYTES;
   static constexpr int SMEM_P = 2 * BM * P_ROW_BYTES;  // double-buffered: P of tile t+1 while PV reads t
-  static constexpr int SMEM_STATS = 4 * BM * 4;  // alpha x 2 buffers; final row sum and max
+  static constexpr int SMEM_STATS = 4 * BM * 4 + 16;  // alpha x 2 buffers; final row sum and max; Epilogue
   static constexpr int SMEM = SMEM_Q + SMEM_K + SMEM_P + SMEM_STATS;
   // Named barriers (0 is __syncthreads): key tile landed (per stage), P ready / P free (per buffer).
   // A producer never arrives twice at one barrier before its consumers took the first arrival: K[s] is
@@ -105,6 +106,7 @@ struct Params {
   unsigned long long* counter; unsigned long long* counter_mirror;
   float scale_log2;
   int H, splits, m_tiles;
+  int pair;  // two splits, launched in clusters of two CTAs that merge on chip (see the kernel's epilogue)
 };
 
 __device__ __forceinline__ int64_t load_idx(const void* p, int t, int64_t i) {
@@ -135,6 +137,16 @@ struct Work {
   int qlen, rows, m0, P, L, k_lo, k_hi, ntiles;
 };
 
+// What a CTA does with its rows after the key loop, decided at launch and kept in shared memory rather
+// than in registers through the loop.
+struct Epilogue {
+  // bf16 output; a partial row for the combine; merged with the other split's rows, then bf16 output
+  enum Mode : int { kStore, kPartial, kPair };
+  int mode;
+  int r_lo;  // kPair: the first of the BM/2 rows this CTA merges and stores
+  int64_t row0;  // kPartial: the partial row block in the workspace
+};
+
 template <class C>
 struct Smem {
   uint8_t* q;
@@ -143,9 +155,10 @@ struct Smem {
   float* alpha;  // [2][BM]
   float* l_fin;  // [BM]
   float* m_fin;  // [BM]
+  Epilogue* epi;
   __device__ explicit Smem(uint8_t* base)
       : q(base), k(base + C::SMEM_Q), p(k + C::SMEM_K), alpha(reinterpret_cast<float*>(p + C::SMEM_P)),
-        l_fin(alpha + 2 * C::BM), m_fin(l_fin + C::BM) {}
+        l_fin(alpha + 2 * C::BM), m_fin(l_fin + C::BM), epi(reinterpret_cast<Epilogue*>(m_fin + C::BM)) {}
 };
 
 // Score warp `sw`: rows sw*16.., every key of each tile. Row max / sum stay in registers (the warp owns
@@ -492,6 +505,42 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   cp_async_wait<0>();
 }
 
+// A request split in two: the merge of the two CTAs' partial rows (rows r_lo.. r_lo + BM/2 of this CTA
+// with the same rows of the other CTA of the cluster, read through distributed shared memory) into the
+// bf16 output. Not inlined, so that the kernel's key loops keep the register allocation they have
+// without it.
+template <class C>
+__device__ __noinline__ void merge_pair(__nv_bfloat16* out, int64_t o_st, int64_t o_sh, int H, int64_t qs, int m0,
+                                        int rows, int r_lo, int ow, int lane, const float* staged,
+                                        const float* l_fin, const float* m_fin) {
+  const uint32_t peer = cluster_rank() ^ 1u;
+  for (int r = r_lo + ow; r < r_lo + C::BM / 2; r += C::NO) {
+    const int gr = m0 + r;
+    if (gr >= rows) break;  // rows are in order: the rest are padding too
+    const float l_a = l_fin[r], l_b = ld_cluster(cluster_map(l_fin + r, peer));
+    const float lse_a = l_a > 0.f ? m_fin[r] + log2f(l_a) : -INFINITY;
+    const float lse_b = l_b > 0.f ? ld_cluster(cluster_map(m_fin + r, peer)) + log2f(l_b) : -INFINITY;
+    const float mx = fmaxf(lse_a, lse_b);
+    const float w_a = lse_a == -INFINITY ? 0.f : exp2f(lse_a - mx);
+    const float w_b = lse_b == -INFINITY ? 0.f : exp2f(lse_b - mx);
+    const float inv = w_a + w_b > 0.f ? 1.f / (w_a + w_b) : 0.f;  // no visible key: zeros, as Triton writes
+    const float f_a = w_a * inv, f_b = w_b * inv;
+    const float4* own = reinterpret_cast<const float4*>(staged + r * C::STAGED_ROW);
+    const uint32_t other = cluster_map(staged + r * C::STAGED_ROW, peer);
+    __nv_bfloat16* dst = out + (qs + gr / H) * o_st + (gr % H) * o_sh;
+#pragma unroll
+    for (int c = lane; c < DV / 4; c += 32) {
+      const float4 a = own[c], o = ld_cluster4(other + c * 16);
+      __nv_bfloat162 lo2 = __floats2bfloat162_rn(f_a * a.x + f_b * o.x, f_a * a.y + f_b * o.y);
+      __nv_bfloat162 hi2 = __floats2bfloat162_rn(f_a * a.z + f_b * o.z, f_a * a.w + f_b * o.w);
+      uint2 packed;
+      packed.x = *reinterpret_cast<uint32_t*>(&lo2);
+      packed.y = *reinterpret_cast<uint32_t*>(&hi2);
+      *reinterpret_cast<uint2*>(dst + c * 4) = packed;
+    }
+  }
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #ifdef __CUDA_ARCH__
@@ -522,10 +571,23 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   if (split >= used) return;
   w.mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
   w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
+  if (tid == 0) {  // read after the key loop, behind its __syncthreads
+    // Two splits (p.pair) and both have keys (the same on both CTAs of the cluster: same request, same
+    // `used`): they merge their partial rows through distributed shared memory and store the output, each
+    // half of the rows. A request whose keys fit one split stores directly, as with no split at all.
+    sm.epi->mode = p.pair && used == 2 ? Epilogue::kPair
+                   : p.splits == 1 || p.pair ? Epilogue::kStore : Epilogue::kPartial;
+    sm.epi->r_lo = split * (C::BM / 2);
+    sm.epi->row0 = ((static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits + split) * C::BM;
+  }
 
   if (warp < C::NS) {
     score_warp<C>(p, w, sm, warp, lane);
     __syncthreads();  // row sums and maxima are in shared memory
+    if (sm.epi->mode == Epilogue::kPair) {  // the cluster barriers count every thread of both CTAs
+      cluster_sync();
+      cluster_sync();
+    }
     return;
   }
   const int ow = warp - C::NS;
@@ -536,6 +598,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
   output_warp<C>(p, w, sm, ow, lane, o);
   __syncthreads();
+  const Epilogue epi = *sm.epi;
 
   // Normalise and store (no split), or write the split's partial O and log-sum-exp for the combine. The
   // partial rows (fp32) go through shared memory, free now that every key tile is consumed, so that each
@@ -550,7 +613,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
       const int gr = w.m0 + r;
       const float l = sm.l_fin[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
-      if (p.splits == 1) {
+      if (epi.mode == Epilogue::kStore) {
         if (gr < w.rows) {
           __nv_bfloat16* dst = p.out + (w.qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0 + 2 * (lane & 3);
 #pragma unroll
@@ -565,9 +628,15 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
               make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
       }
     }
-  if (p.splits == 1) return;
+  if (epi.mode == Epilogue::kStore) return;
+  if (epi.mode == Epilogue::kPair) {
+    cluster_sync();  // both CTAs' partial rows staged (and both CTAs running)
+    merge_pair<C>(p.out, p.o_st, p.o_sh, p.H, w.qs, w.m0, w.rows, epi.r_lo, ow, lane, staged, sm.l_fin, sm.m_fin);
+    cluster_sync();  // the other CTA is done reading this one's shared memory
+    return;
+  }
   bar_sync(C::BAR_EPILOGUE, C::NO * 32);
-  const int64_t row0 = ((static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits + split) * C::BM;
+  const int64_t row0 = epi.row0;
   for (int r = ow; r < C::BM; r += C::NO) {
     const float4* src = reinterpret_cast<const float4*>(staged + r * C::STAGED_ROW);
     float4* dst = reinterpret_cast<float4*>(p.part_o + (row0 + r) * DV);
@@ -659,6 +728,7 @@ static int fail(int code, const char* msg) {
 
 struct Plan {
   int m_tiles, splits;
+  bool pair;  // two splits: CTAs in clusters of two that merge on chip (no workspace, no combine)
   size_t ws_bytes;
 };
 
@@ -670,7 +740,8 @@ static Plan plan(int batch, int H, int max_q_len, int cta_slots) {
   // Split each request's keys so the grid fills the device's resident CTA slots in one wave
   // (rounding up would leave a second, nearly empty wave).
   pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, cta_slots / base)));
-  pl.ws_bytes = pl.splits == 1 ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
+  pl.pair = pl.splits == 2;
+  pl.ws_bytes = pl.splits == 1 || pl.pair ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
   return pl;
 }
 
@@ -719,13 +790,22 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   p.part_lse = pl.ws_bytes ? p.part_o + static_cast<size_t>(a->batch) * pl.m_tiles * pl.splits * C::BM * DV : nullptr;
   p.counter = a->counter; p.counter_mirror = a->counter_mirror;
   p.scale_log2 = a->sm_scale * 1.4426950408889634f;
-  p.H = a->num_heads; p.splits = pl.splits; p.m_tiles = pl.m_tiles;
+  p.H = a->num_heads; p.splits = pl.splits; p.m_tiles = pl.m_tiles; p.pair = pl.pair;
 
-  dim3 grid(pl.splits, pl.m_tiles, a->batch);
-  tree_verify_kernel<C><<<grid, C::NT, C::SMEM, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
+  cudaLaunchConfig_t main_cfg = {};
+  main_cfg.gridDim = dim3(pl.splits, pl.m_tiles, a->batch);
+  main_cfg.blockDim = dim3(C::NT);
+  main_cfg.dynamicSmemBytes = C::SMEM;
+  main_cfg.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  main_cfg.attrs = &cluster;
+  main_cfg.numAttrs = pl.pair ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C>, p);
   if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
-  if (pl.splits > 1) {
+  if (pl.splits > 1 && !pl.pair) {  // a pair merged on chip
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(pl.m_tiles * C::BM, a->batch);
     const bool many = pl.splits >= COMBINE_MANY_SPLITS;
