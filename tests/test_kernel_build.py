@@ -94,6 +94,10 @@ def test_workspace_depends_on_sizes_only(build):
     # batch 1, 8 heads, 16 draft tokens on 132 slots: the prefix is split, partial results need room
     assert lib.kdtree_verify_workspace_bytes(1, 8, 16, 132, 1, ctypes.byref(size)) == 0
     assert size.value > 0
+    # two splits (66 row tiles on 132 slots): room for the partial rows too, which a device that cannot hold
+    # all 66 clusters of two CTAs at once merges through the combine instead of on chip
+    assert lib.kdtree_verify_workspace_bytes(33, 8, 16, 132, 1, ctypes.byref(size)) == 0
+    assert size.value == 66 * 2 * 64 * 513 * 4
     # a batch that fills the device on its own needs no split and no workspace
     assert lib.kdtree_verify_workspace_bytes(256, 16, 64, 132, 1, ctypes.byref(size)) == 0
     assert size.value == 0

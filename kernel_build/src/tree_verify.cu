@@ -728,34 +728,54 @@ static int fail(int code, const char* msg) {
 
 struct Plan {
   int m_tiles, splits;
-  bool pair;  // two splits: CTAs in clusters of two that merge on chip (no workspace, no combine)
+  bool pair;  // two splits in clusters of two CTAs that merge on chip (no combine launch)
   size_t ws_bytes;
 };
 
+// pair_slots: clusters of two CTAs the device runs at once (0: no pairs). The workspace does not depend on
+// it, so that its size is a function of the sizes alone: a two-split plan that cannot pair uses it.
 template <class C>
-static Plan plan(int batch, int H, int max_q_len, int cta_slots) {
+static Plan plan(int batch, int H, int max_q_len, int cta_slots, int pair_slots) {
   Plan pl;
   pl.m_tiles = (max_q_len * H + C::BM - 1) / C::BM;
   const long base = static_cast<long>(batch) * pl.m_tiles;
   // Split each request's keys so the grid fills the device's resident CTA slots in one wave
   // (rounding up would leave a second, nearly empty wave).
   pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, cta_slots / base)));
-  pl.pair = pl.splits == 2;
-  pl.ws_bytes = pl.splits == 1 || pl.pair ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
+  pl.pair = pl.splits == 2 && base <= pair_slots;
+  pl.ws_bytes = pl.splits == 1 ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
   return pl;
 }
 
-// Raise the kernel's dynamic shared memory limit, once per thread and device (outside the steady state).
+// Once per thread and device (outside the steady state): raise the kernel's dynamic shared memory limit,
+// and count the clusters of two CTAs the device holds at once. A cluster's CTAs share a GPC, so that can be
+// fewer than half the CTA slots (a GPC with an odd number of SMs, a MIG slice); pairs are only planned
+// when all of them fit in one wave.
 template <class C>
-static int prepare() {
-  static thread_local int attr_set_device = -1;
+static int prepare(int* pair_slots) {
+  static thread_local int prepared_device = -1, pairs = 0;
   int dev = 0;
   cudaGetDevice(&dev);
-  if (attr_set_device != dev) {
+  if (prepared_device != dev) {
     cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
-    attr_set_device = dev;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(2);
+    cfg.blockDim = dim3(C::NT);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C>, &cfg) != cudaSuccess) {
+      pairs = 0;  // no clusters here: two splits go through the combine, as more do
+      cudaGetLastError();
+    }
+    prepared_device = dev;
   }
+  if (pair_slots != nullptr) *pair_slots = pairs;
   return KDTREE_OK;
 }
 
@@ -763,7 +783,7 @@ static int prepare() {
 // and threads all counted): the split sizing fills exactly one wave of them.
 template <class C>
 static int resident_ctas(int* ctas) {
-  if (int rc = prepare<C>(); rc != KDTREE_OK) return rc;
+  if (int rc = prepare<C>(nullptr); rc != KDTREE_OK) return rc;
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C>, C::NT, C::SMEM);
   if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   if (*ctas < 1) return fail(KDTREE_ERR_CUDA, "the kernel does not fit on this device");
@@ -772,10 +792,11 @@ static int resident_ctas(int* ctas) {
 
 template <class C>
 static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
-  const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots);
+  int pair_slots = 0;
+  if (int rc = prepare<C>(&pair_slots); rc != KDTREE_OK) return rc;
+  const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots, pair_slots);
   if (a->workspace_bytes < pl.ws_bytes || (pl.ws_bytes > 0 && a->workspace == nullptr))
     return fail(KDTREE_ERR_WORKSPACE, "workspace is smaller than kdtree_verify_workspace_bytes()");
-  if (int rc = prepare<C>(); rc != KDTREE_OK) return rc;
   Params p;
   p.q = static_cast<const __nv_bfloat16*>(a->q); p.q_st = a->q_stride_t; p.q_sh = a->q_stride_h;
   p.k_ext = static_cast<const __nv_bfloat16*>(a->k_ext); p.k_ext_st = a->k_ext_stride;
@@ -849,8 +870,8 @@ __attribute__((visibility("default"))) int kdtree_verify_workspace_bytes(int bat
                                                                          int cta_slots, int config, size_t* bytes) {
   if (batch < 1 || num_heads < 1 || max_q_len < 1 || cta_slots < 1 || bytes == nullptr)
     return fail(KDTREE_ERR_ARGUMENT, "batch, num_heads, max_q_len and cta_slots must be >= 1");
-  if (config == KDTREE_CONFIG_WIDE) *bytes = plan<Wide>(batch, num_heads, max_q_len, cta_slots).ws_bytes;
-  else if (config == KDTREE_CONFIG_COMPACT) *bytes = plan<Compact>(batch, num_heads, max_q_len, cta_slots).ws_bytes;
+  if (config == KDTREE_CONFIG_WIDE) *bytes = plan<Wide>(batch, num_heads, max_q_len, cta_slots, 0).ws_bytes;
+  else if (config == KDTREE_CONFIG_COMPACT) *bytes = plan<Compact>(batch, num_heads, max_q_len, cta_slots, 0).ws_bytes;
   else return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
   return KDTREE_OK;
 }
