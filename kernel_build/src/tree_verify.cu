@@ -1,8 +1,8 @@
 // MLA tree-verify attention: one pass over each request's prefix and draft keys, all of a request's
 // (draft token x head) rows packed into the MMA M dimension so every key row is read once per row
-// tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of two
-// CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate), the instruction
-// sm_90, sm_100 and sm_120 all have.
+// tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of
+// two CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate),
+// the instruction sm_90, sm_100 and sm_120 all have.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
