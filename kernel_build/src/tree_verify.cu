@@ -166,12 +166,18 @@ struct Smem {
 // shared memory for the output warps.
 template <class C>
 __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const Smem<C>& sm, int sw, int lane) {
-#pragma unroll 4
-  for (int c = lane; c < 16 * ROW_CHUNKS; c += 32) {  // Q rows past this request's rows are zero-filled
-    const int r = sw * 16 + c / ROW_CHUNKS, col = c % ROW_CHUNKS, gr = w.m0 + r;
-    const bool ok = gr < w.rows;
-    const __nv_bfloat16* src = ok ? p.q + (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh + col * 8 : p.q;
-    cp_async16(sm.q + swz(r, col), src, ok);
+  // The warp's 16 Q rows, consecutive lanes on consecutive chunks of a row; rows past this request's rows
+  // are zero-filled. One row address per row, stepped from the first: a division by H per chunk made Q
+  // land ~4 us after the first key tile at launch.
+  int tok = (w.m0 + sw * 16) / p.H, head = (w.m0 + sw * 16) % p.H;
+#pragma unroll 4  // fully unrolled, it moved the output warps' loop allocation
+  for (int i = 0; i < 16; ++i) {
+    const int r = sw * 16 + i;
+    const bool ok = w.m0 + r < w.rows;
+    const __nv_bfloat16* row = ok ? p.q + (w.qs + tok) * p.q_st + head * p.q_sh : p.q;
+#pragma unroll
+    for (int col = lane; col < ROW_CHUNKS; col += 32) cp_async16(sm.q + swz(r, col), ok ? row + col * 8 : p.q, ok);
+    if (++head == p.H) head = 0, ++tok;
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -507,36 +513,50 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
 
 // A request split in two: the merge of the two CTAs' partial rows (rows r_lo.. r_lo + BM/2 of this CTA
 // with the same rows of the other CTA of the cluster, read through distributed shared memory) into the
-// bf16 output. Not inlined, so that the kernel's key loops keep the register allocation they have
-// without it.
+// bf16 output. Every remote load of a warp's rows goes out before the first is used: one round trip to
+// the other SM (issued one row at a time, with the row max waiting for the row sum, they took ~6 us).
+// Not inlined, so that the kernel's key loops keep the register allocation they have without it.
 template <class C>
 __device__ __noinline__ void merge_pair(__nv_bfloat16* out, int64_t o_st, int64_t o_sh, int H, int64_t qs, int m0,
                                         int rows, int r_lo, int ow, int lane, const float* staged,
                                         const float* l_fin, const float* m_fin) {
+  constexpr int ROWS = C::BM / 2 / C::NO, CH = DV / 4 / 32;  // rows per warp, float4 per lane and row
+  static_assert(C::BM / 2 % C::NO == 0, "the merged rows spread evenly over the output warps");
   const uint32_t peer = cluster_rank() ^ 1u;
-  for (int r = r_lo + ow; r < r_lo + C::BM / 2; r += C::NO) {
-    const int gr = m0 + r;
+  float l_b[ROWS], m_b[ROWS];
+  float4 o_b[ROWS][CH];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const int r = r_lo + ow + i * C::NO;
+    l_b[i] = ld_cluster(cluster_map(l_fin + r, peer));
+    m_b[i] = ld_cluster(cluster_map(m_fin + r, peer));
+    const uint32_t other = cluster_map(staged + r * C::STAGED_ROW, peer);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) o_b[i][c] = ld_cluster4(other + (lane + 32 * c) * 16);
+  }
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const int r = r_lo + ow + i * C::NO, gr = m0 + r;
     if (gr >= rows) break;  // rows are in order: the rest are padding too
-    const float l_a = l_fin[r], l_b = ld_cluster(cluster_map(l_fin + r, peer));
+    const float l_a = l_fin[r];
     const float lse_a = l_a > 0.f ? m_fin[r] + log2f(l_a) : -INFINITY;
-    const float lse_b = l_b > 0.f ? ld_cluster(cluster_map(m_fin + r, peer)) + log2f(l_b) : -INFINITY;
+    const float lse_b = l_b[i] > 0.f ? m_b[i] + log2f(l_b[i]) : -INFINITY;
     const float mx = fmaxf(lse_a, lse_b);
     const float w_a = lse_a == -INFINITY ? 0.f : exp2f(lse_a - mx);
     const float w_b = lse_b == -INFINITY ? 0.f : exp2f(lse_b - mx);
     const float inv = w_a + w_b > 0.f ? 1.f / (w_a + w_b) : 0.f;  // no visible key: zeros, as Triton writes
     const float f_a = w_a * inv, f_b = w_b * inv;
     const float4* own = reinterpret_cast<const float4*>(staged + r * C::STAGED_ROW);
-    const uint32_t other = cluster_map(staged + r * C::STAGED_ROW, peer);
     __nv_bfloat16* dst = out + (qs + gr / H) * o_st + (gr % H) * o_sh;
 #pragma unroll
-    for (int c = lane; c < DV / 4; c += 32) {
-      const float4 a = own[c], o = ld_cluster4(other + c * 16);
+    for (int c = 0; c < CH; ++c) {
+      const float4 a = own[lane + 32 * c], o = o_b[i][c];
       __nv_bfloat162 lo2 = __floats2bfloat162_rn(f_a * a.x + f_b * o.x, f_a * a.y + f_b * o.y);
       __nv_bfloat162 hi2 = __floats2bfloat162_rn(f_a * a.z + f_b * o.z, f_a * a.w + f_b * o.w);
       uint2 packed;
       packed.x = *reinterpret_cast<uint32_t*>(&lo2);
       packed.y = *reinterpret_cast<uint32_t*>(&hi2);
-      *reinterpret_cast<uint2*>(dst + c * 4) = packed;
+      *reinterpret_cast<uint2*>(dst + (lane + 32 * c) * 4) = packed;
     }
   }
 }
@@ -557,19 +577,22 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   }
 
   asm volatile("griddepcontrol.launch_dependents;\n");  // the combine may be scheduled as CTAs retire
+  // The request's indices, all requested before any is used: one round trip, not three in series.
   Work w;
   w.qs = load_idx(p.qo_indptr, p.qo_t, b);
-  w.qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - w.qs);
+  const int64_t qs_end = load_idx(p.qo_indptr, p.qo_t, b + 1);
+  w.kv0 = load_idx(p.kv_indptr, p.kvp_t, b);
+  const int64_t kv_end = load_idx(p.kv_indptr, p.kvp_t, b + 1);
+  w.mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
+  w.qlen = static_cast<int>(qs_end - w.qs);
   w.rows = w.qlen * p.H;
   w.m0 = mt * C::BM;
   if (w.m0 >= w.rows) return;
-  w.kv0 = load_idx(p.kv_indptr, p.kvp_t, b);
-  w.P = static_cast<int>(load_idx(p.kv_indptr, p.kvp_t, b + 1) - w.kv0);
+  w.P = static_cast<int>(kv_end - w.kv0);
   w.L = w.P + w.qlen;
   int used;
   split_range(w.L, p.splits, split, C::BN, w.k_lo, w.k_hi, used);
   if (split >= used) return;
-  w.mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
   w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
   if (tid == 0) {  // read after the key loop, behind its __syncthreads
     // Two splits (p.pair) and both have keys (the same on both CTAs of the cluster: same request, same
