@@ -102,3 +102,31 @@ def test_workspace_depends_on_sizes_only(build):
     assert lib.kdtree_verify_workspace_bytes(256, 16, 64, 132, 1, ctypes.byref(size)) == 0
     assert size.value == 0
     assert lib.kdtree_verify_workspace_bytes(0, 8, 16, 132, 1, ctypes.byref(size)) != 0
+
+
+def test_timeline_stamps_only_in_timeline_builds(build, tmp_path):
+    # The release library has no timeline entry points (and its SASS none of the stamps); a tuning build
+    # with -DKDTREE_TIMELINE compiles for both targets and exports them for bench/timeline.py.
+    lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))
+    assert not hasattr(lib, "kdtree_timeline")
+    out = tmp_path / "timeline"
+    cfg = subprocess.run(
+        [
+            "cmake",
+            "-S",
+            SRC,
+            "-B",
+            out,
+            "-DCMAKE_CUDA_ARCHITECTURES=90-real;120",
+            "-DCMAKE_CUDA_FLAGS=-DKDTREE_TIMELINE",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    b = subprocess.run(
+        ["cmake", "--build", out, "-j2", "--target", "kdtree_verify"], capture_output=True, text=True
+    )
+    assert b.returncode == 0, b.stdout + b.stderr
+    tl = ctypes.CDLL(str(out / "libkdtree_verify.so"))
+    assert hasattr(tl, "kdtree_timeline") and hasattr(tl, "kdtree_timeline_reset")

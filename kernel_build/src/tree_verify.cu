@@ -93,6 +93,34 @@ constexpr int SMEM_PER_BLOCK = 101376;  // sm_120
 constexpr int SMEM_PER_BLOCK = 232448;
 #endif
 
+// Tuning builds only (-DKDTREE_TIMELINE, read by bench/timeline.py): %globaltimer stamps per CTA of the
+// main kernel, and the first and last of each stamp over the combine's blocks. Other builds compile none.
+enum Stamp { kEntry, kIndices, kQLanded, kTile0Landed, kFirstP, kOutputLoopDone, kScoreLoopDone, kEpilogueDone };
+#ifdef KDTREE_TIMELINE
+constexpr int TIMELINE_CTAS = 4096, TIMELINE_STAMPS = 8;
+__device__ unsigned long long g_timeline[TIMELINE_CTAS][TIMELINE_STAMPS];
+__device__ unsigned long long g_timeline_combine[3][2];
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void stamp(Stamp s) {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta < TIMELINE_CTAS) g_timeline[cta][s] = globaltimer();
+}
+__device__ __forceinline__ void stamp_combine(int s) {
+  if (threadIdx.x == 0) {
+    const unsigned long long t = globaltimer();
+    atomicMin(&g_timeline_combine[s][0], t);
+    atomicMax(&g_timeline_combine[s][1], t);
+  }
+}
+#else
+__device__ __forceinline__ void stamp(Stamp) {}
+__device__ __forceinline__ void stamp_combine(int) {}
+#endif
+
 struct Params {
   const __nv_bfloat16* q; int64_t q_st, q_sh;
   const __nv_bfloat16* k_ext; int64_t k_ext_st;
@@ -182,6 +210,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
+  if (sw == 0 && lane == 0) stamp(kQLanded);
   // Lane l reads row sw*16 + (l & 15), chunk 2*ks + (l >> 4) of Q. With 2*ks even, the chunk's low bit
   // (l >> 4) goes into the xor key q_x with the row (the same holds for the K and V addresses below).
   const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * ROW_BYTES);
@@ -321,6 +350,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
       sm.alpha[buf * C::BM + r0 + 8] = alpha[1];
     }
     bar_arrive(C::BAR_P_READY + buf, C::NT);
+    if (t == 0 && r0 == 0 && lane == 0) stamp(kFirstP);
   };
 
   // PIPELINE: software-pipelined by one tile, tile t's softmax steps placed between the k-steps of tile
@@ -438,6 +468,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   load_tile(0, slot_of(0));  // ntiles >= 1
   cp_async_commit();
   cp_async_wait<0>();
+  if (ow == 0 && lane == 0) stamp(kTile0Landed);
   bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
 #pragma unroll
   for (int s = 1; s < C::STAGES; ++s) {
@@ -570,6 +601,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   const Smem<C> sm(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
+  if (tid == 0) stamp(kEntry);
 
   if (p.counter != nullptr && split == 0 && mt == 0 && b == 0 && tid == 0) {
     unsigned long long v = atomicAdd(p.counter, 1ull) + 1ull;
@@ -594,6 +626,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   split_range(w.L, p.splits, split, C::BN, w.k_lo, w.k_hi, used);
   if (split >= used) return;
   w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
+  if (tid == 0) stamp(kIndices);
   if (tid == 0) {  // read after the key loop, behind its __syncthreads
     // Two splits (p.pair) and both have keys (the same on both CTAs of the cluster: same request, same
     // `used`): they merge their partial rows through distributed shared memory and store the output, each
@@ -606,6 +639,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 
   if (warp < C::NS) {
     score_warp<C>(p, w, sm, warp, lane);
+    if (tid == 0) stamp(kScoreLoopDone);
     __syncthreads();  // row sums and maxima are in shared memory
     if (sm.epi->mode == Epilogue::kPair) {  // the cluster barriers count every thread of both CTAs
       cluster_sync();
@@ -620,6 +654,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #pragma unroll
     for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
   output_warp<C>(p, w, sm, ow, lane, o);
+  if (ow == 0 && lane == 0) stamp(kOutputLoopDone);
   __syncthreads();
   const Epilogue epi = *sm.epi;
 
@@ -651,11 +686,15 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
               make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
       }
     }
-  if (epi.mode == Epilogue::kStore) return;
+  if (epi.mode == Epilogue::kStore) {
+    if (ow == 0 && lane == 0) stamp(kEpilogueDone);
+    return;
+  }
   if (epi.mode == Epilogue::kPair) {
     cluster_sync();  // both CTAs' partial rows staged (and both CTAs running)
     merge_pair<C>(p.out, p.o_st, p.o_sh, p.H, w.qs, w.m0, w.rows, epi.r_lo, ow, lane, staged, sm.l_fin, sm.m_fin);
     cluster_sync();  // the other CTA is done reading this one's shared memory
+    if (ow == 0 && lane == 0) stamp(kEpilogueDone);
     return;
   }
   bar_sync(C::BAR_EPILOGUE, C::NO * 32);
@@ -670,6 +709,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
       p.part_lse[row0 + r] = l > 0.f ? sm.m_fin[r] + log2f(l) : -INFINITY;
     }
   }
+  if (ow == 0 && lane == 0) stamp(kEpilogueDone);
 }
 
 // Merge the prefix splits of each row by log-sum-exp. One block per (request, packed row); each of its G
@@ -691,7 +731,9 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   split_range(P + qlen, p.splits, 0, C::BN, lo, hi, used);
   const int mt = gr / C::BM, r = gr % C::BM;
   const int64_t base = (static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits * C::BM + r;
+  stamp_combine(0);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  stamp_combine(1);
   // One pass over the splits: each group keeps a running maximum of their log-sum-exp and rescales when
   // it grows (a branch uniform over the block), so the partial rows are requested without waiting for a
   // maximum over all splits first.
@@ -737,6 +779,7 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   packed.x = *reinterpret_cast<uint32_t*>(&lo2);
   packed.y = *reinterpret_cast<uint32_t*>(&hi2);
   *reinterpret_cast<uint2*>(dst) = packed;
+  stamp_combine(2);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -915,5 +958,26 @@ __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_ver
   if (a->config == KDTREE_CONFIG_COMPACT) return launch<Compact>(a, s);
   return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
 }
+
+#ifdef KDTREE_TIMELINE
+// Clear the stamps (the combine's first/last to their identities) before the launch to be read.
+__attribute__((visibility("default"))) int kdtree_timeline_reset(void) {
+  static const unsigned long long zero[TIMELINE_CTAS * TIMELINE_STAMPS] = {};
+  const unsigned long long identity[6] = {~0ull, 0, ~0ull, 0, ~0ull, 0};
+  if (cudaMemcpyToSymbol(g_timeline, zero, sizeof(zero)) != cudaSuccess) return fail(KDTREE_ERR_CUDA, "timeline reset");
+  if (cudaMemcpyToSymbol(g_timeline_combine, identity, sizeof(identity)) != cudaSuccess)
+    return fail(KDTREE_ERR_CUDA, "timeline reset");
+  return KDTREE_OK;
+}
+// Copy out [TIMELINE_CTAS][TIMELINE_STAMPS] main-kernel stamps (0: not reached) and [3][first, last] of
+// the combine's (first ~0: no combine ran). Nanoseconds of %globaltimer.
+__attribute__((visibility("default"))) int kdtree_timeline(unsigned long long* main_stamps,
+                                                           unsigned long long* combine_stamps) {
+  if (cudaMemcpyFromSymbol(main_stamps, g_timeline, sizeof(g_timeline)) != cudaSuccess ||
+      cudaMemcpyFromSymbol(combine_stamps, g_timeline_combine, sizeof(g_timeline_combine)) != cudaSuccess)
+    return fail(KDTREE_ERR_CUDA, "timeline read");
+  return KDTREE_OK;
+}
+#endif
 
 }  // extern "C"
