@@ -15,10 +15,14 @@ sys.path.insert(0, str(ROOT / "kernel_build" / "bench"))
 import timeline  # noqa: E402
 
 
-def cta(entry_ns: int, *after_us: float) -> list[int]:
-    """One CTA's 8 stamps: its entry, then the others at the given us after the batch's time origin."""
-    stamps = [entry_ns] + [1_000_000 + int(us * 1e3) for us in after_us]
-    return stamps + [0] * (len(timeline.STAMPS) - len(stamps))
+def cta(entry_ns: int, **after_us: float) -> list[int]:
+    """One CTA's stamps: its entry, then the named ones (a stamp name's first word) at the given us after
+    the time origin (1 ms); the rest not reached."""
+    stamps = [entry_ns] + [0] * (len(timeline.STAMPS) - 1)
+    for word, us in after_us.items():
+        i = next(i for i, name in enumerate(timeline.STAMPS) if name.split()[0].lower() == word)
+        stamps[i] = 1_000_000 + int(us * 1e3)
+    return stamps
 
 
 def values(lines: list[str], name: str) -> list[float]:
@@ -28,9 +32,9 @@ def values(lines: list[str], name: str) -> list[float]:
 
 def test_stamps_are_relative_to_the_first_entry_and_skip_what_a_cta_never_reached():
     main = [
-        cta(1_000_000, 1.0, 4.0, 3.0, 6.0, 40.0, 40.0, 44.0),
-        cta(1_000_500, 1.5, 5.0, 3.5, 7.0, 41.0, 41.0, 45.0),
-        cta(1_001_000, 2.0),  # a CTA with no keys: it returned after loading its indices
+        cta(1_000_000, request=1.0, q=4.0, tile=3.0, epilogue=44.0),
+        cta(1_000_500, request=1.5, q=5.0, tile=3.5, epilogue=45.0),
+        cta(1_001_000, request=2.0),  # a CTA with no keys: it returned after loading its indices
         [0] * len(timeline.STAMPS),  # a CTA the launch did not have
     ]
     never = timeline.NEVER
@@ -44,7 +48,7 @@ def test_stamps_are_relative_to_the_first_entry_and_skip_what_a_cta_never_reache
 
 
 def test_combine_first_and_last():
-    main = [cta(1_000_000, 1.0, 4.0, 3.0, 6.0, 40.0, 40.0, 44.0)]
+    main = [cta(1_000_000, request=1.0, epilogue=44.0)]
     lines = timeline.summarize(main, [1_002_000, 1_048_000, 1_045_000, 1_046_000, 1_047_000, 1_050_000])
     assert values(lines, "combine scheduled") == [2.0, 48.0]
     assert values(lines, "combine done") == [47.0, 50.0]
@@ -56,5 +60,5 @@ def test_an_uninstrumented_run_says_so():
 
 def test_stamp_names_follow_the_kernels_enum():
     src = (ROOT / "kernel_build" / "src" / "tree_verify.cu").read_text()
-    enum = re.search(r"enum Stamp \{([^}]*)\}", src).group(1)
+    enum = re.sub(r"//[^\n]*", "", re.search(r"enum Stamp \{([^}]*)\}", src).group(1))
     assert len([e for e in enum.split(",") if e.strip()]) == len(timeline.STAMPS)

@@ -24,6 +24,9 @@ STAMPS = [  # enum Stamp in src/tree_verify.cu, in its order
     "P of tile 0 published",
     "output warps' key loop done",
     "score warps' key loop done",
+    "rows staged (output warp 0)",
+    "pair: other CTA staged",
+    "pair: merged",
     "epilogue done",
 ]
 COMBINE = ["combine scheduled", "combine past its wait", "combine done"]

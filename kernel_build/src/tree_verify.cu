@@ -95,9 +95,12 @@ constexpr int SMEM_PER_BLOCK = 232448;
 
 // Tuning builds only (-DKDTREE_TIMELINE, read by bench/timeline.py): %globaltimer stamps per CTA of the
 // main kernel, and the first and last of each stamp over the combine's blocks. Other builds compile none.
-enum Stamp { kEntry, kIndices, kQLanded, kTile0Landed, kFirstP, kOutputLoopDone, kScoreLoopDone, kEpilogueDone };
+enum Stamp {
+  kEntry, kIndices, kQLanded, kTile0Landed, kFirstP, kOutputLoopDone, kScoreLoopDone,
+  kStaged, kPeerReady, kMerged, kEpilogueDone  // epilogue: rows staged; pair: other CTA staged, merged
+};
 #ifdef KDTREE_TIMELINE
-constexpr int TIMELINE_CTAS = 4096, TIMELINE_STAMPS = 8;
+constexpr int TIMELINE_CTAS = 4096, TIMELINE_STAMPS = kEpilogueDone + 1;
 __device__ unsigned long long g_timeline[TIMELINE_CTAS][TIMELINE_STAMPS];
 __device__ unsigned long long g_timeline_combine[3][2];
 __device__ __forceinline__ unsigned long long globaltimer() {
@@ -686,13 +689,16 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
               make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
       }
     }
+  if (ow == 0 && lane == 0) stamp(kStaged);
   if (epi.mode == Epilogue::kStore) {
     if (ow == 0 && lane == 0) stamp(kEpilogueDone);
     return;
   }
   if (epi.mode == Epilogue::kPair) {
     cluster_sync();  // both CTAs' partial rows staged (and both CTAs running)
+    if (ow == 0 && lane == 0) stamp(kPeerReady);
     merge_pair<C>(p.out, p.o_st, p.o_sh, p.H, w.qs, w.m0, w.rows, epi.r_lo, ow, lane, staged, sm.l_fin, sm.m_fin);
+    if (ow == 0 && lane == 0) stamp(kMerged);
     cluster_sync();  // the other CTA is done reading this one's shared memory
     if (ow == 0 && lane == 0) stamp(kEpilogueDone);
     return;
