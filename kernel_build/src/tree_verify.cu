@@ -629,8 +629,8 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   split_range(w.L, p.splits, split, C::BN, w.k_lo, w.k_hi, used);
   if (split >= used) return;
   w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
-  if (tid == 0) stamp(kIndices);
   if (tid == 0) {  // read after the key loop, behind its __syncthreads
+    stamp(kIndices);
     // Two splits (p.pair) and both have keys (the same on both CTAs of the cluster: same request, same
     // `used`): they merge their partial rows through distributed shared memory and store the output, each
     // half of the rows. A request whose keys fit one split stores directly, as with no split at all.
@@ -819,6 +819,15 @@ static Plan plan(int batch, int H, int max_q_len, int cta_slots, int pair_slots)
   return pl;
 }
 
+// The launch attribute of a pair plan: clusters of two CTAs (the two splits of a row tile, along x).
+static cudaLaunchAttribute pair_cluster() {
+  cudaLaunchAttribute a;
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = 2;
+  a.val.clusterDim.y = a.val.clusterDim.z = 1;
+  return a;
+}
+
 // Once per thread and device (outside the steady state): raise the kernel's dynamic shared memory limit,
 // and count the clusters of two CTAs the device holds at once. A cluster's CTAs share a GPC, so that can be
 // fewer than half the CTA slots (a GPC with an odd number of SMs, a MIG slice); pairs are only planned
@@ -835,10 +844,7 @@ static int prepare(int* pair_slots) {
     cfg.gridDim = dim3(2);
     cfg.blockDim = dim3(C::NT);
     cfg.dynamicSmemBytes = C::SMEM;
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchAttribute cluster = pair_cluster();
     cfg.attrs = &cluster;
     cfg.numAttrs = 1;
     if (cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C>, &cfg) != cudaSuccess) {
@@ -890,10 +896,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   main_cfg.blockDim = dim3(C::NT);
   main_cfg.dynamicSmemBytes = C::SMEM;
   main_cfg.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchAttribute cluster = pair_cluster();
   main_cfg.attrs = &cluster;
   main_cfg.numAttrs = pl.pair ? 1 : 0;
   cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C>, p);
