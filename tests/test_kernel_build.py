@@ -130,3 +130,23 @@ def test_timeline_stamps_only_in_timeline_builds(build, tmp_path):
     assert b.returncode == 0, b.stdout + b.stderr
     tl = ctypes.CDLL(str(out / "libkdtree_verify.so"))
     assert hasattr(tl, "kdtree_timeline") and hasattr(tl, "kdtree_timeline_reset")
+
+
+@pytest.mark.parametrize("probe", ["mma_peak.cu", "dsmem_probe.cu"])
+def test_bench_probes_compile(probe, tmp_path):
+    # The standalone microbenchmarks the GPU machine compiles by hand (gpu_env.sh builds mma_peak).
+    for arch in ("sm_90", "sm_120"):
+        b = subprocess.run(
+            [
+                "nvcc",
+                "-O3",
+                f"-arch={arch}",
+                "-std=c++17",
+                SRC / "bench" / probe,
+                "-o",
+                tmp_path / f"{probe}-{arch}",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert b.returncode == 0, b.stdout + b.stderr

@@ -123,6 +123,30 @@ def test_random_trees_many_seeds():
         assert rel_l2(run_ours(b), reference(b)) < 1e-2, seed
 
 
+@pytest.mark.parametrize("exp", [20, -16])
+@pytest.mark.parametrize(
+    "config, case",
+    [
+        ("wide", CASES[-1]),  # on an H200: two splits, merged in a cluster (and single-split requests)
+        ("compact", CASES[4]),  # on an H200: two splits
+        ("wide", CASES[1]),  # batch 1: many splits and the combine
+    ],
+)
+def test_output_scales_exactly_with_the_values(config, case, exp):
+    """Keys and values times 2^exp, queries times 2^-exp: the same scores, so every path must return the
+    output times 2^exp exactly, far outside fp16's range too (2^20: plain fp16 overflows; 2^-16: its
+    subnormals), including a pair's merge, which exchanges rows as fp16 with a power-of-two scale."""
+    batch, heads, q_len, prefix, tree = case
+    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=41)
+    with kernel_config(config):
+        plain = run_ours(b)
+        for name, e in (("q", -exp), ("k_ext", exp), ("v_ext", exp), ("k_buf", exp)):
+            getattr(b, name).mul_(2.0**e)  # exact in bf16: a power of two
+        scaled = run_ours(b)
+    assert torch.isfinite(scaled).all()
+    assert torch.equal(scaled, plain * 2.0**exp)
+
+
 def test_cuda_graph_replay_equals_eager():
     b = make_batch(4, 16, 16, 4096, seed=21)
     T, H = b.q.shape[:2]
