@@ -133,9 +133,10 @@ def test_random_trees_many_seeds():
     ],
 )
 def test_output_scales_exactly_with_the_values(config, case, exp):
-    """Keys and values times 2^exp, queries times 2^-exp: the same scores, so every path must return the
-    output times 2^exp exactly, far outside fp16's range too (2^20: plain fp16 overflows; 2^-16: its
-    subnormals), including a pair's merge, which exchanges rows as fp16 with a power-of-two scale."""
+    """Keys and values times 2^exp, queries times 2^-exp: the same scores, so every path (one split, a pair
+    merged in a cluster, many splits and the combine) must return the output times 2^exp exactly, far
+    outside fp16's range too (2^20: plain fp16 overflows; 2^-16: its subnormals). A path that keeps partial
+    rows in a narrower format must scale them (NOTES.md: the v12 fp16 tries, the v9 fp16 partials)."""
     batch, heads, q_len, prefix, tree = case
     b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=41)
     with kernel_config(config):
