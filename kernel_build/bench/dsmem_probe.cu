@@ -43,6 +43,25 @@ __device__ __forceinline__ float check(float4 a, int i, int* bad) {
   return a.z;
 }
 
+// Every value of the other CTA's `src` this thread consumes, all loads issued before the first use.
+__device__ __forceinline__ float pull(const float4* src, int per, int* bad) {
+  const uint32_t other = peer_of(smem_u32(src));
+  const int tid = threadIdx.x;
+  float4 v[MAX_PER_THREAD];
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < MAX_PER_THREAD; ++j)
+    if (j < per)
+      asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=f"(v[j].x), "=f"(v[j].y), "=f"(v[j].z), "=f"(v[j].w)
+                   : "r"(other + (tid + j * THREADS) * 16)
+                   : "memory");
+#pragma unroll
+  for (int j = 0; j < MAX_PER_THREAD; ++j)
+    if (j < per) acc += check(v[j], tid + j * THREADS, bad);
+  return acc;
+}
+
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
     exchange(int mode, int bytes, float4* gbuf, uint64_t* times, float* sink, int* bad) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -62,18 +81,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
   const uint64_t t0 = now();
   float acc = 0.f;
   if (mode == 0) {  // pull
-    const uint32_t other = peer_of(smem_u32(src));
-    float4 v[MAX_PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < MAX_PER_THREAD; ++j)
-      if (j < per)
-        asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=f"(v[j].x), "=f"(v[j].y), "=f"(v[j].z), "=f"(v[j].w)
-                     : "r"(other + (tid + j * THREADS) * 16)
-                     : "memory");
-#pragma unroll
-    for (int j = 0; j < MAX_PER_THREAD; ++j)
-      if (j < per) acc += check(v[j], tid + j * THREADS, bad);
+    acc += pull(src, per, bad);
   } else if (mode == 1) {  // push
     const uint32_t other = peer_of(smem_u32(dst));
 #pragma unroll
@@ -120,18 +128,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
       }
       cluster_sync();
     }
-    const uint32_t other = peer_of(smem_u32(src));
-    float4 v[MAX_PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < MAX_PER_THREAD; ++j)
-      if (j < per)
-        asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=f"(v[j].x), "=f"(v[j].y), "=f"(v[j].z), "=f"(v[j].w)
-                     : "r"(other + (tid + j * THREADS) * 16)
-                     : "memory");
-#pragma unroll
-    for (int j = 0; j < MAX_PER_THREAD; ++j)
-      if (j < per) acc += check(v[j], tid + j * THREADS, bad);
+    acc += pull(src, per, bad);
   } else {  // 3: global
     float4* mine = gbuf + static_cast<int64_t>(blockIdx.x) * (REGION / 16);
     float4* theirs = gbuf + static_cast<int64_t>(blockIdx.x ^ 1) * (REGION / 16);
