@@ -304,10 +304,13 @@ class StandinProcess:
         return self.log_dir / f"standin-{self.port}-{self.starts}.log"
 
     def start(self) -> StandinProcess:
-        self.starts += 1
         cmd = [sys.executable, __file__, "--port", str(self.port), "--state-dir", self.state_dir, *self.args]
-        with self.log_path.open("wb") as out:
+        path = self.log_dir / f"standin-{self.port}-{self.starts + 1}.log"
+        with path.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        # Only now does log_path name the new file: the sidecar reads the logs from another thread while it
+        # restarts the server, and Docker's logs of a restarting container never fail for a missing file.
+        self.starts += 1
         self.started_at = time.time()
         return self
 
