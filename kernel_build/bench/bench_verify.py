@@ -22,7 +22,7 @@ import sys
 
 import torch
 import triton.testing
-from source_id import source_id  # this script's folder is on sys.path
+from source_id import SOURCES, source_id  # this script's folder is on sys.path
 
 from kdtree import kernel
 from kdtree.reference import kdtree_call, make_batch, triton_call
@@ -53,7 +53,7 @@ def _commit() -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "kernel_build/src", "kernel_build/include", "kdtree")
+    dirty = git("status", "--porcelain", "--", *SOURCES)
     try:
         ids = f"; sources {source_id()}"
     except (OSError, subprocess.CalledProcessError):  # not a git checkout
