@@ -5,6 +5,8 @@ Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
 
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written),
 the mma.sync bf16 rate (the instruction this kernel uses; passed in from mma_peak.cu) and cuBLAS bf16.
+For scale, the header also gives what a mature mma.sync attention kernel reaches on the same card:
+PyTorch's flash backend (FlashAttention-2) on dense attention.
 Our times are CUDA-graph replays of R calls over R distinct input sets (more data than the L2 holds),
 divided by R, as SGLang runs verify under graphs. Baselines are eager calls timed by do_bench, which
 flushes the L2 before each call.
@@ -42,6 +44,30 @@ def cublas_tflops() -> float:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def flash_attention_tflops() -> tuple[str, dict[int, float]]:
+    """Dense bf16 attention (4 x 16 heads, 8k queries x 8k keys, no mask) through PyTorch's flash backend,
+    per head dim: FlashAttention-2, whose sm_90 code is mma.sync like this kernel's, unless another
+    implementation was activated (named in the result)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    current = getattr(torch.nn.attention, "current_flash_attention_impl", lambda: None)()
+    impl = current or "FlashAttention-2 (built in)"
+
+    def rate(d: int) -> float:
+        q, k, v = (torch.randn(4, 16, 8192, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises rather than run another backend
+            ms = triton.testing.do_bench(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                warmup=10,
+                rep=200,
+                return_mode="median",
+            )
+        return 4 * q.shape[0] * q.shape[1] * 8192 * 8192 * d / (ms * 1e-3) / 1e12
+
+    rates = {d: rate(d) for d in (128, 256)}
+    return impl, rates
 
 
 def _commit() -> str:
@@ -144,6 +170,7 @@ def main() -> None:
 
     bw = copy_bandwidth()
     cublas = cublas_tflops()
+    fa_impl, fa = flash_attention_tflops()
     props = torch.cuda.get_device_properties(0)
     rows = []
     shapes = [
@@ -192,6 +219,12 @@ def main() -> None:
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit}",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s; mma.sync bf16 {args.mma_tflops:.0f} TFLOP/s "
         f"(the kernel's instruction; roofline uses it); cuBLAS bf16 {cublas:.0f} TFLOP/s",
+        f"For scale, dense attention through PyTorch's flash backend ({fa_impl}; 4 x 16 heads, 8k x 8k, no "
+        "mask): "
+        + ", ".join(
+            f"head dim {d} {t:.0f} TFLOP/s ({100 * t / args.mma_tflops:.0f}% of the mma.sync rate)"
+            for d, t in fa.items()
+        ),
         f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}; command: {' '.join(sys.argv)}",
         "",
     ]
@@ -202,7 +235,15 @@ def main() -> None:
             f.write(text + "\n")
         with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
             json.dump(
-                dict(copy_bw=bw, mma_tflops=args.mma_tflops, cublas_tflops=cublas, rows=rows), f, indent=1
+                dict(
+                    copy_bw=bw,
+                    mma_tflops=args.mma_tflops,
+                    cublas_tflops=cublas,
+                    flash_attention=dict(impl=fa_impl, tflops_by_head_dim=fa),
+                    rows=rows,
+                ),
+                f,
+                indent=1,
             )
 
 
