@@ -9,9 +9,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Mode(StrEnum):
-    OFF = "off"  # SGLang's Triton path only
+    OFF = "off"  # SGLang's Triton path only: nothing of kdtree's runs (the kill switch)
     VALIDATE = "validate"  # Triton serves; kdtree runs beside it and is compared on the device
     ON = "on"  # kdtree serves target-verify attention
+    STANDBY = "standby"  # installed and idle: Triton serves, kdtree does no attention work
+
+
+# A server started in one of these switches between them while it runs (kdtree.verify.ModeHolder); to or from
+# `off` it restarts.
+LIVE_MODES = frozenset({Mode.VALIDATE, Mode.ON, Mode.STANDBY})
 
 
 class ConfigError(ValueError):

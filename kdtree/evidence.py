@@ -1,8 +1,10 @@
-"""Per-rank evidence: who this process is (tp rank/size), and a heartbeat that rewrites its status record.
+"""Per-rank evidence: who this process is (tp rank/size), and a heartbeat that rewrites its status record and
+follows the sidecar's mode file.
 
 The heartbeat thread never makes a CUDA call (one could break a graph capture running in the scheduler's
-main thread): it reads host-side counters and the kernel library's pinned host mirrors only, and it finds
-the tp rank in SGLang's already-imported runtime context (plain Python objects) without importing anything.
+main thread): it reads host-side counters and the kernel library's pinned host mirrors only, it switches the
+mode with a store to pinned host memory, and it finds the tp rank in SGLang's already-imported runtime
+context (plain Python objects) without importing anything.
 
 A process writes a record only once it knows it is a tensor-parallel scheduler (SGLang publishes the
 "scheduler" role and its ranks right after loading plugins). Other processes that install the override
@@ -18,12 +20,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kdtree.config import ConfigError, Mode
+from kdtree.control import read_desired_mode
 from kdtree.status import Parity, RankRecord, new_record, write_record
 
 log = logging.getLogger("kdtree")
 
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 UNKNOWN_RANK_POLL_S = 0.5  # how often to look for the tp rank until SGLang publishes it
+MODE_POLL_S = 0.5  # how often to read the sidecar's mode file: a live switch is confirmed within about this
 
 
 def scheduler_tp_rank() -> tuple[int, int] | None:
@@ -49,11 +54,14 @@ class Evidence:
         snapshot: Callable[[], dict],
         installed: Callable[[], bool],
         rank_source: Callable[[], tuple[int, int] | None] = scheduler_tp_rank,
+        follow: Callable[[Mode | None], bool] | None = None,
     ):
         self.state_dir = state_dir
         self._snapshot = snapshot
         self._installed = installed
         self._rank_source = rank_source
+        self._follow = follow  # applies the desired mode (ModeHolder.follow); True when the mode changed
+        self.mode_file_error: str | None = None
         self.rank: tuple[int, int] | None = None
         self.started_at = time.time()
         self.write_error: str | None = None
@@ -72,6 +80,9 @@ class Evidence:
             return None
         snap = self._snapshot()
         rec = new_record(mode=snap["mode"], tp_rank=rank[0], tp_size=rank[1])
+        rec.mode_applied_at = snap.get("mode_applied_at", rec.started_at)
+        rec.live_modes = snap.get("live_modes", [])
+        rec.mode_pending = snap.get("mode_pending")
         rec.installed = self._installed()
         rec.started_at = self.started_at
         rec.gpu = snap.get("gpu")
@@ -82,8 +93,21 @@ class Evidence:
         rec.fallbacks = snap["fallbacks"]
         if snap.get("parity"):
             rec.parity = Parity(**snap["parity"])
-        rec.last_error = snap.get("last_error") or self.write_error
+        rec.last_error = snap.get("last_error") or self.mode_file_error or self.write_error
         return rec
+
+    def follow_mode_file(self) -> bool:
+        """Apply the sidecar's mode file (KDTREE_STATE_DIR/mode) if it asks for a live switch; True when the
+        mode changed. Never raises: an unreadable file is reported in the record and changes nothing."""
+        if self._follow is None:
+            return False
+        try:
+            desired = read_desired_mode(self.state_dir)
+        except (ConfigError, OSError) as e:
+            self.mode_file_error = f"mode file: {e}"
+            return False
+        self.mode_file_error = None
+        return self._follow(desired)
 
     def beat(self) -> Path | None:
         """Write the record if this process is a known tp rank; never raises (the record shows the error)."""
@@ -115,7 +139,15 @@ class Evidence:
             self._thread.join(timeout=5)
 
     def _run(self, interval_s: float) -> None:
+        """Read the mode file every MODE_POLL_S; write the record every interval_s, and at once on a switch."""
+        due = 0.0
         while True:
-            self.beat()
-            if self._stop.wait(interval_s if self.rank is not None else min(interval_s, UNKNOWN_RANK_POLL_S)):
+            switched = self.follow_mode_file()
+            now = time.monotonic()
+            if switched or now >= due or self.rank is None:
+                self.beat()
+                due = now + interval_s
+            if self._stop.wait(
+                min(interval_s, MODE_POLL_S if self.rank is not None else UNKNOWN_RANK_POLL_S)
+            ):
                 return

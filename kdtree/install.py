@@ -100,7 +100,9 @@ def _activate() -> None:
     from kdtree.verify import VerifyOverride
 
     _override = VerifyOverride(settings)
-    _evidence = Evidence(settings.state_dir, snapshot=_override.snapshot, installed=is_installed)
+    _evidence = Evidence(
+        settings.state_dir, snapshot=_override.snapshot, installed=is_installed, follow=_override.mode.follow
+    )
 
 
 def _announce() -> None:

@@ -1,7 +1,7 @@
 """Binding of the CUDA library (kernel_build/) as torch custom ops.
 
 The library has a C ABI and no libtorch link; this module loads it with ctypes and exposes
-`torch.ops.kdtree.tree_verify` and `torch.ops.kdtree.parity_update`. Launches go to the current
+`torch.ops.kdtree.tree_verify`, `parity_update`, `mode_gate` and `mode_post`. Launches go to the current
 stream, use a caller-owned workspace, never allocate and never synchronise with the host, so they
 can be captured in a CUDA graph. Argument checks read metadata only (shape, dtype, stride, device).
 """
@@ -20,7 +20,7 @@ import torch
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
-ABI_VERSION = 2  # kernel_build/include/kdtree_verify.h
+ABI_VERSION = 3  # kernel_build/include/kdtree_verify.h
 CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
 _I32, _I64 = 0, 1
 
@@ -120,6 +120,20 @@ def library() -> ctypes.CDLL:
             ctypes.c_void_p,
         ]
         lib.kdtree_host_device_pointer.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+        lib.kdtree_mode_gate.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
+        lib.kdtree_mode_post.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_float,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        lib.kdtree_capture_id.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
         return lib
     raise KernelUnavailable(
         "kdtree kernel library not found; tried: "
@@ -459,6 +473,15 @@ def tree_verify(
     )
 
 
+def _pinned_mapped(nbytes: int) -> tuple[torch.Tensor, int]:
+    """Zeroed pinned host memory and its address on the device (kernels read or write it there)."""
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    dptr = ctypes.c_void_p()
+    if library().kdtree_host_device_pointer(host.data_ptr(), ctypes.byref(dptr)) != 0:
+        raise KernelUnavailable("pinned host memory is not mapped into the device's address space")
+    return host, dptr.value
+
+
 class _Mirrored:
     """Device memory the kernels update, plus a pinned host copy they write on the device."""
 
@@ -466,11 +489,8 @@ class _Mirrored:
         library()
         self.device = torch.device(device)
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-        dptr = ctypes.c_void_p()
-        if library().kdtree_host_device_pointer(self.host.data_ptr(), ctypes.byref(dptr)) != 0:
-            raise KernelUnavailable("pinned host memory is not mapped into the device's address space")
-        self.device_ptr, self.mirror_ptr = self.buffer.data_ptr(), dptr.value
+        self.host, self.mirror_ptr = _pinned_mapped(nbytes)
+        self.device_ptr = self.buffer.data_ptr()
 
 
 class DeviceCounter(_Mirrored):
@@ -529,3 +549,127 @@ class ParityStats(_Mirrored):
             "nan_inf": t.nan_inf,
             "rtol": self.rtol,
         }
+
+
+# ---- live mode switching inside CUDA graphs (kernel_build/src/modes.cu) ----------------------------------
+MODE_CODES = {"off": 0, "validate": 1, "on": 2, "standby": 3}  # enum kdtree_mode
+
+
+class ModeWord:
+    """The process's verify mode in pinned host memory that the device reads: the host changes it with a plain
+    store (no CUDA call, so any thread may, even while the serving thread captures a graph)."""
+
+    def __init__(self):
+        library()
+        self.host, self.device_ptr = _pinned_mapped(4)
+        self._word = ctypes.c_uint32.from_address(self.host.data_ptr())
+
+    def set(self, mode: str) -> None:
+        self._word.value = MODE_CODES[mode]
+
+    def get(self) -> str:
+        return next(m for m, c in MODE_CODES.items() if c == self._word.value)
+
+
+def capture_id(stream: torch.cuda.Stream) -> int:
+    """The id of the CUDA graph capture running on `stream`; 0 when none runs."""
+    out = ctypes.c_ulonglong(0)
+    if library().kdtree_capture_id(stream.cuda_stream, ctypes.byref(out)) != 0:
+        raise RuntimeError(f"cudaStreamGetCaptureInfo failed on {stream}")
+    return out.value
+
+
+@torch.library.custom_op("kdtree::mode_gate", mutates_args=("mode", "qo_kdtree", "qo_original"))
+def _mode_gate_op(
+    host_mode_ptr: int,
+    mode: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    qo_kdtree: torch.Tensor,
+    qo_original: torch.Tensor,
+) -> None:
+    rc = library().kdtree_mode_gate(
+        host_mode_ptr,
+        mode.data_ptr(),
+        qo_indptr.data_ptr(),
+        _I64 if qo_indptr.dtype == torch.int64 else _I32,
+        qo_indptr.numel(),
+        qo_kdtree.data_ptr(),
+        qo_original.data_ptr(),
+        torch.cuda.current_stream(qo_indptr.device).cuda_stream,
+    )
+    if rc != 0:
+        raise RuntimeError(f"kdtree_mode_gate failed ({rc})")
+
+
+def mode_gate(word: ModeWord, mode: torch.Tensor, qo_indptr, qo_kdtree, qo_original) -> None:
+    """Once per captured step: latch the host's mode into `mode` (int32 [1] on the device) and write the extents
+    each path computes this step: `qo_kdtree` (qo_indptr in on and validate, else zeros) and `qo_original`
+    (zeros in on)."""
+    n = qo_indptr.numel()
+    _index_type(qo_indptr, "qo_indptr")
+    _need(n >= 2, "qo_indptr", ">= 2 entries", n)
+    for name, t in (("qo_kdtree", qo_kdtree), ("qo_original", qo_original)):  # capture time only: no hot path
+        _need(
+            t.dtype == qo_indptr.dtype
+            and t.numel() == n
+            and t.is_contiguous()
+            and t.device == qo_indptr.device,
+            name,
+            f"{qo_indptr.dtype} [{n}] on {qo_indptr.device} like qo_indptr",
+            f"{t.dtype} {tuple(t.shape)} on {t.device}",
+        )
+    _need(mode.dtype == torch.int32 and mode.numel() == 1, "mode", "an int32 [1] device tensor", mode.dtype)
+    torch.ops.kdtree.mode_gate(word.device_ptr, mode, qo_indptr, qo_kdtree, qo_original)
+
+
+@torch.library.custom_op("kdtree::mode_post", mutates_args=("ours",))
+def _mode_post_op(
+    mode: torch.Tensor,
+    ours: torch.Tensor,
+    orig: torch.Tensor,
+    stats_ptr: int,
+    mirror_ptr: int,
+    rtol: float,
+    counter_ptr: int,
+    counter_mirror_ptr: int,
+) -> None:
+    rc = library().kdtree_mode_post(
+        mode.data_ptr(),
+        ours.data_ptr(),
+        orig.data_ptr(),
+        ours.numel(),
+        stats_ptr,
+        mirror_ptr,
+        rtol,
+        counter_ptr or None,
+        counter_mirror_ptr or None,
+        torch.cuda.current_stream(ours.device).cuda_stream,
+    )
+    if rc != 0:
+        raise RuntimeError(f"kdtree_mode_post failed ({rc})")
+
+
+def mode_post(
+    mode: torch.Tensor, ours: torch.Tensor, orig: torch.Tensor, parity: ParityStats, counter: DeviceCounter
+) -> None:
+    """Once per captured call, by the latched mode: on: count the call served; validate: compare `ours` with
+    `orig`, then copy `orig` into `ours`; standby: copy `orig` into `ours`."""
+    _need(
+        ours.shape == orig.shape
+        and ours.dtype == orig.dtype == torch.bfloat16
+        and ours.is_contiguous()
+        and orig.is_contiguous(),
+        "ours/orig",
+        "two contiguous bf16 tensors of one shape",
+        lambda: f"{ours.dtype}{tuple(ours.shape)} / {orig.dtype}{tuple(orig.shape)}",
+    )
+    torch.ops.kdtree.mode_post(
+        mode,
+        ours,
+        orig,
+        parity.device_ptr,
+        parity.mirror_ptr,
+        parity.rtol,
+        counter.device_ptr,
+        counter.mirror_ptr,
+    )

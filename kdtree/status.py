@@ -36,7 +36,11 @@ class RankRecord(BaseModel):
     hostname: str = ""
     tp_rank: int = 0
     tp_size: int = 1
-    mode: str
+    mode: str  # the mode this rank serves now
+    mode_applied_at: float = 0.0  # when it switched to it (its start, until a live switch)
+    # the modes it switches to without a restart ([]: it started in off)
+    live_modes: list[str] = Field(default_factory=list)
+    mode_pending: str | None = None  # the sidecar's desired mode when this rank cannot switch to it live
     installed: bool = False
     gpu: str | None = None
     compute_capability: str | None = None

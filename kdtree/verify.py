@@ -4,22 +4,30 @@
 decides whether the kdtree kernel can compute it (`fallback_reason`); if not, SGLang's original serves
 and the reason is counted. Otherwise, by mode:
 
-- off: the original serves, untouched.
+- off: the original serves, untouched; nothing of kdtree's runs or is captured.
 - on: the draft KV is written into the pool exactly as the original writes it, then the kdtree kernel
   computes attention into the tensor the original would have returned.
 - validate: the original serves; the kdtree kernel computes the same call into a buffer of its own, and
   a device-side comparison accumulates parity statistics (no host sync, so CUDA graphs stay on).
+- standby: the original serves; kdtree does no attention work.
+
+Modes change while the server runs (validate, on and standby, between each other: `ModeHolder`). An eager call
+reads the mode once per verify step on the host. A call captured into a CUDA graph captures every mode's path
+at once, and the graph's replay picks one on the device (`_captured`), so a switch needs neither a restart nor
+a recapture.
 
 Nothing on the serving path syncs with the host. Buffers are allocated outside CUDA-graph capture and
 never freed once a capture has used them (a captured graph keeps the addresses it recorded). Host-side
 counts (fallbacks, calls answered by the original) count Python-level calls: eager calls and graph
 captures, not replays of a captured graph. The kernel counts the calls it serves on the device, so
-`served_kdtree` includes replays.
+`served_kdtree` includes replays, and so does validate's `calls_compared`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +36,7 @@ import torch
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from kdtree.config import Mode, VerifySettings
+from kdtree.config import LIVE_MODES, Mode, VerifySettings
 
 # Absorbed MLA (DeepSeek-V3, Kimi-K2): q/k = 512 latent + 64 rope dims, v = the 512 latent dims, one KV head.
 QK_HEAD_DIM = 576
@@ -36,15 +44,50 @@ V_HEAD_DIM = 512
 
 
 class ModeHolder:
-    """The process's verify mode, read on every call: the one place a runtime mode change would write."""
-
-    __slots__ = ("mode",)
+    """The process's verify mode. The serving thread reads it once per eager verify step; calls captured into
+    CUDA graphs read its pinned copy (kernel.ModeWord) on the device once per replay. So the heartbeat thread
+    switches it (`follow`) with a plain store: no CUDA call, no recapture."""
 
     def __init__(self, mode: Mode | str):
-        self.mode = Mode(mode)
+        self.started = Mode(mode)
+        self.mode = self.started
+        self.applied_at = time.time()
+        self.pending: Mode | None = None  # a desired mode this process cannot switch to while it runs
+        self._word = None
+        self._lock = threading.Lock()
+
+    @property
+    def live_modes(self) -> frozenset[Mode]:
+        """The modes this process switches between while it runs: none when it started in off."""
+        return LIVE_MODES if self.started in LIVE_MODES else frozenset()
 
     def set(self, mode: Mode | str) -> None:
-        self.mode = Mode(mode)
+        mode = Mode(mode)
+        with self._lock:
+            if mode is not self.mode:
+                self.applied_at = time.time()
+            self.mode = mode
+            if self._word is not None:
+                self._word.set(mode.value)
+
+    def follow(self, desired: Mode | None) -> bool:
+        """Switch to the sidecar's desired mode when both it and the current mode are live modes; True when the
+        mode changed. Any other change (to or from off) stays pending until the server restarts into it."""
+        if desired is None or desired is self.mode:
+            self.pending = None
+            return False
+        if desired in self.live_modes and self.mode in self.live_modes:
+            self.set(desired)
+            self.pending = None
+            return True
+        self.pending = desired
+        return False
+
+    def attach(self, word) -> None:
+        """Back the mode with pinned memory the device reads (once, when the first device state is made)."""
+        with self._lock:
+            word.set(self.mode.value)
+            self._word = word
 
 
 @dataclass(slots=True)
@@ -117,7 +160,8 @@ def _capturing() -> bool:
 
 
 class DeviceState:
-    """Per-device kdtree state: the kernel's device counter, parity accumulators and grow-only buffers.
+    """Per-device kdtree state: the kernel's device counter, parity accumulators and grow-only buffers, and what
+    calls captured with every mode share: the mode latched for the step, the gated extents, a side stream.
 
     Created outside capture. A buffer that a captured graph has used is never freed: when a larger one
     is needed (outside capture) the old one is kept alive, because the graph replays into its address.
@@ -127,23 +171,29 @@ class DeviceState:
         self.device = device
         self.counter = kernel.DeviceCounter(device)
         self.parity = kernel.ParityStats(device, rtol)
-        self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (buffer, used in a capture)
+        self.mode = torch.zeros(1, dtype=torch.int32, device=device)  # latched once per captured step
+        # Captured calls run the original here, beside kdtree (made now: capture forbids making a stream).
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.gated: tuple[int, int, int] | None = None  # (capture, qo_indptr address, entries) last gated
+        self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (bytes, used in a capture)
         self._kept: list[torch.Tensor] = []
 
-    def buffer(self, name: str, numel: int, dtype: torch.dtype, capturing: bool) -> torch.Tensor | None:
-        """A [numel] view of a buffer of at least numel elements; None when it would need to grow during capture."""
+    def buffer(
+        self, name: str, numel: int, dtype: torch.dtype, capturing: bool, reserve: int = 0
+    ) -> torch.Tensor | None:
+        """A [numel] `dtype` view of a buffer of at least max(numel * itemsize, reserve) bytes; None when it would
+        need to grow during capture. `reserve` lets an eager call size a buffer for a capture's wider dtype."""
+        nbytes = numel * dtype.itemsize
         buf, captured = self._buffers.get(name, (None, False))
-        if buf is None or buf.numel() < numel:
+        if buf is None or buf.numel() < max(nbytes, reserve):
             if capturing:
                 return None
             if buf is not None and captured:
                 self._kept.append(buf)
-            buf, captured = (
-                torch.empty(1 << max(numel - 1, 0).bit_length(), dtype=dtype, device=self.device),
-                False,
-            )
+            size = 1 << max(max(nbytes, reserve) - 1, 0).bit_length()
+            buf, captured = torch.empty(size, dtype=torch.uint8, device=self.device), False
         self._buffers[name] = (buf, captured or capturing)
-        return buf[:numel]
+        return buf[:nbytes].view(dtype)
 
 
 class VerifyOverride:
@@ -165,10 +215,11 @@ class VerifyOverride:
         self._kernel_loaded = False
         self._described = False
         self._devices: dict[int, DeviceState] = {}
+        self._mode_word = None  # kernel.ModeWord, made with the first device state
+        self._step: tuple[Any, Mode] | None = None  # (forward batch, its mode): one mode per eager step
 
     # ---- the hook -------------------------------------------------------------------------------
     def __call__(self, original, *args, **kwargs):
-        mode = self.mode.mode
         try:
             c = VerifyCall(*args, **kwargs)
         except TypeError:  # a forward_extend signature this version does not know: never guess
@@ -176,7 +227,7 @@ class VerifyOverride:
             return original(*args, **kwargs)
         if not self._described:
             self._describe(c.q)
-        if mode is Mode.OFF:
+        if self.mode.mode is Mode.OFF:
             if c.forward_batch.forward_mode.is_target_verify():
                 self._count(None)
             return original(*args, **kwargs)
@@ -192,12 +243,88 @@ class VerifyOverride:
         if reason is not None:
             self._count(reason)
             return original(*args, **kwargs)
+        if capturing:
+            return self._captured(original, c, state, args, kwargs)
+        self._reserve_for_capture(c, state)
+        mode = self._step_mode(c.forward_batch)
         if mode is Mode.ON:
-            return self._serve(original, c, state, capturing, args, kwargs)
+            return self._serve(original, c, state, False, args, kwargs)
         out = original(*args, **kwargs)
         self._count(None)
-        self._compare(c, out, state, capturing)
+        if mode is Mode.VALIDATE:
+            self._compare(c, out, state, False)
         return out
+
+    def _step_mode(self, fb) -> Mode:
+        """The mode for this eager call: read once per verify step (forward batch), so one step is one mode."""
+        if self._step is None or self._step[0] is not fb:
+            self._step = (fb, self.mode.mode)
+        return self._step[1]
+
+    def _captured(self, original, c: VerifyCall, state: DeviceState, args, kwargs):
+        """A call captured into a CUDA graph holds every mode's path; each replay picks one on the device.
+
+        Per captured step the gate latches the host's mode and writes the extents each path computes (zeros
+        for a path that must do no work). Per call: the KV write; kdtree's kernel into `o` on this stream and
+        the original into a buffer of its own on a side stream, at the same time; then mode_post, which counts
+        the call (on), compares and hands the original's result to `o` (validate), or only hands it (standby).
+        """
+        backend, layer, fb = c.backend, c.layer, c.forward_batch
+        md = backend.forward_metadata
+        heads, rows = layer.tp_q_head_num, c.q.shape[0]
+        qo = md.qo_indptr
+        workspace, reason = self._workspace(c, state, True)
+        orig_out = state.buffer("original_out", rows * heads * V_HEAD_DIM, torch.bfloat16, True)
+        qo_kdtree = state.buffer("qo_kdtree", qo.numel(), qo.dtype, True)
+        qo_original = state.buffer("qo_original", qo.numel(), qo.dtype, True)
+        if reason is None and None in (orig_out, qo_kdtree, qo_original):
+            reason = "buffer_grow_in_capture"
+        if reason is not None:
+            self._count(reason)
+            return original(*args, **kwargs)
+        main = torch.cuda.current_stream(c.q.device)
+        step = (self._kernel.capture_id(main), qo.data_ptr(), qo.numel())
+        if state.gated != step:  # the first call of this captured step (every layer shares qo_indptr)
+            self._kernel.mode_gate(self._mode_word, state.mode, qo, qo_kdtree, qo_original)
+            state.gated = step
+        o = getattr(fb, "_attn_output", None)
+        if o is None:
+            o = c.q.new_empty((rows, heads * V_HEAD_DIM))
+        if c.save_kv_cache:
+            loc = KVWriteLoc.for_batch(fb, swa_loc=md.swa_out_cache_loc)
+            backend._set_kv_buffer(fb, layer, loc, c.k, c.v)
+        state.side.wait_stream(main)  # fork after the KV write: both paths read it
+        try:
+            run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, None, qo_indptr=qo_kdtree)
+        except (ValueError, RuntimeError) as e:  # raised before or at launch: the original alone is captured
+            main.wait_stream(state.side)
+            self._count(self._failure_reason(e), e)
+            return original(*args, **kwargs)
+        with torch.cuda.stream(state.side):
+            self._original_into(original, c, orig_out.view(rows, heads * V_HEAD_DIM), qo_original)
+        main.wait_stream(state.side)
+        self._kernel.mode_post(state.mode, o, orig_out.view(o.shape), state.parity, state.counter)
+        return o
+
+    @staticmethod
+    def _original_into(original, c: VerifyCall, out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
+        """The original on the call's inputs with its gated extents, into `out`; the KV is already written."""
+        backend, fb = c.backend, c.forward_batch
+        md, shared = backend.forward_metadata, getattr(fb, "_attn_output", None)
+        backend.forward_metadata = dataclasses.replace(md, qo_indptr=qo_indptr)
+        fb._attn_output = out  # forward_extend writes into a tensor given here
+        try:
+            original(backend, c.q, c.k, c.v, c.layer, fb, save_kv_cache=False)
+        finally:
+            backend.forward_metadata, fb._attn_output = md, shared
+
+    def _reserve_for_capture(self, c: VerifyCall, state: DeviceState) -> None:
+        """Size the buffers a capture of this call needs (SGLang runs each batch size eagerly before capturing
+        it); qo_indptr is int32 in eager metadata and int64 in captured metadata, so reserve 8 bytes an entry."""
+        qo = c.backend.forward_metadata.qo_indptr
+        state.buffer("original_out", c.q.shape[0] * c.layer.tp_q_head_num * V_HEAD_DIM, torch.bfloat16, False)
+        for name in ("qo_kdtree", "qo_original"):
+            state.buffer(name, qo.numel(), qo.dtype, False, reserve=8 * qo.numel())
 
     def _serve(self, original, c: VerifyCall, state: DeviceState, capturing: bool, args, kwargs):
         backend, layer, fb = c.backend, c.layer, c.forward_batch
@@ -251,6 +378,9 @@ class VerifyOverride:
                 return None, "first_use_in_capture"
             try:
                 state = DeviceState(self._kernel, device, self.settings.validate_rtol)
+                if self._mode_word is None:
+                    self._mode_word = self._kernel.ModeWord()
+                    self.mode.attach(self._mode_word)
             except self._kernel.KernelUnavailable as e:
                 self._kernel, self._kernel_error = None, str(e)
                 self._note_error(f"kdtree kernel unavailable: {e}")
@@ -332,6 +462,9 @@ class VerifyOverride:
         with self._lock:
             snap = {
                 "mode": self.mode.mode.value,
+                "mode_applied_at": self.mode.applied_at,
+                "live_modes": sorted(m.value for m in self.mode.live_modes),
+                "mode_pending": self.mode.pending.value if self.mode.pending else None,
                 "served_kdtree": self.served_kdtree_host,
                 "served_original": self.served_original,
                 "fallbacks": dict(self.fallbacks),
@@ -347,8 +480,16 @@ class VerifyOverride:
         return snap
 
 
-def run_kernel(kernel, c: VerifyCall, out: torch.Tensor, workspace: torch.Tensor, counter) -> None:
-    """The one place the kdtree kernel API is called: the call's tensors, as SGLang's Triton path reads them."""
+def run_kernel(
+    kernel,
+    c: VerifyCall,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    counter,
+    qo_indptr: torch.Tensor | None = None,
+) -> None:
+    """The one place the kdtree kernel API is called: the call's tensors, as SGLang's Triton path reads them
+    (qo_indptr: the extents to compute instead of the metadata's, as in captured calls)."""
     layer, md = c.layer, c.backend.forward_metadata
     pool = c.backend.token_to_kv_pool
     heads = layer.tp_q_head_num
@@ -360,7 +501,7 @@ def run_kernel(kernel, c: VerifyCall, out: torch.Tensor, workspace: torch.Tensor
         v,
         pool.get_key_buffer(layer.layer_id),
         pool.get_value_buffer(layer.layer_id),
-        md.qo_indptr,
+        md.qo_indptr if qo_indptr is None else qo_indptr,
         md.kv_indptr,
         md.kv_indices,
         md.custom_mask,

@@ -126,3 +126,101 @@ def test_evidence_module_imports_neither_torch_nor_sglang():
     code = "import sys, kdtree.evidence, kdtree.install; print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---- live mode switches: the heartbeat follows the sidecar's mode file ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("started", "desired", "mode", "pending", "changed"),
+    [
+        ("validate", "on", "on", None, True),
+        ("on", "standby", "standby", None, True),
+        ("standby", "validate", "validate", None, True),
+        ("validate", "validate", "validate", None, False),
+        ("validate", None, "validate", None, False),  # no mode file: the start mode stands
+        ("validate", "off", "validate", "off", False),  # off is reached by a restart only
+        ("off", "on", "off", "on", False),  # nothing is installed in off: a restart brings on
+    ],
+)
+def test_the_mode_holder_switches_live_between_live_modes_only(started, desired, mode, pending, changed):
+    from kdtree.config import Mode
+    from kdtree.verify import ModeHolder
+
+    holder = ModeHolder(started)
+    before = holder.applied_at
+    time.sleep(0.01)
+    assert holder.follow(Mode(desired) if desired else None) is changed
+    assert holder.mode == mode and holder.pending == (Mode(pending) if pending else None)
+    assert (holder.applied_at > before) is changed
+
+
+class Word:
+    """Stands in for kernel.ModeWord (pinned host memory the device reads)."""
+
+    value = None
+
+    def set(self, mode):
+        self.value = mode
+
+
+def test_a_switch_is_stored_where_the_device_reads_it():
+    from kdtree.config import Mode
+    from kdtree.verify import ModeHolder
+
+    holder, word = ModeHolder("validate"), Word()
+    holder.attach(word)
+    assert word.value == "validate"
+    holder.follow(Mode.ON)
+    assert word.value == "on"
+
+
+def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
+    """Each rank reads the mode file every MODE_POLL_S and rewrites its record as soon as it switched, long before
+    its next regular heartbeat (60 s here)."""
+    from kdtree.control import write_desired_mode
+    from kdtree.evidence import MODE_POLL_S
+    from kdtree.verify import ModeHolder
+
+    holder = ModeHolder("validate")
+
+    def snap():
+        return {**_snapshot(), "mode": holder.mode.value, "mode_applied_at": holder.applied_at,
+                "live_modes": sorted(m.value for m in holder.live_modes), "mode_pending": None}  # fmt: skip
+
+    ev = Evidence(
+        str(tmp_path), snapshot=snap, installed=lambda: True, rank_source=lambda: (0, 1), follow=holder.follow
+    )
+    ev.start(60)
+    try:
+        deadline = time.time() + 10
+        while not record_path(tmp_path, 0).exists() and time.time() < deadline:
+            time.sleep(0.02)
+        assert read_records(tmp_path)[0].record.mode == "validate"
+        written = time.time()
+        write_desired_mode(tmp_path, "on")
+        while read_records(tmp_path)[0].record.mode != "on" and time.time() < deadline:
+            time.sleep(0.02)
+        (view,) = read_records(tmp_path)
+        assert view.record.mode == "on" and view.record.mode_applied_at >= written
+        assert view.record.live_modes == ["on", "standby", "validate"]
+        assert time.time() - written < 5 * MODE_POLL_S + 1
+    finally:
+        ev.stop()
+
+
+def test_an_unreadable_mode_file_is_reported_and_changes_nothing(tmp_path):
+    from kdtree.verify import ModeHolder
+
+    holder = ModeHolder("validate")
+    (tmp_path / "mode").write_text("fastest\n")
+    ev = Evidence(
+        str(tmp_path),
+        snapshot=_snapshot,
+        installed=lambda: True,
+        rank_source=lambda: (0, 1),
+        follow=holder.follow,
+    )
+    assert ev.follow_mode_file() is False and holder.mode == "validate"
+    rec = ev.record()
+    assert "mode file" in rec.last_error and "fastest" in rec.last_error

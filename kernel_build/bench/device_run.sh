@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|profile|all] [pytest args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|all] [pytest args...]
+# 'modes' measures what live mode switching costs per verify call (bench_modes.py: modes.md + modes.json).
 # 'profile' (and 'all') profiles one batch-1 launch with Nsight Compute when ncu is present: ncu.txt (the
 # summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
 set -uo pipefail
@@ -20,6 +21,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   mma=$(kernel_build/build/mma_peak)
   python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
+fi
+if [ "$what" = modes ] || [ "$what" = all ]; then
+  python3 kernel_build/bench/bench_modes.py --out "$out/modes.md" 2>&1 | tee "$out/modes.log"
+  echo "modes: $((SECONDS - t0)) s"
 fi
 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if { [ "$what" = profile ] || [ "$what" = all ]; } && [ -n "$ncu_bin" ]; then

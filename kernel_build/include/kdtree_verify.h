@@ -16,11 +16,13 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 2
+#define KDTREE_ABI_VERSION 3
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
 enum kdtree_index_type { KDTREE_I32 = 0, KDTREE_I64 = 1 };
+/* Verify modes as the device reads them (kdtree.config.Mode). */
+enum kdtree_mode { KDTREE_MODE_OFF = 0, KDTREE_MODE_VALIDATE = 1, KDTREE_MODE_ON = 2, KDTREE_MODE_STANDBY = 3 };
 /* Tile configurations. WIDE needs ~191 KB of shared memory per block (sm_90, sm_100);
  * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
 enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
@@ -85,7 +87,24 @@ size_t kdtree_parity_stats_bytes(void);
 int kdtree_parity_update(const void* ours, const void* ref, int64_t n, void* stats, kdtree_parity_totals* mirror,
                          float rtol, void* stream);
 
-/* Device address of pinned host memory (for the mirrors above). */
+/* Live mode switching inside CUDA graphs captured with every mode (src/modes.cu).
+ * Once per captured step: read the mode from `host_mode` (pinned host memory mapped into the device, written by
+ * the host with no CUDA call), keep it in `mode` (device memory) for the step's later kernels, and write two gated
+ * copies of qo_indptr's n entries: `qo_kdtree`, the extents kdtree's kernel computes (qo_indptr in on and
+ * validate, zeros otherwise), and `qo_original`, the original's (zeros in on). With all-zero extents both
+ * attention kernels return at once. */
+int kdtree_mode_gate(const unsigned* host_mode, unsigned* mode, const void* qo_indptr, int qo_type, int n,
+                     void* qo_kdtree, void* qo_original, void* stream);
+/* Once per captured call, after both paths, by `*mode`: on: count the call on `counter` (and its host-mapped
+ * mirror); validate: compare `ours` (kdtree's output) with `orig` as kdtree_parity_update does, then copy `orig`
+ * into `ours`; standby: copy `orig` into `ours`. `ours` is what the call returns: the served result in every mode. */
+int kdtree_mode_post(const unsigned* mode, void* ours, const void* orig, int64_t n, void* stats,
+                     kdtree_parity_totals* mirror, float rtol, unsigned long long* counter,
+                     unsigned long long* counter_mirror, void* stream);
+/* The id of the CUDA graph capture running on `stream` (a cudaStream_t), 0 when it is not capturing. */
+int kdtree_capture_id(void* stream, unsigned long long* id);
+
+/* Device address of pinned host memory (the mode word, the mirrors above). */
 int kdtree_host_device_pointer(void* host, void** device);
 
 const char* kdtree_last_error(void);

@@ -11,15 +11,13 @@ Where SGLang's compiled packages are absent, tests/gpu/conftest.py imports sglan
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+from sglang_fixture import build, capture, change_inputs_in_place, eager, forward, graph_setup, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
-MAX_CONTEXT_LEN = 256
-SCALE = 192**-0.5  # DeepSeek-V3's softmax scale: qk_nope + qk_rope = 192, not 576
 REL_L2_TOL = 1e-2
 REPLAYS = 3
 CASES = [  # (heads, prefix lengths, draft tokens per request)
@@ -100,109 +98,6 @@ def own_override(installed, mode, monkeypatch):
     fresh = VerifyOverride(VerifySettings(verify=mode))
     monkeypatch.setattr(installed.install, "_override", fresh)
     yield fresh
-
-
-# ---- batches ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Setup:
-    backend: object
-    runner: object
-    fb: object
-    layer: object
-    q: object
-    k: object
-    v: object
-    prefix_lens: tuple
-    n: int
-    ancestors: list
-
-    @property
-    def kv(self):
-        return self.runner.token_to_kv_pool.get_key_buffer(0)
-
-
-def random_trees(count, n, gen):
-    """Draft masks [n, n] of `count` random trees whose parents precede their children."""
-    from kdtree.reference import random_parents, tree_mask_rows
-
-    return [tree_mask_rows(random_parents(n, gen)) for _ in range(count)]
-
-
-def full_mask(prefix_lens, ancestors):
-    from kdtree.reference import full_layout_mask
-
-    return full_layout_mask(prefix_lens, ancestors).cuda()
-
-
-def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0) -> Setup:
-    from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-    from sglang.srt.speculative.eagle_info import EagleVerifyInput
-    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import (
-        MLAAttentionCase,
-        build_mla_attention_fixture,
-    )
-    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
-        _prepare_target_verify_batch,
-    )
-
-    bs = len(prefix_lens)
-    case = MLAAttentionCase(name=f"kdtree_h{heads}_n{n}", backend="triton", forward_mode=ForwardMode.TARGET_VERIFY,
-                            num_heads=heads, page_size=1, prefix_lens=tuple(prefix_lens), extend_lens=(n,) * bs)  # fmt: skip
-    kit = SimpleNamespace(skipTest=pytest.skip)
-    fx = build_mla_attention_fixture(kit, case, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
-                                     max_context_len=MAX_CONTEXT_LEN, disable_cuda_graph=not graphs,
-                                     runner_batch_size=bs, loc_layout="shuffled_pages")  # fmt: skip
-    fb = fx.forward_batch
-    _prepare_target_verify_batch(fb, case, "cuda")  # seq_lens = committed prefix, as production
-    gen = torch.Generator().manual_seed(seed)
-    ancestors = random_trees(len(prefix_lens), n, gen)
-    t = bs * n
-    fb.spec_info = EagleVerifyInput(
-        draft_token=fb.input_ids, custom_mask=full_mask(prefix_lens, ancestors), positions=fb.positions,
-        retrieve_index=torch.arange(t, device="cuda").view(bs, n),
-        retrieve_next_token=torch.full((bs, n), -1, device="cuda"),
-        retrieve_next_sibling=torch.full((bs, n), -1, device="cuda"),
-        retrieve_cum_len=torch.arange(bs + 1, dtype=torch.int32, device="cuda") * n,
-        spec_steps=n - 1, topk=2, draft_token_num=n, capture_hidden_mode=CaptureHiddenMode.FULL,
-        seq_lens_sum=fb.seq_lens_sum, seq_lens_cpu=fb.seq_lens_cpu,
-    )  # fmt: skip
-    layer = RadixAttention(heads, 576, scaling=SCALE, num_kv_heads=1, layer_id=0, v_head_dim=512)
-    k = torch.randn(t, 1, 576, dtype=torch.bfloat16, device="cuda")
-    s = Setup(fx.backend, fx.runner, fb, layer, torch.randn(t, heads, 576, dtype=torch.bfloat16, device="cuda"),
-              k, k[..., :512].clone(), tuple(prefix_lens), n, ancestors)  # fmt: skip
-    return s
-
-
-def forward(s):
-    """The production call chain: RadixAttention.forward -> backend.forward -> forward_extend (k, v, save)."""
-    import torch
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=s.backend)):
-        return s.layer(s.q, s.k, s.v, s.fb, save_kv_cache=True)
-
-
-def eager(s):
-    s.backend.init_forward_metadata(s.fb)
-    return forward(s)
-
-
-def reference(torch, s):
-    """fp32 PyTorch attention over the pool's prefix rows and the passed draft rows, with the tree mask."""
-    req_to_token = s.runner.req_to_token_pool.req_to_token
-    outs = []
-    for b, (p, anc) in enumerate(zip(s.prefix_lens, s.ancestors, strict=True)):
-        rows = slice(b * s.n, (b + 1) * s.n)
-        keys = torch.cat([s.kv[req_to_token[b, :p].long(), 0], s.k[rows, 0]]).float()
-        scores = torch.einsum("ihd,nd->hin", s.q[rows].float(), keys) * SCALE
-        allow = torch.ones(s.n, p + s.n, dtype=torch.bool, device="cuda")
-        allow[:, p:] = anc.cuda()
-        probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), dim=-1)
-        outs.append(torch.einsum("hin,nd->ihd", probs, keys[:, :512]))
-    return torch.cat(outs).to(torch.bfloat16).view(-1, s.q.shape[1] * 512)
 
 
 def rel_l2(a, b):
@@ -289,8 +184,8 @@ def _corrupting(monkeypatch, how):
 
     real = verify.run_kernel
 
-    def wrong(kernel, c, out, workspace, counter):
-        real(kernel, c, out, workspace, counter)
+    def wrong(kernel, c, out, workspace, counter, **kw):
+        real(kernel, c, out, workspace, counter, **kw)
         out.mul_(1.5) if how == "scaled" else out.fill_(float("nan"))
 
     monkeypatch.setattr(verify, "run_kernel", wrong)
@@ -315,50 +210,6 @@ def test_validate_catches_a_wrong_kdtree_output(torch, installed, needs_kernel, 
 
 
 # ---- CUDA graphs --------------------------------------------------------------------------------------
-
-
-def capture(torch, s, call):
-    """Warm up eagerly (as SGLang does before capture), then capture `call` into a real CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
-
-
-def graph_setup(torch, heads, prefix_lens, n):
-    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
-        _init_cuda_graph_capture_metadata,
-    )
-
-    s = build(torch, heads, prefix_lens, n, graphs=True)
-    _init_cuda_graph_capture_metadata(
-        s.backend, len(prefix_lens), s.fb
-    )  # static buffers, as the graph runner
-    return s
-
-
-def change_inputs_in_place(torch, s, step):
-    """New q/k/v, new trees and new prefix KV, written into the captured tensors; then replay metadata."""
-    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
-        _init_cuda_graph_replay_metadata,
-    )
-
-    gen = torch.Generator().manual_seed(100 + step)
-    s.q.copy_(torch.randn(s.q.shape, generator=gen).to(s.q))
-    s.k.copy_(torch.randn(s.k.shape, generator=gen).to(s.k))
-    s.v.copy_(s.k[..., :512])
-    s.ancestors = random_trees(len(s.prefix_lens), s.n, gen)
-    s.fb.spec_info.custom_mask = full_mask(s.prefix_lens, s.ancestors)
-    req_to_token = s.runner.req_to_token_pool.req_to_token
-    for b, p in enumerate(s.prefix_lens):
-        slots = req_to_token[b, :p].long()
-        s.kv[slots] = torch.randn(p, 1, 576, generator=gen).to(s.kv)
-    _init_cuda_graph_replay_metadata(s.backend, len(s.prefix_lens), s.fb)
 
 
 @pytest.mark.parametrize("heads,prefix_lens,n", CASES)
@@ -432,3 +283,113 @@ def test_first_use_inside_a_capture_falls_back_to_the_original(torch, installed,
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, out_orig)
+
+
+# ---- live mode switches ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def following_rank(installed, tmp_path, monkeypatch, start: str):
+    """A fresh override started in `start`, behind the installed wrapper, with the heartbeat a rank runs: it
+    follows the sidecar's mode file in tmp_path and confirms each switch in its rank record (default timing)."""
+    from kdtree.config import VerifySettings
+    from kdtree.control import write_desired_mode
+    from kdtree.evidence import Evidence
+    from kdtree.verify import VerifyOverride
+
+    write_desired_mode(tmp_path, start)
+    override = VerifyOverride(VerifySettings(verify=start, state_dir=str(tmp_path)))
+    evidence = Evidence(str(tmp_path), override.snapshot, installed.install.is_installed,
+                        rank_source=lambda: (0, 1), follow=override.mode.follow)  # fmt: skip
+    monkeypatch.setattr(installed.install, "_override", override)
+    evidence.start(override.settings.heartbeat_s)
+    try:
+        yield override
+    finally:
+        evidence.stop()
+
+
+def flip(tmp_path, mode: str, timeout: float = 10.0) -> float:
+    """Write the mode file as the sidecar does; seconds until the rank record confirms the mode (the live-flip
+    goal: within 10 s at the default heartbeat)."""
+    import time
+
+    from kdtree.control import write_desired_mode
+    from kdtree.status import read_records
+
+    start = time.monotonic()
+    write_desired_mode(tmp_path, mode)
+    while time.monotonic() - start < timeout:
+        views = read_records(tmp_path)
+        if views and views[0].record.mode == mode and views[0].record.mode_pending is None:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(
+        f"the rank did not confirm mode {mode} within {timeout:g}s: {read_records(tmp_path)}"
+    )
+
+
+def test_live_flips_switch_the_captured_graph_without_recapture(torch, installed, needs_kernel, monkeypatch,
+                                                                tmp_path):  # fmt: skip
+    """validate -> on -> standby -> validate through the mode file, one graph captured once (two verify calls
+    of one step, so one gate): after each flip the replay serves the new mode's path (device counters), the
+    output equals the original's (bit for bit where the original serves), and the pool bytes are the same."""
+    from kdtree import kernel as K
+
+    s = graph_setup(torch, 8, (70, 150, 3), 16)
+    with no_hook(installed):
+        g_orig, out_orig = capture(torch, s, lambda: forward(s))
+    captures, gates = [], []
+    with following_rank(installed, tmp_path, monkeypatch, "validate") as ov:
+        spy_captured, spy_gate = ov._captured, K.mode_gate
+        monkeypatch.setattr(ov, "_captured", lambda *a, **kw: captures.append(1) or spy_captured(*a, **kw))
+        monkeypatch.setattr(K, "mode_gate", lambda *a, **kw: gates.append(1) or spy_gate(*a, **kw))
+        g_live, (out_a, out_b) = capture(torch, s, lambda: (forward(s), forward(s)))
+        assert len(captures) == 2 and len(gates) == 1  # two verify calls in the step, one gate
+        confirm = {}
+        for step, mode in enumerate(["validate", "on", "standby", "validate"]):
+            if step:
+                confirm[mode] = flip(tmp_path, mode)
+            change_inputs_in_place(torch, s, step)
+            pool0 = s.kv.clone()
+            g_orig.replay()
+            pool_orig = s.kv.clone()
+            s.kv.copy_(pool0)
+            before = snapshot(torch, ov)
+            g_live.replay()
+            after = snapshot(torch, ov)
+            served = after["served_kdtree"] - before["served_kdtree"]
+            compared = after["parity"]["calls_compared"] - before["parity"]["calls_compared"]
+            assert (served, compared) == {"on": (2, 0), "validate": (0, 2), "standby": (0, 0)}[mode], mode
+            for out in (out_a, out_b):
+                if mode == "on":
+                    assert rel_l2(out, out_orig) <= REL_L2_TOL, (mode, rel_l2(out, out_orig))
+                else:
+                    assert torch.equal(out, out_orig), mode  # the original served, bit for bit
+            assert torch.equal(s.kv, pool_orig), mode
+        assert len(captures) == 2 and len(gates) == 1  # nothing was recaptured
+        parity = snapshot(torch, ov)["parity"]
+        assert parity["calls_over_tol"] == 0 and parity["nan_inf"] == 0 and parity["max_rel_l2"] <= REL_L2_TOL
+    print(f"live flip confirmed by the rank record after (s): {confirm}")
+    assert max(confirm.values()) < 10.0
+
+
+def test_a_rank_started_in_off_never_switches_live(torch, installed, monkeypatch, tmp_path):
+    """off is the kill switch: nothing of kdtree's is captured, and a desired live mode stays pending until the
+    server restarts."""
+    import time
+
+    from kdtree.control import write_desired_mode
+    from kdtree.status import read_records
+
+    with following_rank(installed, tmp_path, monkeypatch, "off") as ov:
+        write_desired_mode(tmp_path, "on")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            views = read_records(tmp_path)
+            if views and views[0].record.mode_pending:
+                break
+            time.sleep(0.05)
+        (view,) = read_records(tmp_path)
+        assert view.record.mode == "off" and view.record.mode_pending == "on" and view.record.live_modes == []
+        assert ov.mode.mode.value == "off"

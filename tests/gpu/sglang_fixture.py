@@ -1,0 +1,177 @@
+"""SGLang's own TritonAttnBackend and MLATokenToKVPool at production shapes, for the GPU tests and
+kernel_build/bench/bench_modes.py.
+
+Built with SGLang's attention test kit (MockMLAModelRunner via build_mla_attention_fixture): kv_lora_rank 512 +
+rope 64, bf16, one KV head, random topologically ordered draft trees (EAGLE FULL-mask layout), shuffled prefix
+slots, k and v passed, save_kv_cache=True. With `layers` > 1 the pool holds that many layers (each its own KV,
+random), as one verify step of a model calls every layer's attention with the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+SCALE = 192**-0.5  # DeepSeek-V3's softmax scale: qk_nope + qk_rope = 192, not 576
+
+
+@dataclass
+class Setup:
+    backend: object
+    runner: object
+    fb: object
+    layers: list  # RadixAttention per pool layer, layer_id = index
+    q: object
+    k: object
+    v: object
+    prefix_lens: tuple
+    n: int
+    ancestors: list
+
+    @property
+    def layer(self):
+        return self.layers[0]
+
+    @property
+    def kv(self):
+        return self.runner.token_to_kv_pool.get_key_buffer(0)
+
+
+def random_trees(count, n, gen):
+    """Draft masks [n, n] of `count` random trees whose parents precede their children."""
+    from kdtree.reference import random_parents, tree_mask_rows
+
+    return [tree_mask_rows(random_parents(n, gen)) for _ in range(count)]
+
+
+def full_mask(prefix_lens, ancestors):
+    from kdtree.reference import full_layout_mask
+
+    return full_layout_mask(prefix_lens, ancestors).cuda()
+
+
+def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0, max_context_len=256, layers=1) -> Setup:
+    import pytest
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import (
+        MLAAttentionCase,
+        build_mla_attention_fixture,
+    )
+    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
+        _prepare_target_verify_batch,
+    )
+
+    bs = len(prefix_lens)
+    case = MLAAttentionCase(name=f"kdtree_h{heads}_n{n}", backend="triton", forward_mode=ForwardMode.TARGET_VERIFY,
+                            num_heads=heads, page_size=1, prefix_lens=tuple(prefix_lens), extend_lens=(n,) * bs)  # fmt: skip
+    kit = SimpleNamespace(skipTest=pytest.skip)
+    fx = build_mla_attention_fixture(kit, case, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                                     max_context_len=max_context_len, disable_cuda_graph=not graphs,
+                                     runner_batch_size=bs, loc_layout="shuffled_pages")  # fmt: skip
+    if layers > 1:  # the kit's pool has one layer: a pool of `layers`, each with random KV
+        one = fx.runner.token_to_kv_pool
+        pool = MLATokenToKVPool(size=one.size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=512,
+                                qk_rope_head_dim=64, layer_num=layers, device="cuda", enable_memory_saver=False)  # fmt: skip
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        for i in range(layers):
+            buf = pool.get_key_buffer(i)
+            buf.copy_(torch.randn(buf.shape, generator=gen, device="cuda", dtype=torch.float32).to(buf.dtype))
+        fx.runner.token_to_kv_pool = fx.backend.token_to_kv_pool = pool
+    fb = fx.forward_batch
+    _prepare_target_verify_batch(fb, case, "cuda")  # seq_lens = committed prefix, as production
+    gen = torch.Generator().manual_seed(seed)
+    ancestors = random_trees(len(prefix_lens), n, gen)
+    t = bs * n
+    fb.spec_info = EagleVerifyInput(
+        draft_token=fb.input_ids, custom_mask=full_mask(prefix_lens, ancestors), positions=fb.positions,
+        retrieve_index=torch.arange(t, device="cuda").view(bs, n),
+        retrieve_next_token=torch.full((bs, n), -1, device="cuda"),
+        retrieve_next_sibling=torch.full((bs, n), -1, device="cuda"),
+        retrieve_cum_len=torch.arange(bs + 1, dtype=torch.int32, device="cuda") * n,
+        spec_steps=n - 1, topk=2, draft_token_num=n, capture_hidden_mode=CaptureHiddenMode.FULL,
+        seq_lens_sum=fb.seq_lens_sum, seq_lens_cpu=fb.seq_lens_cpu,
+    )  # fmt: skip
+    attn = [
+        RadixAttention(heads, 576, scaling=SCALE, num_kv_heads=1, layer_id=i, v_head_dim=512)
+        for i in range(layers)
+    ]
+    k = torch.randn(t, 1, 576, dtype=torch.bfloat16, device="cuda")
+    s = Setup(fx.backend, fx.runner, fb, attn, torch.randn(t, heads, 576, dtype=torch.bfloat16, device="cuda"),
+              k, k[..., :512].clone(), tuple(prefix_lens), n, ancestors)  # fmt: skip
+    return s
+
+
+def forward(s, layer: int = 0):
+    """The production call chain: RadixAttention.forward -> backend.forward -> forward_extend (k, v, save)."""
+    import torch
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=s.backend)):
+        return s.layers[layer](s.q, s.k, s.v, s.fb, save_kv_cache=True)
+
+
+def eager(s):
+    s.backend.init_forward_metadata(s.fb)
+    return forward(s)
+
+
+def reference(torch, s):
+    """fp32 PyTorch attention over the pool's prefix rows and the passed draft rows, with the tree mask."""
+    req_to_token = s.runner.req_to_token_pool.req_to_token
+    outs = []
+    for b, (p, anc) in enumerate(zip(s.prefix_lens, s.ancestors, strict=True)):
+        rows = slice(b * s.n, (b + 1) * s.n)
+        keys = torch.cat([s.kv[req_to_token[b, :p].long(), 0], s.k[rows, 0]]).float()
+        scores = torch.einsum("ihd,nd->hin", s.q[rows].float(), keys) * SCALE
+        allow = torch.ones(s.n, p + s.n, dtype=torch.bool, device="cuda")
+        allow[:, p:] = anc.cuda()
+        probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hin,nd->ihd", probs, keys[:, :512]))
+    return torch.cat(outs).to(torch.bfloat16).view(-1, s.q.shape[1] * 512)
+
+
+def capture(torch, s, call):
+    """Warm up eagerly (as SGLang does before capture), then capture `call` into a real CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+def graph_setup(torch, heads, prefix_lens, n, **build_args):
+    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
+        _init_cuda_graph_capture_metadata,
+    )
+
+    s = build(torch, heads, prefix_lens, n, graphs=True, **build_args)
+    _init_cuda_graph_capture_metadata(
+        s.backend, len(prefix_lens), s.fb
+    )  # static buffers, as the graph runner
+    return s
+
+
+def change_inputs_in_place(torch, s, step):
+    """New q/k/v, new trees and new prefix KV, written into the captured tensors; then replay metadata."""
+    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
+        _init_cuda_graph_replay_metadata,
+    )
+
+    gen = torch.Generator().manual_seed(100 + step)
+    s.q.copy_(torch.randn(s.q.shape, generator=gen).to(s.q))
+    s.k.copy_(torch.randn(s.k.shape, generator=gen).to(s.k))
+    s.v.copy_(s.k[..., :512])
+    s.ancestors = random_trees(len(s.prefix_lens), s.n, gen)
+    s.fb.spec_info.custom_mask = full_mask(s.prefix_lens, s.ancestors)
+    req_to_token = s.runner.req_to_token_pool.req_to_token
+    for b, p in enumerate(s.prefix_lens):
+        slots = req_to_token[b, :p].long()
+        s.kv[slots] = torch.randn(p, 1, 576, generator=gen).to(s.kv)
+    _init_cuda_graph_replay_metadata(s.backend, len(s.prefix_lens), s.fb)
