@@ -30,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from sglang.srt.layers.radix_attention import AttentionType
@@ -199,6 +199,10 @@ class DeviceState:
 class VerifyOverride:
     """The AROUND hook body: `override(original_fn, backend, q, k, v, layer, forward_batch, ...)`."""
 
+    # Captured calls run the original on a side stream, beside kdtree's kernel (True), or after it on the same
+    # stream (False). kernel_build/bench/bench_modes.py measures both.
+    original_beside: ClassVar[bool] = True
+
     def __init__(self, settings: VerifySettings, mode: ModeHolder | None = None):
         self.settings = settings
         self.mode = mode or ModeHolder(settings.verify)
@@ -293,16 +297,20 @@ class VerifyOverride:
         if c.save_kv_cache:
             loc = KVWriteLoc.for_batch(fb, swa_loc=md.swa_out_cache_loc)
             backend._set_kv_buffer(fb, layer, loc, c.k, c.v)
-        state.side.wait_stream(main)  # fork after the KV write: both paths read it
+        beside = self.original_beside
+        if beside:
+            state.side.wait_stream(main)  # fork after the KV write: both paths read it
         try:
             run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, None, qo_indptr=qo_kdtree)
         except (ValueError, RuntimeError) as e:  # raised before or at launch: the original alone is captured
-            main.wait_stream(state.side)
+            if beside:
+                main.wait_stream(state.side)
             self._count(self._failure_reason(e), e)
             return original(*args, **kwargs)
-        with torch.cuda.stream(state.side):
+        with torch.cuda.stream(state.side if beside else main):
             self._original_into(original, c, orig_out.view(rows, heads * V_HEAD_DIM), qo_original)
-        main.wait_stream(state.side)
+        if beside:
+            main.wait_stream(state.side)
         self._kernel.mode_post(state.mode, o, orig_out.view(o.shape), state.parity, state.counter)
         return o
 

@@ -38,7 +38,10 @@ __global__ void __launch_bounds__(kdtree_parity::THREADS)
     post_kernel(const unsigned* mode, __nv_bfloat16* ours, const __nv_bfloat16* orig, int64_t n,
                 kdtree_parity::Stats* st, kdtree_parity_totals* mirror, float rtol, unsigned long long* counter,
                 unsigned long long* counter_mirror) {
-  const unsigned m = *mode;  // written by the gate before this kernel started: the same for every block
+  // Launched as a programmatic dependent of the kernel before it (kdtree's, which lets dependents launch at its
+  // start): its blocks are scheduled early and wait here for that kernel to complete and flush its output.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const unsigned m = *mode;  // written by the gate before this step's first call: the same for every block
   if (m == KDTREE_MODE_ON) {
     if (counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
       const unsigned long long v = atomicAdd(counter, 1ull) + 1ull;
@@ -76,10 +79,20 @@ __attribute__((visibility("default"))) int kdtree_mode_post(const unsigned* mode
                                                             float rtol, unsigned long long* counter,
                                                             unsigned long long* counter_mirror, void* stream) {
   if (mode == nullptr || ours == nullptr || orig == nullptr || stats == nullptr || n < 1) return KDTREE_ERR_ARGUMENT;
-  post_kernel<<<kdtree_parity::blocks_for(n), kdtree_parity::THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
-      mode, static_cast<__nv_bfloat16*>(ours), static_cast<const __nv_bfloat16*>(orig), n,
-      static_cast<kdtree_parity::Stats*>(stats), mirror, rtol, counter, counter_mirror);
-  return cudaGetLastError() == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(kdtree_parity::blocks_for(n));
+  cfg.blockDim = dim3(kdtree_parity::THREADS);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, post_kernel, mode, static_cast<__nv_bfloat16*>(ours),
+                                           static_cast<const __nv_bfloat16*>(orig), n,
+                                           static_cast<kdtree_parity::Stats*>(stats), mirror, rtol, counter,
+                                           counter_mirror);
+  return e == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA;
 }
 
 __attribute__((visibility("default"))) int kdtree_capture_id(void* stream, unsigned long long* id) {
