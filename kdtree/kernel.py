@@ -123,9 +123,6 @@ def library() -> ctypes.CDLL:
         lib.kdtree_mode_gate.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5
         lib.kdtree_mode_post.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
         lib.kdtree_mode_post.argtypes += [ctypes.c_float, ctypes.c_void_p]
-        lib.kdtree_branch_handle.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
-        lib.kdtree_branch_begin.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
-        lib.kdtree_branch_end.argtypes = [ctypes.c_void_p]
         lib.kdtree_capture_id.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
         return lib
     raise KernelUnavailable(
@@ -572,73 +569,39 @@ def capture_id(stream: torch.cuda.Stream) -> int:
     return out.value
 
 
-MAX_BRANCHES = 255  # KDTREE_MAX_BRANCHES: the IF nodes (verify calls) one captured step can switch
-
-
-class _Branches(ctypes.Structure):
-    _fields_ = [("count", ctypes.c_ulonglong), ("handles", ctypes.c_ulonglong * MAX_BRANCHES)]
-
-
-class BranchSlots:
-    """Pinned host memory for the IF-node handles of captured steps (kdtree_branches), one slot per captured
-    graph: the host appends to a slot while it captures a step (plain stores, allowed during capture); the step's
-    gate reads it at each replay. Slots are allocated once, outside capture, and never reused (a graph keeps its
-    slot's address)."""
+class StepCalls:
+    """Pinned host memory counting the verify calls of each captured step, one slot per captured graph: the host
+    counts while it captures (plain stores, allowed during capture); the step's gate reads the count at each replay
+    (in on it adds it to the served counter). Allocated once, outside capture; a slot is never reused (a graph
+    keeps its slot's address)."""
 
     def __init__(self, slots: int):
-        self.size = ctypes.sizeof(_Branches)
-        self.host, self.device_ptr = _pinned_mapped(slots * self.size)
+        self.host, self.device_ptr = _pinned_mapped(slots * 8)
+        self._counts = (ctypes.c_ulonglong * slots).from_address(self.host.data_ptr())
         self.slots, self.used = slots, 0
 
     def claim(self) -> int | None:
-        """A fresh slot's index (emptied), or None when every slot is taken."""
+        """A fresh slot's index (count 0), or None when every slot is taken."""
         if self.used == self.slots:
             return None
         self.used += 1
-        self._slot(self.used - 1).count = 0
+        self._counts[self.used - 1] = 0
         return self.used - 1
 
-    def _slot(self, i: int) -> _Branches:
-        return _Branches.from_address(self.host.data_ptr() + i * self.size)
-
-    def full(self, i: int) -> bool:
-        return self._slot(i).count >= MAX_BRANCHES
-
-    def append(self, i: int, handle: int) -> None:
-        slot = self._slot(i)
-        slot.handles[slot.count] = handle
-        slot.count += 1  # after the handle: a gate that sees the count sees the handle
+    def add(self, i: int) -> None:
+        self._counts[i] += 1
 
     def device_address(self, i: int) -> int:
-        return self.device_ptr + i * self.size
+        return self.device_ptr + 8 * i
 
 
-def branch_handle(stream: torch.cuda.Stream) -> int:
-    """A new conditional handle in the graph `stream` is capturing."""
-    out = ctypes.c_ulonglong(0)
-    if library().kdtree_branch_handle(stream.cuda_stream, ctypes.byref(out)) != 0:
-        raise RuntimeError("cudaGraphConditionalHandleCreate failed (is the stream capturing?)")
-    return out.value
-
-
-def branch_begin(stream: torch.cuda.Stream, body: torch.cuda.Stream, handle: int) -> None:
-    """Add an IF node on `handle` after `stream`'s captured work and start capturing `body` into its body."""
-    if library().kdtree_branch_begin(stream.cuda_stream, body.cuda_stream, handle) != 0:
-        raise RuntimeError("adding the IF node to the captured graph failed")
-
-
-def branch_end(body: torch.cuda.Stream) -> None:
-    if library().kdtree_branch_end(body.cuda_stream) != 0:
-        raise RuntimeError("ending the IF node's body capture failed")
-
-
-@torch.library.custom_op("kdtree::mode_gate", mutates_args=("mode", "qo_kdtree"))
+@torch.library.custom_op("kdtree::mode_gate", mutates_args=("mode", "qo_gated"))
 def _mode_gate_op(
     host_mode_ptr: int,
     mode: torch.Tensor,
     qo_indptr: torch.Tensor,
-    qo_kdtree: torch.Tensor,
-    branches_ptr: int,
+    qo_gated: torch.Tensor,
+    step_calls_ptr: int,
     counter_ptr: int,
     counter_mirror_ptr: int,
 ) -> None:
@@ -648,8 +611,8 @@ def _mode_gate_op(
         qo_indptr.data_ptr(),
         _I64 if qo_indptr.dtype == torch.int64 else _I32,
         qo_indptr.numel(),
-        qo_kdtree.data_ptr(),
-        branches_ptr,
+        qo_gated.data_ptr(),
+        step_calls_ptr,
         counter_ptr or None,
         counter_mirror_ptr or None,
         torch.cuda.current_stream(qo_indptr.device).cuda_stream,
@@ -659,30 +622,30 @@ def _mode_gate_op(
 
 
 def mode_gate(
-    word: ModeWord, mode: torch.Tensor, qo_indptr, qo_kdtree, branches_address: int, counter: DeviceCounter
+    word: ModeWord, mode: torch.Tensor, qo_indptr, qo_gated, step_calls_address: int, counter: DeviceCounter
 ) -> None:
-    """Once per captured step: latch the host's mode into `mode` (int32 [1] on the device), write the extents
-    kdtree computes this step into `qo_kdtree` (qo_indptr in on and validate, else zeros), set the step's IF
-    nodes (kdtree_branches at `branches_address`) and, in on, count the step's calls as served."""
+    """Once per captured step: latch the host's mode into `mode` (int32 [1] on the device); write qo_indptr or
+    zeros into qo_gated = [on | validate | original] (3 x qo_indptr's entries), the extents each launch computes;
+    and, in on, add the step's captured calls (pinned count at `step_calls_address`) to the served counter."""
     n = qo_indptr.numel()
     _index_type(qo_indptr, "qo_indptr")
     _need(n >= 2, "qo_indptr", ">= 2 entries", n)
     _need(
-        qo_kdtree.dtype == qo_indptr.dtype
-        and qo_kdtree.numel() == n
-        and qo_kdtree.is_contiguous()
-        and qo_kdtree.device == qo_indptr.device,
-        "qo_kdtree",
-        f"{qo_indptr.dtype} [{n}] on {qo_indptr.device} like qo_indptr",
-        f"{qo_kdtree.dtype} {tuple(qo_kdtree.shape)} on {qo_kdtree.device}",
+        qo_gated.dtype == qo_indptr.dtype
+        and qo_gated.numel() == 3 * n
+        and qo_gated.is_contiguous()
+        and qo_gated.device == qo_indptr.device,
+        "qo_gated",
+        f"{qo_indptr.dtype} [{3 * n}] on {qo_indptr.device} (three copies of qo_indptr)",
+        f"{qo_gated.dtype} {tuple(qo_gated.shape)} on {qo_gated.device}",
     )
     _need(mode.dtype == torch.int32 and mode.numel() == 1, "mode", "an int32 [1] device tensor", mode.dtype)
     torch.ops.kdtree.mode_gate(
-        word.device_ptr, mode, qo_indptr, qo_kdtree, branches_address, counter.device_ptr, counter.mirror_ptr
+        word.device_ptr, mode, qo_indptr, qo_gated, step_calls_address, counter.device_ptr, counter.mirror_ptr
     )
 
 
-@torch.library.custom_op("kdtree::mode_post", mutates_args=("ours",))
+@torch.library.custom_op("kdtree::mode_post", mutates_args=())
 def _mode_post_op(
     mode: torch.Tensor, ours: torch.Tensor, orig: torch.Tensor, stats_ptr: int, mirror_ptr: int, rtol: float
 ) -> None:
@@ -701,8 +664,7 @@ def _mode_post_op(
 
 
 def mode_post(mode: torch.Tensor, ours: torch.Tensor, orig: torch.Tensor, parity: ParityStats) -> None:
-    """Inside a captured call's IF node, by the latched mode: validate: compare `ours` with `orig`, then copy
-    `orig` into `ours`; standby: copy `orig` into `ours`."""
+    """After a captured call's paths, in validate only (by the latched mode): compare `ours` with `orig`."""
     _need(
         ours.shape == orig.shape
         and ours.dtype == orig.dtype == torch.bfloat16

@@ -25,6 +25,7 @@ captures, not replays of a captured graph. The kernel counts the calls it serves
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -41,8 +42,8 @@ from kdtree.config import LIVE_MODES, Mode, VerifySettings
 QK_HEAD_DIM = 576
 V_HEAD_DIM = 512
 # Captured graphs one process can switch between modes (SGLang captures one per batch size; a recapture, as after
-# a weight update, takes new ones). Beyond it, a captured call falls back to the original ("no_branch_slot").
-BRANCH_SLOTS = 256
+# a weight update, takes new ones). Beyond it, a captured call falls back to the original ("no_step_slot").
+STEP_SLOTS = 1024
 
 
 class ModeHolder:
@@ -175,8 +176,8 @@ class DeviceState:
         self.parity = kernel.ParityStats(device, rtol)
         self.mode = torch.zeros(1, dtype=torch.int32, device=device)  # latched once per captured step
         cuda = device.type == "cuda"  # made now: capture forbids making a stream or pinning memory
-        self.body = torch.cuda.Stream(device) if cuda else None  # captures the IF nodes' bodies
-        self.branches = kernel.BranchSlots(BRANCH_SLOTS) if cuda else None
+        self.side = torch.cuda.Stream(device) if cuda else None  # captured calls serve `on` from here
+        self.step_calls = kernel.StepCalls(STEP_SLOTS) if cuda else None
         self.step: tuple[tuple[int, int, int], int] | None = None  # ((capture, qo address, entries), slot)
         self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (bytes, used in a capture)
         self._kept: list[torch.Tensor] = []
@@ -267,79 +268,79 @@ class VerifyOverride:
     def _captured(self, original, c: VerifyCall, state: DeviceState, args, kwargs):
         """A call captured into a CUDA graph holds every mode's path; each replay picks one on the device.
 
-        Once per captured step the gate latches the host's mode, writes the extents kdtree computes (zeros in
-        standby) and sets the step's IF nodes. Per call: the KV write; kdtree's kernel into `o`; then an IF node,
-        skipped in on, holding the original (into a buffer of its own) and mode_post, which compares and hands
-        the original's result to `o` in validate, and only hands it in standby.
+        Once per captured step the gate latches the host's mode and gives each launch below the step's extents
+        or zeros (a kernel with no draft tokens returns at once). Per call, after the KV write:
+          side stream: kdtree's kernel into `o`            (on)
+          this stream: the original into `o`               (validate, standby)
+                       kdtree's kernel into its scratch    (validate)
+                       mode_post: compare the two          (validate)
+        So in on the original's path is early exits beside kdtree's kernel, and in validate and standby it runs
+        on the call's stream, as in a graph captured without kdtree. Only one launch writes `o` in any mode, and
+        only one of kdtree's two uses the workspace.
         """
         backend, layer, fb = c.backend, c.layer, c.forward_batch
         md = backend.forward_metadata
         heads, rows = layer.tp_q_head_num, c.q.shape[0]
-        qo = md.qo_indptr
-        if not (
-            c.k.is_contiguous() and c.v.is_contiguous()
-        ):  # the original would copy them inside the IF node,
-            self._count("kv_not_contiguous")  # allocating outside the graph's memory pool
-            return original(*args, **kwargs)
+        qo, n = md.qo_indptr, md.qo_indptr.numel()
         workspace, reason = self._workspace(c, state, True)
-        orig_out = state.buffer("original_out", rows * heads * V_HEAD_DIM, torch.bfloat16, True)
-        qo_kdtree = state.buffer("qo_kdtree", qo.numel(), qo.dtype, True)
-        if reason is None and (orig_out is None or qo_kdtree is None):
+        scratch = state.buffer("validate_out", rows * heads * V_HEAD_DIM, torch.bfloat16, True)
+        qo_gated = state.buffer("qo_gated", 3 * n, qo.dtype, True)
+        if reason is None and (scratch is None or qo_gated is None):
             reason = "buffer_grow_in_capture"
         main = torch.cuda.current_stream(c.q.device)
-        key = (self._kernel.capture_id(main), qo.data_ptr(), qo.numel())
+        key = (self._kernel.capture_id(main), qo.data_ptr(), n)
         if reason is None and (state.step is None or state.step[0] != key):  # this captured step's first call
-            slot = state.branches.claim()
+            slot = state.step_calls.claim()
             if slot is None:
-                reason = "no_branch_slot"
+                reason = "no_step_slot"
             else:
-                self._kernel.mode_gate(self._mode_word, state.mode, qo, qo_kdtree,
-                                       state.branches.device_address(slot), state.counter)  # fmt: skip
+                self._kernel.mode_gate(self._mode_word, state.mode, qo, qo_gated,
+                                       state.step_calls.device_address(slot), state.counter)  # fmt: skip
                 state.step = (key, slot)
-        if reason is None and state.branches.full(state.step[1]):
-            reason = "too_many_calls_in_step"
         if reason is not None:
             self._count(reason)
             return original(*args, **kwargs)
+        qo_on, qo_validate, qo_original = qo_gated[:n], qo_gated[n : 2 * n], qo_gated[2 * n :]
         o = getattr(fb, "_attn_output", None)
         if o is None:
             o = c.q.new_empty((rows, heads * V_HEAD_DIM))
         if c.save_kv_cache:
             loc = KVWriteLoc.for_batch(fb, swa_loc=md.swa_out_cache_loc)
             backend._set_kv_buffer(fb, layer, loc, c.k, c.v)
+        state.side.wait_stream(main)  # fork after the KV write
         try:
-            run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, None, qo_indptr=qo_kdtree)
-        except (ValueError, RuntimeError) as e:  # raised before or at launch: the original alone is captured
+            with torch.cuda.stream(state.side):
+                run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, None, qo_indptr=qo_on)
+            scratch = scratch.view(rows, heads, V_HEAD_DIM)
+            run_kernel(self._kernel, c, scratch, workspace, None, qo_indptr=qo_validate)
+        except (ValueError, RuntimeError) as e:  # raised before or at launch: the original serves this call
+            main.wait_stream(state.side)
             self._count(self._failure_reason(e), e)
             return original(*args, **kwargs)
-        handle = self._kernel.branch_handle(main)
-        state.branches.append(state.step[1], handle)
-        self._kernel.branch_begin(main, state.body, handle)
-        try:
-            with torch.cuda.stream(state.body):
-                self._original_into(original, c, orig_out.view(rows, heads * V_HEAD_DIM))
-                self._kernel.mode_post(state.mode, o, orig_out.view(o.shape), state.parity)
-        finally:
-            self._kernel.branch_end(state.body)
+        self._original_into(original, c, o, qo_original)
+        self._kernel.mode_post(state.mode, scratch.view(o.shape), o, state.parity)
+        main.wait_stream(state.side)  # join: `o` is complete in every mode
+        state.step_calls.add(state.step[1])
         return o
 
     @staticmethod
-    def _original_into(original, c: VerifyCall, out: torch.Tensor) -> None:
-        """The original on the call's inputs, into `out`; the KV is already written."""
-        fb = c.forward_batch
-        shared = getattr(fb, "_attn_output", None)
+    def _original_into(original, c: VerifyCall, out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
+        """The original on the call's inputs and the given extents, into `out`; the KV is already written."""
+        backend, fb = c.backend, c.forward_batch
+        md, shared = backend.forward_metadata, getattr(fb, "_attn_output", None)
+        backend.forward_metadata = dataclasses.replace(md, qo_indptr=qo_indptr)
         fb._attn_output = out  # forward_extend writes into a tensor given here
         try:
-            original(c.backend, c.q, c.k, c.v, c.layer, fb, save_kv_cache=False)
+            original(backend, c.q, c.k, c.v, c.layer, fb, save_kv_cache=False)
         finally:
-            fb._attn_output = shared
+            backend.forward_metadata, fb._attn_output = md, shared
 
     def _reserve_for_capture(self, c: VerifyCall, state: DeviceState) -> None:
         """Size the buffers a capture of this call needs (SGLang runs each batch size eagerly before capturing
         it); qo_indptr is int32 in eager metadata and int64 in captured metadata, so reserve 8 bytes an entry."""
         qo = c.backend.forward_metadata.qo_indptr
-        state.buffer("original_out", c.q.shape[0] * c.layer.tp_q_head_num * V_HEAD_DIM, torch.bfloat16, False)
-        state.buffer("qo_kdtree", qo.numel(), qo.dtype, False, reserve=8 * qo.numel())
+        state.buffer("validate_out", c.q.shape[0] * c.layer.tp_q_head_num * V_HEAD_DIM, torch.bfloat16, False)
+        state.buffer("qo_gated", 3 * qo.numel(), qo.dtype, False, reserve=24 * qo.numel())
 
     def _serve(self, original, c: VerifyCall, state: DeviceState, capturing: bool, args, kwargs):
         backend, layer, fb = c.backend, c.layer, c.forward_batch

@@ -88,34 +88,24 @@ int kdtree_parity_update(const void* ours, const void* ref, int64_t n, void* sta
                          float rtol, void* stream);
 
 /* Live mode switching inside CUDA graphs captured with every mode (src/modes.cu). A captured verify call is: the
- * KV write; kdtree's kernel (kdtree_verify_launch) on the extents kdtree_mode_gate wrote; and an IF node holding
- * the original's kernel and kdtree_mode_post. In on the IF node is skipped; in validate and standby it runs. */
-#define KDTREE_MAX_BRANCHES 255
-/* The IF nodes of one captured step: the host appends each node's handle while it captures the step (pinned host
- * memory, plain stores); the step's gate reads them at every replay. */
-typedef struct {
-  unsigned long long count;
-  unsigned long long handles[KDTREE_MAX_BRANCHES];
-} kdtree_branches;
-/* Once per captured step, before its first verify call: read the mode from `host_mode` (pinned host memory mapped
- * into the device, written by the host with no CUDA call) and keep it in `mode` (device memory) for the step's
- * kernels; copy qo_indptr's n entries into `qo_kdtree`, the extents kdtree's kernel computes (zeros in standby,
- * where it returns at once); set each IF node in `branches` (device address of pinned host memory) to run unless
- * the mode is on; and in on count the step's calls on `counter` (and its host-mapped mirror). */
+ * KV write; then, on a side stream, kdtree's kernel into the call's output on the extents it serves (on); and on
+ * the call's stream the original into that output (validate, standby), kdtree's kernel into a scratch buffer
+ * (validate) and kdtree_mode_post. Each launch gets extents that are the step's own or all zeros (a kernel with no
+ * draft tokens returns at once), so in on the original's path costs its early exits, beside kdtree's kernel.
+ *
+ * kdtree_mode_gate, once per captured step, before its first verify call: read the mode from `host_mode` (pinned
+ * host memory mapped into the device, written by the host with no CUDA call) and keep it in `mode` (device memory)
+ * for the step's kernels; write qo_indptr's n entries, or zeros, into `qo_gated` = [on | validate | original]
+ * (3n entries of qo_type): the extents kdtree's kernel serves in on, those it computes to be compared in validate,
+ * and the original's (validate and standby); and in on count the step's calls as served: `*step_calls` (device
+ * address of pinned host memory the host counts the step's captured calls in) onto `counter` and its mirror. */
 int kdtree_mode_gate(const unsigned* host_mode, unsigned* mode, const void* qo_indptr, int qo_type, int n,
-                     void* qo_kdtree, const kdtree_branches* branches, unsigned long long* counter,
+                     void* qo_gated, const unsigned long long* step_calls, unsigned long long* counter,
                      unsigned long long* counter_mirror, void* stream);
-/* Inside the IF node, after the original wrote `orig`: validate: compare `ours` (kdtree's output) with `orig` as
- * kdtree_parity_update does, then copy `orig` into `ours`; standby: copy `orig` into `ours`. `ours` is what the
- * call returns: the served result in every mode. */
-int kdtree_mode_post(const unsigned* mode, void* ours, const void* orig, int64_t n, void* stats,
+/* After a captured call's paths, in validate only: compare `ours` (kdtree's output) with `orig` (the served one) as
+ * kdtree_parity_update does. In any other mode it returns at once. */
+int kdtree_mode_post(const unsigned* mode, const void* ours, const void* orig, int64_t n, void* stats,
                      kdtree_parity_totals* mirror, float rtol, void* stream);
-/* The IF node: kdtree_branch_handle makes a conditional handle in the graph `stream` is capturing (reset to 1, run,
- * at each launch); kdtree_branch_begin adds an IF node on it after the stream's captured work, makes it the
- * stream's dependency and starts capturing `body_stream` into its body; kdtree_branch_end ends that capture. */
-int kdtree_branch_handle(void* stream, unsigned long long* handle);
-int kdtree_branch_begin(void* stream, void* body_stream, unsigned long long handle);
-int kdtree_branch_end(void* body_stream);
 /* The id of the CUDA graph capture running on `stream` (a cudaStream_t), 0 when it is not capturing. */
 int kdtree_capture_id(void* stream, unsigned long long* id);
 
