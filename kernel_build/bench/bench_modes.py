@@ -119,10 +119,12 @@ def measure(shape, ov, cls, original) -> dict:
     torch.cuda.synchronize()
     mem_all = torch.cuda.memory_allocated() - mem0
     state = ov._devices[s.q.device.index]
-    # What only the every-mode path holds: the original's output buffer and the step's extents (device), and the
-    # IF-node handle slots (pinned host memory); workspace and validate_out serve the single-mode paths too.
-    static = {name: state._buffers[name][0].numel() for name in ("original_out", "qo_kdtree")}
-    static["branch slots (host)"] = state.branches.host.numel()
+    # What only the every-mode path holds: the step's gated extents (device) and the per-graph call counts (pinned
+    # host memory); the workspace and validate_out buffers serve the single-mode paths too.
+    static = {
+        "qo_gated": state._buffers["qo_gated"][0].numel(),
+        "step counts (host)": state.step_calls.host.numel(),
+    }
     g_on, _ = capture_step(s, lambda: single_mode("on"))
     g_val, _ = capture_step(s, lambda: single_mode("validate"))
     row = dict(batch=bs, heads=heads, draft=n, prefix=prefix, layers=LAYERS, capture_s=capture_s)
