@@ -1,7 +1,9 @@
-"""The desired verify mode, shared on disk between the sidecar (writer) and the server (reader).
+"""The verify mode: the desired one, shared on disk between the sidecar (writer) and the server (reader), and
+the one a process serves now (ModeHolder).
 
-The sidecar flips the mode by writing KDTREE_STATE_DIR/mode and restarting the server container;
-the server's entrypoint reads it at start and exports KDTREE_VERIFY for every SGLang process.
+The sidecar writes KDTREE_STATE_DIR/mode. The server's entrypoint reads it at start and exports KDTREE_VERIFY
+for every SGLang process; while the server runs, each rank's heartbeat reads it too and switches live between
+validate, on and standby (kdtree.evidence). To or from off the sidecar restarts the server instead.
 When the file is absent, the container's KDTREE_VERIFY environment value stands.
 """
 
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
 from pathlib import Path
 
-from kdtree.config import ConfigError, Mode
+from kdtree.config import LIVE_MODES, ConfigError, Mode
 
 MODE_FILE = "mode"
 
@@ -44,3 +48,50 @@ def write_desired_mode(state_dir: str | os.PathLike, mode: Mode | str) -> Path:
         f.write(mode.value + "\n")
     os.replace(tmp, path)
     return path
+
+
+class ModeHolder:
+    """The process's verify mode. The serving thread reads it once per eager verify step; calls captured into
+    CUDA graphs read its pinned copy (kernel.ModeWord) on the device once per replay. So the heartbeat thread
+    switches it (`follow`) with a plain store: no CUDA call, no recapture."""
+
+    def __init__(self, mode: Mode | str):
+        self.started = Mode(mode)
+        self.mode = self.started
+        self.applied_at = time.time()
+        self.pending: Mode | None = None  # a desired mode this process cannot switch to while it runs
+        self._word = None
+        self._lock = threading.Lock()
+
+    @property
+    def live_modes(self) -> frozenset[Mode]:
+        """The modes this process switches between while it runs: none when it started in off."""
+        return LIVE_MODES if self.started in LIVE_MODES else frozenset()
+
+    def set(self, mode: Mode | str) -> None:
+        mode = Mode(mode)
+        with self._lock:
+            if mode is not self.mode:
+                self.applied_at = time.time()
+            self.mode = mode
+            if self._word is not None:
+                self._word.set(mode.value)
+
+    def follow(self, desired: Mode | None) -> bool:
+        """Switch to the sidecar's desired mode when both it and the current mode are live modes; True when the
+        mode changed. Any other change (to or from off) stays pending until the server restarts into it."""
+        if desired is None or desired is self.mode:
+            self.pending = None
+            return False
+        if desired in self.live_modes and self.mode in self.live_modes:
+            self.set(desired)
+            self.pending = None
+            return True
+        self.pending = desired
+        return False
+
+    def attach(self, word) -> None:
+        """Back the mode with pinned memory the device reads (once, when the first device state is made)."""
+        with self._lock:
+            word.set(self.mode.value)
+            self._word = word

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,8 @@ import torch
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from kdtree.config import LIVE_MODES, Mode, VerifySettings
+from kdtree.config import Mode, VerifySettings
+from kdtree.control import ModeHolder
 
 # Absorbed MLA (DeepSeek-V3, Kimi-K2): q/k = 512 latent + 64 rope dims, v = the 512 latent dims, one KV head.
 QK_HEAD_DIM = 576
@@ -44,53 +44,6 @@ V_HEAD_DIM = 512
 # Captured graphs one process can switch between modes (SGLang captures one per batch size; a recapture, as after
 # a weight update, takes new ones). Beyond it, a captured call falls back to the original ("no_step_slot").
 STEP_SLOTS = 1024
-
-
-class ModeHolder:
-    """The process's verify mode. The serving thread reads it once per eager verify step; calls captured into
-    CUDA graphs read its pinned copy (kernel.ModeWord) on the device once per replay. So the heartbeat thread
-    switches it (`follow`) with a plain store: no CUDA call, no recapture."""
-
-    def __init__(self, mode: Mode | str):
-        self.started = Mode(mode)
-        self.mode = self.started
-        self.applied_at = time.time()
-        self.pending: Mode | None = None  # a desired mode this process cannot switch to while it runs
-        self._word = None
-        self._lock = threading.Lock()
-
-    @property
-    def live_modes(self) -> frozenset[Mode]:
-        """The modes this process switches between while it runs: none when it started in off."""
-        return LIVE_MODES if self.started in LIVE_MODES else frozenset()
-
-    def set(self, mode: Mode | str) -> None:
-        mode = Mode(mode)
-        with self._lock:
-            if mode is not self.mode:
-                self.applied_at = time.time()
-            self.mode = mode
-            if self._word is not None:
-                self._word.set(mode.value)
-
-    def follow(self, desired: Mode | None) -> bool:
-        """Switch to the sidecar's desired mode when both it and the current mode are live modes; True when the
-        mode changed. Any other change (to or from off) stays pending until the server restarts into it."""
-        if desired is None or desired is self.mode:
-            self.pending = None
-            return False
-        if desired in self.live_modes and self.mode in self.live_modes:
-            self.set(desired)
-            self.pending = None
-            return True
-        self.pending = desired
-        return False
-
-    def attach(self, word) -> None:
-        """Back the mode with pinned memory the device reads (once, when the first device state is made)."""
-        with self._lock:
-            word.set(self.mode.value)
-            self._word = word
 
 
 @dataclass(slots=True)

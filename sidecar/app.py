@@ -8,16 +8,19 @@ import hmac
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from .controller import Controller, ModeRequest
 from .docker_control import ServerContainer, ServerControl
 from .metrics import Metrics
 from .settings import SidecarSettings, load_sidecar_settings
+
+MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread
 
 
 def create_app(settings: SidecarSettings | None = None, server: ServerControl | None = None) -> FastAPI:
@@ -78,8 +81,11 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
     async def status() -> dict:
         return await controller.status()
 
+    # The body is read here, not by FastAPI: authentication (the dependency) comes first, then the size limit,
+    # then parsing, so an unauthenticated or oversized request is answered without reading its body.
     @app.post("/mode", dependencies=[Depends(require_admin)])
-    async def mode(req: ModeRequest) -> JSONResponse:
+    async def mode(request: Request) -> JSONResponse:
+        req = await _mode_request(request)
         code, body = await controller.request_mode(req)
         return JSONResponse(jsonable_encoder(body), status_code=code)
 
@@ -88,3 +94,29 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _mode_request(request: Request) -> ModeRequest:
+    """POST /mode's body, at most MODE_BODY_MAX bytes (413 otherwise), as a ModeRequest (422 naming the field)."""
+    too_large = HTTPException(
+        413, f"the body is larger than {MODE_BODY_MAX} bytes; POST /mode takes a few fields"
+    )
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        raise HTTPException(400, "Content-Length is not a number") from None
+    if declared > MODE_BODY_MAX:
+        raise too_large
+    raw = bytearray()
+    async for chunk in request.stream():  # a chunked body has no Content-Length: count as it arrives
+        raw += chunk
+        if len(raw) > MODE_BODY_MAX:
+            raise too_large
+    try:
+        return ModeRequest.model_validate_json(bytes(raw))
+    except ValidationError as e:
+        detail = [
+            {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}  # no echo of the input itself
+            for err in e.errors()
+        ]
+        raise HTTPException(422, detail) from None

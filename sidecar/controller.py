@@ -1,10 +1,15 @@
 """The sidecar's state machine: what phase the server is in, and the gated, self-reverting mode flip.
 
-A flip runs as one background task, one at a time:
-  write KDTREE_STATE_DIR/mode -> restart the server container -> wait for readiness in the new mode
-  -> bake (N consecutive good probes, every rank in the new mode, no new errors) -> done.
-Any failure rolls back the same way to the previous mode. Each step is persisted before it is taken,
-so a sidecar that stops mid-way resolves the transition on its next start.
+A flip runs as one background task, one at a time, by one of two methods:
+  live     (between validate, on and standby, when every rank can): write KDTREE_STATE_DIR/mode -> every rank
+           switches on its own and confirms in its record (KDTREE_LIVE_FLIP_TIMEOUT_S) -> bake -> done.
+  restart  (to or from off, or asked for): write the mode file -> restart the server -> wait for readiness in
+           the new mode -> bake -> done.
+The bake is N consecutive good probes, every rank in the new mode, no rank error, and evidence that kdtree did
+the new mode's work on every rank: verify calls served (on) or compared (validate), no new fallback.
+Any failure rolls back to the previous mode: live when the flip was live (by restart if that fails too), else
+by restart. Each step is persisted before it is taken, so a sidecar that stops mid-way resolves the transition
+on its next start.
 """
 
 from __future__ import annotations
@@ -13,15 +18,15 @@ import asyncio
 import logging
 import time
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, StrictBool
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
-from kdtree.config import Mode
+from kdtree.config import LIVE_MODES, Mode
 from kdtree.control import read_desired_mode, write_desired_mode
 
 from .docker_control import ContainerMissing, ContainerState, DockerError, ServerControl
 from .evidence import LogMarker, crash_excerpt, latest_marker
-from .gate import Criterion, RankCheck, check_ranks, gate_to_on
+from .gate import Criterion, RankCheck, bake_evidence, check_ranks, gate_to_on, live_records
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
 from .settings import SidecarSettings
@@ -47,11 +52,19 @@ class Assessment(BaseModel):
     ranks: RankCheck
 
 
+REASON_MAX = 500  # characters of `reason` a request may carry (it goes into the audit log and the logs)
+
+
 class ModeRequest(BaseModel):
+    """POST /mode's body. Flags take JSON booleans only: a string such as "yes" is refused (422), never truthy."""
+
+    model_config = {"extra": "forbid"}
+
     mode: Mode
-    dry_run: bool = False
-    force: bool = False
-    reason: str = ""
+    dry_run: StrictBool = False
+    force: StrictBool = False
+    restart: StrictBool = False  # restart the server even where a live switch would do
+    reason: str = Field("", max_length=REASON_MAX)
 
 
 class StepFailed(Exception):
@@ -131,17 +144,25 @@ class Controller:
             return ContainerView(error=str(e), missing=isinstance(e, ContainerMissing))
 
     def expected_mode(self) -> Mode:
-        """The mode the server was last started in (by a transition still running, or the settled one)."""
+        """The mode the server should be in now (by a transition still running, or the settled one)."""
         t = self.state.active
-        if t is None or t.step in ("accepted", "writing_mode"):
+        if t is None or t.step == "accepted" or (t.method == "restart" and t.step == "writing_mode"):
             return self.state.current_mode
         return t.from_mode if t.step == "rolling_back" else t.to_mode
+
+    def expected_modes(self) -> set[Mode]:
+        """The modes the ranks may report now: both ends while a live switch runs (each rank switches on its own)."""
+        t = self.state.active
+        if t is not None and t.method == "live" and t.step != "accepted":
+            return {t.from_mode, t.to_mode}
+        return {self.expected_mode()}
 
     async def assess(
         self, max_age: float | None = None, mode: Mode | None = None, started_after: float | None = None
     ) -> Assessment:
         s = self.settings
         max_age = s.probe_ttl_s if max_age is None else max_age
+        modes = {mode} if mode else self.expected_modes()
         mode = mode or self.expected_mode()
         probe, container = await asyncio.gather(
             self.prober.get(max_age),
@@ -149,7 +170,7 @@ class Controller:
         )
         container = container or ContainerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
         if s.expected_tp_size:
-            ranks = check_ranks(s, mode, started_after)
+            ranks = check_ranks(s, modes, started_after)
         else:
             ranks = RankCheck(ok=True, problems=[], ranks=[])
         server_phase = self._server_phase(probe, container.state, ranks)
@@ -165,7 +186,12 @@ class Controller:
             )
         reasons += ranks.problems
         t = self.state.active
-        phase = server_phase if t is None else ("rolling_back" if t.step == "rolling_back" else "restarting")
+        if t is None:
+            phase = server_phase
+        elif t.step == "rolling_back":
+            phase = "rolling_back"
+        else:
+            phase = "switching" if t.method == "live" else "restarting"
         self.metrics.phase.state(phase)
         ready = not reasons
         return Assessment(
@@ -270,10 +296,33 @@ class Controller:
             self._claimed = False
         return status, body
 
+    def _method(self, current: Mode, target: Mode, restart: bool) -> str:
+        """live when both modes are live modes and every expected rank says it can switch to the target."""
+        if (
+            restart
+            or current not in LIVE_MODES
+            or target not in LIVE_MODES
+            or not self.settings.expected_tp_size
+        ):
+            return "restart"
+        records = live_records(self.settings)
+        able = all(
+            r in records and target.value in records[r].live_modes
+            for r in range(self.settings.expected_tp_size)
+        )
+        return "live" if able else "restart"
+
     async def _evaluate_and_start(self, req: ModeRequest) -> tuple[int, dict]:
         current = self.state.current_mode
         target = req.mode
-        base = {"from_mode": current, "to_mode": target, "dry_run": req.dry_run, "force": req.force}
+        method = await asyncio.to_thread(self._method, current, target, req.restart)
+        base = {
+            "from_mode": current,
+            "to_mode": target,
+            "method": method,
+            "dry_run": req.dry_run,
+            "force": req.force,
+        }
         if target == current:
             return 200, {**base, "changed": False, "detail": f"the server already runs in mode {current}"}
         criteria = await self._criteria(target)
@@ -298,15 +347,16 @@ class Controller:
                 "error": f"the gate to {target} failed: {failed}; nothing changed "
                 "(fix the evidence, or pass force to override, which is audited)",
             }
-        if self.server is None:
+        if method == "restart" and self.server is None:
             return 503, {
                 **body,
-                "error": "the sidecar cannot restart the server: set KDTREE_SERVER_CONTAINER "
-                "and mount the Docker socket",
+                "error": "this change needs a server restart and the sidecar cannot restart the server: set "
+                "KDTREE_SERVER_CONTAINER and mount the Docker socket",
             }
         t = Transition(
             from_mode=current,
             to_mode=target,
+            method=method,
             reason=req.reason,
             force=req.force,
             gate=[c.model_dump() for c in criteria],
@@ -334,7 +384,7 @@ class Controller:
             return []  # the kill switch is never gated
         a = await self.assess()
         detail = "; ".join(a.reasons)
-        if target == Mode.VALIDATE:
+        if target in (Mode.VALIDATE, Mode.STANDBY):
             up = a.probe is not None and a.probe.ok
             return [Criterion(name="server_up", value=up, threshold=True, passed=up, detail=detail)]
         return await asyncio.to_thread(gate_to_on, self.settings, a.ready, detail)
@@ -360,11 +410,50 @@ class Controller:
     async def _flip(self, t: Transition) -> None:
         self._step(t, "writing_mode")
         write_desired_mode(self.settings.state_dir, t.to_mode)
+        if t.method == "live":
+            self._step(t, "awaiting_ranks", timeout_s=self.settings.live_flip_timeout_s)
+            await self._await_ranks(t, t.to_mode)
+            t.confirmed_s = time.time() - t.requested_at
+            self._step(t, "baking", probes=self.settings.bake_probes, confirmed_s=round(t.confirmed_s, 3))
+            await self._bake(t, None)
+            return
         restarts = await self._restart(t)
         self._step(t, "waiting_ready")
         await self._wait_ready(t.to_mode, t.restarted_at, restarts)
         self._step(t, "baking", probes=self.settings.bake_probes)
         await self._bake(t, restarts)
+
+    async def _await_ranks(self, t: Transition, mode: Mode) -> None:
+        """Until every expected rank's live record reports `mode` (each switches on its own, between verify steps);
+        StepFailed naming the ranks that did not within KDTREE_LIVE_FLIP_TIMEOUT_S."""
+        s = self.settings
+        deadline = time.monotonic() + s.live_flip_timeout_s
+        while True:
+            records = await asyncio.to_thread(live_records, s)
+            waiting = {}
+            for rank in range(s.expected_tp_size):
+                rec = records.get(rank)
+                if rec is None:
+                    waiting[rank] = "no live record"
+                elif rec.mode_pending is not None:
+                    waiting[rank] = (
+                        f"cannot switch to {rec.mode_pending} while it runs (live modes {rec.live_modes})"
+                    )
+                elif rec.mode != mode.value:
+                    waiting[rank] = f"still reports {rec.mode}"
+            confirmed = s.expected_tp_size - len(waiting)
+            if confirmed != t.ranks_confirmed:
+                t.ranks_confirmed = confirmed
+                self.store.save(self.state)
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                raise StepFailed(
+                    f"{confirmed}/{s.expected_tp_size} ranks confirmed mode {mode} within "
+                    f"KDTREE_LIVE_FLIP_TIMEOUT_S={s.live_flip_timeout_s:g}s: "
+                    + "; ".join(f"rank {r}: {why}" for r, why in sorted(waiting.items()))
+                )
+            await asyncio.sleep(min(0.5, s.ready_poll_min_s))
 
     async def _restart(self, t: Transition) -> int | None:
         """Restart the server container; returns its restart count right after (to spot crash loops)."""
@@ -419,8 +508,13 @@ class Controller:
         return None
 
     async def _bake(self, t: Transition, restarts: int | None) -> None:
-        """N consecutive good probes, all ranks in the new mode, no rank error, no crash since the restart."""
+        """N consecutive good probes, all ranks in the new mode, no rank error, no crash since the restart; then
+        the evidence that kdtree did the new mode's work on every rank during the window (gate.bake_evidence).
+        The probes decode with speculation, so they produce verify calls when no client traffic does."""
         s = self.settings
+        before = await asyncio.to_thread(live_records, s)
+        steps: list[int | None] = []
+        last_probe = time.time()
         for i in range(s.bake_probes):
             if i:
                 await asyncio.sleep(s.bake_interval_s)
@@ -431,17 +525,53 @@ class Controller:
                 raise StepFailed(f"{where}: {crash}")
             if not a.ready:
                 raise StepFailed(f"{where}: " + "; ".join(a.reasons))
-            # Records are from processes started after the restart, so any error on them is new.
+            steps.append(a.probe.verify_steps if a.probe else None)
+            last_probe = a.probe.at if a.probe else time.time()
+            # Records are from processes started after the restart (or, live, from before it), so any error on
+            # them since the bake started is new.
             for v in a.ranks.ranks:
                 if v.record.last_error and v.record.tp_rank < s.expected_tp_size:
                     raise StepFailed(
                         f"{where}: rank {v.record.tp_rank} reported an error: {v.record.last_error}"
                     )
+        after = await self._records_after(last_probe)
+        problems = bake_evidence(s, t.to_mode, before, after)
+        if problems:
+            if steps and all(n == 0 for n in steps):
+                problems.append("the probe's completions took no verify step: is speculative decoding on?")
+            raise StepFailed("bake: no evidence that kdtree served: " + "; ".join(problems))
+
+    async def _records_after(self, at: float) -> dict:
+        """The live records once every expected rank has written one after `at` (its heartbeat), or what there is
+        after KDTREE_HEARTBEAT_STALE_S."""
+        s = self.settings
+        deadline = time.monotonic() + s.heartbeat_stale_s
+        while True:
+            records = await asyncio.to_thread(live_records, s)
+            fresh = all(r in records and records[r].heartbeat >= at for r in range(s.expected_tp_size))
+            if fresh or time.monotonic() >= deadline:
+                return records
+            await asyncio.sleep(min(0.5, s.ready_poll_min_s))
 
     async def _rollback_and_finish(self, t: Transition) -> None:
         try:
             self._step(t, "rolling_back", failure=t.failure)
             write_desired_mode(self.settings.state_dir, t.from_mode)
+            if t.method == "live":
+                try:
+                    await self._await_ranks(t, t.from_mode)
+                    a = await self.assess(max_age=0, mode=t.from_mode)
+                    if not a.ready:
+                        raise StepFailed("not ready after the live rollback: " + "; ".join(a.reasons))
+                    self._finish(t, "rolled_back")
+                    return
+                except StepFailed as e:
+                    t.rollback_note = (
+                        f"the live rollback failed ({e}); restarting the server in {t.from_mode}"
+                    )
+                    self.store.audit("live_rollback_failed", t, logging.ERROR, note=t.rollback_note)
+                    if self.server is None:
+                        raise StepFailed(f"{e}; and the sidecar cannot restart the server") from None
             restarts = await self._restart(t)
             await self._wait_ready(t.from_mode, t.restarted_at, restarts)
         except asyncio.CancelledError:
@@ -454,6 +584,8 @@ class Controller:
 
     def _finish(self, t: Transition, outcome: str) -> None:
         t.outcome, t.finished_at = outcome, time.time()
+        t.duration_s = t.finished_at - t.requested_at
+        self.metrics.flip_duration.labels(method=t.method).observe(t.duration_s)
         self.state.active = None
         self.state.history.append(t)
         self.store.save(self.state)
@@ -462,6 +594,8 @@ class Controller:
             outcome,
             t,
             level,
+            method=t.method,
+            duration_s=round(t.duration_s, 3),
             failure=t.failure,
             rollback_failure=t.rollback_failure,
             interrupted=t.interrupted,

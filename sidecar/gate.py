@@ -1,11 +1,14 @@
-"""Evidence from the ranks' records: are they all there in the right mode, and does validate mode allow `on`."""
+"""Evidence from the ranks' records: are they all there in the right mode, did kdtree do its work during a bake,
+and does validate mode allow `on`."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from pydantic import BaseModel
 
 from kdtree.config import Mode
-from kdtree.status import RankView, read_records
+from kdtree.status import RankRecord, RankView, read_records
 
 from .settings import SidecarSettings
 
@@ -16,11 +19,16 @@ class RankCheck(BaseModel):
     ranks: list[RankView]
 
 
-def check_ranks(settings: SidecarSettings, mode: Mode, started_after: float | None = None) -> RankCheck:
-    """Every expected rank has a live record in `mode`, with the hook installed unless the mode is off.
+def check_ranks(
+    settings: SidecarSettings, modes: Mode | Iterable[Mode], started_after: float | None = None
+) -> RankCheck:
+    """Every expected rank has a live record in one of `modes`, with the hook installed unless it is off.
 
+    `modes` is one mode, or both ends of a live switch while the ranks make it (each rank switches on its own).
     started_after: records written by processes started before this time (the previous server) do not count.
     """
+    modes = {modes} if isinstance(modes, Mode) else set(modes)
+    expected = " or ".join(sorted(m.value for m in modes))
     views = read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
     by_rank = {v.record.tp_rank: v for v in views}
     problems = []
@@ -34,13 +42,62 @@ def check_ranks(settings: SidecarSettings, mode: Mode, started_after: float | No
             problems.append(f"rank {rank}: record is stale ({view.stale_reason})")
         elif started_after is not None and rec.started_at < started_after:
             problems.append(f"rank {rank}: record is from a server started before the restart")
-        elif rec.mode != mode.value:
-            problems.append(f"rank {rank}: reports mode {rec.mode}, expected {mode.value}")
-        elif mode != Mode.OFF and not rec.installed:
+        elif rec.mode not in {m.value for m in modes}:
+            problems.append(f"rank {rank}: reports mode {rec.mode}, expected {expected}")
+        elif rec.mode != Mode.OFF and not rec.installed:
             problems.append(
                 f"rank {rank}: kdtree hook not installed ({rec.last_error or 'no error recorded'})"
             )
     return RankCheck(ok=not problems, problems=problems, ranks=views)
+
+
+def live_records(settings: SidecarSettings) -> dict[int, RankRecord]:
+    """The expected ranks' records that are not stale, by rank."""
+    return {
+        v.record.tp_rank: v.record
+        for v in read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
+        if not v.stale and v.record.tp_rank < settings.expected_tp_size
+    }
+
+
+def bake_evidence(
+    settings: SidecarSettings, mode: Mode, before: dict[int, RankRecord], after: dict[int, RankRecord]
+) -> list[str]:
+    """What the bake window must show on every expected rank, records taken at its start and its end.
+
+    on: kdtree served verify calls (served_kdtree grew); validate: calls were compared (calls_compared grew).
+    In both: no new fallback, no rank restarted or stale. standby and off ask nothing of kdtree.
+    """
+    if mode not in (Mode.ON, Mode.VALIDATE):
+        return []
+    problems = []
+    for rank in range(settings.expected_tp_size):
+        a, b = before.get(rank), after.get(rank)
+        if a is None or b is None:
+            problems.append(
+                f"rank {rank}: no live record at the {'start' if a is None else 'end'} of the bake"
+            )
+            continue
+        if (a.pid, a.started_at) != (b.pid, b.started_at):
+            problems.append(f"rank {rank}: restarted during the bake (pid {a.pid} -> {b.pid})")
+            continue
+        if mode == Mode.ON and b.served_kdtree <= a.served_kdtree:
+            problems.append(
+                f"rank {rank}: kdtree served no verify call during the bake "
+                f"(served_kdtree {a.served_kdtree} -> {b.served_kdtree})"
+            )
+        if mode == Mode.VALIDATE and b.parity.calls_compared <= a.parity.calls_compared:
+            problems.append(
+                f"rank {rank}: no verify call was compared during the bake "
+                f"(calls_compared {a.parity.calls_compared} -> {b.parity.calls_compared})"
+            )
+        grew = {r: n - a.fallbacks.get(r, 0) for r, n in b.fallbacks.items() if n > a.fallbacks.get(r, 0)}
+        if grew:
+            problems.append(
+                f"rank {rank}: fallbacks grew during the bake: "
+                + ", ".join(f"{r} +{n}" for r, n in sorted(grew.items()))
+            )
+    return problems
 
 
 class Criterion(BaseModel):

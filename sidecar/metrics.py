@@ -13,7 +13,18 @@ from prometheus_client.registry import Collector
 from kdtree.config import Mode
 from kdtree.status import read_records
 
-PHASES = ("starting", "loading", "warming", "ready", "degraded", "crashed", "restarting", "rolling_back")
+PHASES = (
+    "starting",
+    "loading",
+    "warming",
+    "ready",
+    "degraded",
+    "crashed",
+    "switching",
+    "restarting",
+    "rolling_back",
+)
+METHODS = ("live", "restart")
 OUTCOMES = ("succeeded", "rolled_back", "rollback_failed", "aborted")
 
 
@@ -102,4 +113,15 @@ class Metrics:
         self.gate_refusals = Counter(
             "kdtree_gate_refusals", "POST /mode requests refused by the gate", ["to_mode"], registry=r
         )
+        self.flip_duration = Histogram(
+            "kdtree_flip_duration_seconds",
+            "mode transitions, from the request to the outcome, by method (live or restart)",
+            ["method"],
+            buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+            registry=r,
+        )
+        for (
+            method
+        ) in METHODS:  # both series exist from the start, so rate() and increase() see the first flip
+            self.flip_duration.labels(method=method)
         r.register(RankCollector(state_dir, max_age_s))

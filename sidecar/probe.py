@@ -1,7 +1,11 @@
-"""The readiness probe: one tiny greedy completion through SGLang's OpenAI endpoint.
+"""The readiness probe: one short greedy completion through SGLang's OpenAI endpoint.
 
-It proves the whole serving path (tokenizer, scheduler, every TP rank, detokenizer, response schema).
-Probes are expensive, so results are cached for a TTL and concurrent callers share one probe in flight.
+It proves the whole serving path (tokenizer, scheduler, every TP rank, detokenizer, response schema), and with
+more than one token it decodes with speculation: each speculative step is a target-verify call on every rank,
+the call kdtree serves. It asks for KDTREE_PROBE_MAX_TOKENS tokens with ignore_eos (so an early end of text
+cannot skip the verify steps) and for SGLang's speculative-decoding details (`spec_verify_ct`: the verify steps
+this completion took). Probes are expensive, so results are cached for a TTL and concurrent callers share one
+probe in flight.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ class ProbeResult(BaseModel):
     model: str | None = None
     finish_reason: str | None = None
     text: str | None = None
+    completion_tokens: int | None = None
+    verify_steps: int | None = (
+        None  # sglext.spec_tokens_details.spec_verify_ct; None when the server gave none
+    )
 
 
 class ProbeFailure(Exception):
@@ -173,7 +181,14 @@ class Prober:
             ) from None
 
     async def _complete(self, client: httpx.AsyncClient, model: str, start: float) -> ProbeResult:
-        request = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0}
+        request = {
+            "model": model,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,  # SGLang's extension: all max_tokens are decoded, so the verify steps happen
+            "return_spec_tokens_details": True,
+        }
         body = self._json(await client.post("/v1/completions", json=request), "POST /v1/completions")
         choices = body.get("choices") if isinstance(body, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -185,6 +200,7 @@ class Prober:
             raise ProbeFailure(
                 NO_FINISH_REASON, f"the completion has no finish_reason: {str(choices[0])[:200]}", 200
             )
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
         return ProbeResult(
             ok=True,
             status_code=200,
@@ -193,4 +209,26 @@ class Prober:
             model=model,
             finish_reason=str(finish),
             text=str(choices[0].get("text", ""))[:100],
+            completion_tokens=_int(usage.get("completion_tokens")),
+            verify_steps=verify_steps(body),
         )
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def verify_steps(body: dict) -> int | None:
+    """The verify steps of a completion from SGLang's `sglext.spec_tokens_details` (one dict per request, or a
+    list of them); None when the server did not report them (no speculative decoding, or an older server)."""
+    details = (
+        (body.get("sglext") or {}).get("spec_tokens_details")
+        if isinstance(body.get("sglext"), dict)
+        else None
+    )
+    if isinstance(details, dict):
+        details = [details]
+    if not isinstance(details, list) or not details:
+        return None
+    counts = [_int(d.get("spec_verify_ct")) for d in details if isinstance(d, dict)]
+    return sum(c for c in counts if c is not None) if any(c is not None for c in counts) else None

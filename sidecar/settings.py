@@ -20,8 +20,13 @@ class SidecarSettings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="model name for the probe; unset: ask GET /v1/models"
     )
-    probe_prompt: str = "The capital of France is"
-    probe_max_tokens: int = Field(1, ge=1)
+    probe_prompt: str = Field("The capital of France is", min_length=1, max_length=4096)
+    probe_max_tokens: int = Field(
+        32,
+        ge=2,
+        le=4096,
+        description="tokens the probe decodes (ignore_eos): enough for several speculative verify steps",
+    )
     probe_deadline_s: float = Field(
         10.0, gt=0, description="no probe and no GET /ready takes longer than this"
     )
@@ -68,6 +73,11 @@ class SidecarSettings(BaseSettings):
         5, ge=1, description="consecutive good probes after the restart before the flip counts"
     )
     bake_interval_s: float = Field(10.0, ge=0)
+    live_flip_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="seconds every rank has to confirm a live mode switch before it is rolled back",
+    )
     history_limit: int = Field(
         50, ge=1, description="transitions kept in the state file (the audit log keeps all)"
     )

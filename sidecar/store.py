@@ -31,14 +31,20 @@ class Transition(BaseModel):
     reason: str = ""
     force: bool = False
     requested_at: float = Field(default_factory=time.time)
-    # accepted -> mode_written -> restarting -> waiting_ready -> baking -> (succeeded)
-    # any failure -> rolling_back -> (rolled_back | rollback_failed)
+    # live:    accepted -> writing_mode -> awaiting_ranks -> baking -> (succeeded)
+    # restart: accepted -> writing_mode -> restarting -> waiting_ready -> baking -> (succeeded)
+    # any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed)
+    method: str = "restart"  # live | restart
     step: str = "accepted"
+    ranks_confirmed: int = 0  # live: ranks that report the mode being switched to (progress)
+    confirmed_s: float | None = None  # live: seconds from the request until every rank confirmed
     outcome: str | None = None  # succeeded | rolled_back | rollback_failed | aborted
     failure: str | None = None  # why the forward flip failed
     rollback_failure: str | None = None
     restarted_at: float | None = None
     finished_at: float | None = None
+    duration_s: float | None = None  # from the request until the outcome
+    rollback_note: str | None = None  # e.g. the live rollback failed and the server was restarted instead
     gate: list[dict] = Field(default_factory=list)
     interrupted: bool = False  # the sidecar stopped mid-way; resolved on its next start
 

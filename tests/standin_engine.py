@@ -1,15 +1,20 @@
 """A stand-in for the SGLang 0.5.23 server, for tests only: it is NOT SGLang and runs no model.
 
-It speaks the parts of SGLang's contract the sidecar relies on, with the same timing shape:
+It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with the same timing shape:
 - while "loading" the port is closed (SGLang binds only after weights and CUDA graphs are in place), and
   it prints SGLang's real startup log markers to stdout as it goes;
 - while "warming" GET /health answers 503 (POST /v1/completions too); GET /v1/models answers 200;
-- then GET /health 200, GET /v1/models and POST /v1/completions with SGLang's OpenAI response shape.
-It also stands in for the SGLang ranks with the kdtree plugin: it writes one record per tensor-parallel
-rank into KDTREE_STATE_DIR (kdtree.status.write_record), heartbeating, in the mode the server entrypoint
-would use (KDTREE_STATE_DIR/mode, else KDTREE_VERIFY), with parity numbers chosen on the command line.
+- then GET /health 200, GET /v1/models, GET /server_info and POST /v1/completions with SGLang's OpenAI response
+  shape: `usage`, `choices[].token_ids` with return_token_ids, `sglext.spec_tokens_details` (spec_verify_ct,
+  spec_accept_length, ...) with return_spec_tokens_details, and ignore_eos honoured.
+It also stands in for the SGLang ranks with the kdtree plugin, through kdtree's own rank code: one
+kdtree.evidence.Evidence heartbeat and kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
+its record into KDTREE_STATE_DIR and follows the sidecar's mode file live exactly as a real rank does. Each
+completion counts as ceil(tokens / --accept-length) verify steps of --layers calls on every rank, in that
+rank's mode: served_kdtree in on, compared (parity) in validate, served by the original otherwise.
+Completions are deterministic: the same prompt and mode always give the same tokens.
 
-Faults (--fault, optionally only when started in --fault-in-mode, optionally after --fault-after good answers):
+Faults (--fault, optionally only while the server is in --fault-in-mode, optionally after --fault-after good answers):
   slow             completions answer after --fault-delay seconds
   hang             completions never answer
   malformed        200 with a body that is not JSON
@@ -19,6 +24,10 @@ Faults (--fault, optionally only when started in --fault-in-mode, optionally aft
   die-mid-probe    the process exits while writing the completion answer
   crash-on-start   a traceback during CUDA graph capture, then exit with --exit-code (port never opens)
   rank-error       the ranks report a last_error
+  no-verify-count  the ranks count no verify call (kdtree installed but never reached)
+  fallback         every verify call falls back to the original, counted as fp8_kv
+  stuck-rank       rank 1 keeps its mode: it never follows the mode file (never confirms a live switch)
+  diverge          completions differ from position --diverge-at on (a wrong kdtree result)
 
 Run: python tests/standin_engine.py --port P [--load-seconds S] [--warm-seconds S] [--fault F] [--tp-size N]
 Test hooks: GET /_standin/stats (request counts), POST /_standin/fault {"fault": F} (switch at run time).
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -39,14 +49,15 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kdtree from this checkout when run as a script
 
 from kdtree.config import Mode  # noqa: E402
-from kdtree.control import read_desired_mode  # noqa: E402
-from kdtree.status import Parity, new_record, write_record  # noqa: E402
+from kdtree.control import ModeHolder, read_desired_mode  # noqa: E402
+from kdtree.evidence import Evidence  # noqa: E402
 
 FAULTS = (
     "none",
@@ -59,7 +70,20 @@ FAULTS = (
     "die-mid-probe",
     "crash-on-start",
     "rank-error",
+    "no-verify-count",
+    "fallback",
+    "stuck-rank",
+    "diverge",
 )
+GOOD = (
+    "none",
+    "slow",
+    "rank-error",
+    "no-verify-count",
+    "fallback",
+    "stuck-rank",
+    "diverge",
+)  # still answer 200
 
 
 def free_port() -> int:
@@ -77,12 +101,16 @@ def log(msg: str) -> None:
 class Engine:
     def __init__(self, args):
         self.args = args
-        self.mode = self._mode()
-        applies = args.fault_in_mode is None or args.fault_in_mode == self.mode.value
-        self.fault = args.fault if applies else "none"
+        self.started_mode = self._mode()
         self.warm_until = 0.0
-        self.stats = {"completions": 0, "good_completions": 0, "models": 0, "health": 0}
+        self.stats = {"completions": 0, "good_completions": 0, "models": 0, "health": 0, "server_info": 0}
         self.lock = threading.Lock()
+        self.holders = [ModeHolder(self.started_mode) for _ in range(args.tp_size)]
+        self.ranks = [
+            {"served_kdtree": 0, "served_original": 0, "fallbacks": {}, "compared": 0}
+            for _ in range(args.tp_size)
+        ]
+        self.fault = args.fault
 
     def _mode(self) -> Mode:
         state_dir = self.args.state_dir
@@ -90,34 +118,76 @@ class Engine:
             os.environ.get("KDTREE_VERIFY", "off")
         )
 
+    @property
+    def mode(self) -> Mode:
+        """The mode the server serves now (rank 0's; ranks may differ for a moment during a live switch)."""
+        return self.holders[0].mode if self.holders else self.started_mode
+
     def active_fault(self) -> str:
-        """The fault, once --fault-after good completions have been served."""
-        return self.fault if self.stats["good_completions"] >= self.args.fault_after else "none"
-
-    # ---- the ranks ------------------------------------------------------------------------------
-
-    def heartbeat_forever(self) -> None:
+        """The fault, while the server is in --fault-in-mode and once --fault-after good completions are served."""
         a = self.args
-        records = [new_record(a.report_mode or self.mode.value, rank, a.tp_size) for rank in range(a.tp_size)]
-        for rec in records:
-            rec.installed = self.mode != Mode.OFF and not a.not_installed
-            rec.gpu, rec.compute_capability = "stand-in", "9.0"
-            rec.parity = Parity(
-                calls_compared=a.parity_calls,
-                max_rel_l2=a.parity_max_rel,
-                max_abs_err=a.parity_max_rel,
-                nan_inf=a.parity_nan_inf,
-                calls_over_tol=a.parity_over_tol,
-                rtol=2e-2,
+        if a.fault_in_mode is not None and a.fault_in_mode != self.mode.value:
+            return "none"
+        return self.fault if self.stats["good_completions"] >= a.fault_after else "none"
+
+    # ---- the ranks: kdtree's own heartbeat and mode holder, with counters a completion moves -----------------
+
+    def start_ranks(self) -> None:
+        a = self.args
+        for rank, holder in enumerate(self.holders):
+            stuck = self.fault == "stuck-rank" and rank == 1
+            evidence = Evidence(
+                a.state_dir,
+                snapshot=lambda rank=rank: self.snapshot(rank),
+                installed=lambda: self.started_mode != Mode.OFF and not a.not_installed,
+                rank_source=lambda rank=rank: (rank, a.tp_size),
+                follow=None if stuck else holder.follow,
             )
-        while True:
-            for rec in records:
-                rec.heartbeat = time.time()
-                rec.served_original = self.stats["completions"]
-                if self.active_fault() == "rank-error":
-                    rec.last_error = "stand-in: injected rank error"
-                write_record(a.state_dir, rec)
-            time.sleep(a.heartbeat_s)
+            evidence.start(a.heartbeat_s)
+
+    def snapshot(self, rank: int) -> dict:
+        a, holder = self.args, self.holders[rank]
+        with self.lock:
+            counts = dict(self.ranks[rank])
+        return {
+            "mode": a.report_mode or holder.mode.value,
+            "mode_applied_at": holder.applied_at,
+            "live_modes": sorted(m.value for m in holder.live_modes),
+            "mode_pending": holder.pending.value if holder.pending else None,
+            "served_kdtree": counts["served_kdtree"],
+            "served_original": counts["served_original"],
+            "fallbacks": counts["fallbacks"],
+            "last_error": "stand-in: injected rank error" if self.active_fault() == "rank-error" else None,
+            "gpu": "stand-in",
+            "compute_capability": "9.0",
+            "compiled_archs": ["sm_90"],
+            "parity": {
+                "calls_compared": a.parity_calls + counts["compared"],
+                "max_abs_err": a.parity_max_rel,
+                "max_rel_l2": a.parity_max_rel,
+                "calls_over_tol": a.parity_over_tol,
+                "nan_inf": a.parity_nan_inf,
+                "rtol": 2e-2,
+            },
+        }
+
+    def count_verify(self, steps: int) -> None:
+        """`steps` verify steps of --layers target-verify calls each, on every rank, as that rank's mode serves them."""
+        fault = self.active_fault()
+        if fault == "no-verify-count":
+            return
+        calls = steps * self.args.layers
+        with self.lock:
+            for holder, c in zip(self.holders, self.ranks, strict=True):
+                if fault == "fallback" and holder.mode in (Mode.ON, Mode.VALIDATE):
+                    c["fallbacks"] = {**c["fallbacks"], "fp8_kv": c["fallbacks"].get("fp8_kv", 0) + calls}
+                    c["served_original"] += calls
+                elif holder.mode == Mode.ON:
+                    c["served_kdtree"] += calls
+                else:
+                    c["served_original"] += calls
+                    if holder.mode == Mode.VALIDATE:
+                        c["compared"] += calls
 
     # ---- startup ------------------------------------------------------------------------------
 
@@ -130,7 +200,7 @@ class Engine:
             "Load weight end. type=DeepseekV3ForCausalLM, dtype=torch.bfloat16, avail mem=60.10 GB, mem usage=79.10 GB."
         )
         log("Capture cuda graph begin. This can take up to several minutes. avail mem=20.00 GB")
-        if self.fault == "crash-on-start":
+        if self.fault == "crash-on-start" and (a.fault_in_mode is None or a.fault_in_mode == self.mode.value):
             time.sleep(a.load_seconds / 4)
             print(
                 "Traceback (most recent call last):\n"
@@ -146,6 +216,18 @@ class Engine:
         log(
             f"Capture cuda graph end. Time elapsed: {a.load_seconds:.2f} s. mem usage=3.10 GB. avail mem=16.90 GB."
         )
+
+    # ---- completions --------------------------------------------------------------------------
+
+    def tokens(self, prompt: str, n: int, ignore_eos: bool) -> tuple[list[int], str]:
+        """Deterministic token ids for a prompt (an end of text after 3/4 of max_tokens unless ignore_eos), and the
+        finish reason; with the diverge fault the ids change from --diverge-at on."""
+        seed = zlib.crc32(prompt.encode())
+        length = n if ignore_eos else max(1, (3 * n) // 4)
+        ids = [100 + (seed + 7919 * i) % 30000 for i in range(length)]
+        if self.active_fault() == "diverge":
+            ids = ids[: self.args.diverge_at] + [i + 1 for i in ids[self.args.diverge_at :]]
+        return ids, "length" if ignore_eos else "stop"
 
 
 def make_handler(engine: Engine):
@@ -189,6 +271,20 @@ def make_handler(engine: Engine):
                                 "max_model_len": 163840,
                             }
                         ],
+                    },
+                )
+            if self.path == "/server_info":
+                engine.stats["server_info"] += 1
+                accept = a.accept_length if engine.stats["good_completions"] else 0.0
+                return self._send(
+                    200,
+                    {
+                        "model_path": a.model_name,
+                        "tp_size": a.tp_size or 1,
+                        "speculative_algorithm": "NEXTN",
+                        "speculative_num_draft_tokens": 8,
+                        "internal_states": [{"avg_spec_accept_length": accept, "last_gen_throughput": 0.0}],
+                        "version": "0.5.23 (stand-in)",
                     },
                 )
             if self.path == "/_standin/stats":
@@ -243,14 +339,21 @@ def make_handler(engine: Engine):
                 self.wfile.write(b'{"id": "cmpl-')
                 self.wfile.flush()
                 os._exit(137)
-            n = int(req.get("max_tokens") or 16)
+            prompt = str(req.get("prompt", ""))
+            ids, finish = engine.tokens(prompt, int(req.get("max_tokens") or 16), bool(req.get("ignore_eos")))
+            steps = math.ceil(len(ids) / a.accept_length)  # the first token comes from prefill in SGLang too
+            engine.count_verify(steps)
             choice = {
                 "index": 0,
-                "text": " Paris" * n,
+                "text": "".join(f" t{i}" for i in ids),
                 "logprobs": None,
-                "finish_reason": None if fault == "no-finish-reason" else "length",
-                "matched_stop": None,
+                "finish_reason": None if fault == "no-finish-reason" else finish,
+                "matched_stop": None if finish == "length" else 1,
             }
+            if req.get("return_token_ids"):
+                choice["token_ids"] = ids
+                choice["prompt_token_ids"] = [ord(ch) % 256 for ch in prompt]
+            prompt_tokens = max(1, len(prompt) // 4)
             body = {
                 "id": uuid.uuid4().hex,
                 "object": "text_completion",
@@ -258,18 +361,28 @@ def make_handler(engine: Engine):
                 "model": a.model_name,
                 "choices": [choice],
                 "usage": {
-                    "prompt_tokens": 5,
-                    "total_tokens": 5 + n,
-                    "completion_tokens": n,
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens + len(ids),
+                    "completion_tokens": len(ids),
                     "prompt_tokens_details": None,
                     "reasoning_tokens": 0,
                 },
-                "metadata": None,
+                "metadata": {"weight_version": "default"},
             }
+            if req.get("return_spec_tokens_details"):
+                body["sglext"] = {
+                    "spec_tokens_details": {
+                        "spec_accept_rate": round((a.accept_length - 1) / 7, 4),
+                        "spec_accept_length": len(ids) / steps,
+                        "spec_num_correct_drafts": len(ids) - steps,
+                        "spec_num_proposed_drafts": 7 * steps,
+                        "spec_verify_ct": steps,
+                    }
+                }
             if fault == "no-choices":
                 del body["choices"]
             with engine.lock:
-                engine.stats["good_completions"] += fault in ("none", "slow", "rank-error")
+                engine.stats["good_completions"] += fault in GOOD
             self._send(200, body)
 
     return Handler
@@ -390,6 +503,9 @@ def parse_args(argv=None):
     p.add_argument("--parity-max-rel", type=float, default=0.0)
     p.add_argument("--parity-nan-inf", type=int, default=0)
     p.add_argument("--parity-over-tol", type=int, default=0)
+    p.add_argument("--layers", type=int, default=4, help="target-verify calls per verify step on each rank")
+    p.add_argument("--accept-length", type=float, default=3.0, help="tokens per verify step")
+    p.add_argument("--diverge-at", type=int, default=5, help="token position the diverge fault changes from")
     args = p.parse_args(argv)
     if args.tp_size and not args.state_dir:
         p.error("--tp-size needs --state-dir or KDTREE_STATE_DIR")
@@ -402,7 +518,7 @@ def main(argv=None) -> int:
     engine = Engine(args)
     engine.load()
     if args.tp_size:
-        threading.Thread(target=engine.heartbeat_forever, daemon=True).start()
+        engine.start_ranks()
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine))
     server.daemon_threads = True
     engine.warm_until = time.time() + args.warm_seconds

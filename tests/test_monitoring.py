@@ -34,10 +34,6 @@ DASHBOARD = MONITORING / "grafana-dashboard.json"
 ALERT_CASES = Path(__file__).with_name("monitoring_alerts_test.yml")
 JOB = "kdtree-sidecar"  # the scrape job: prometheus.yml names it, alerts.yml selects up{job=...} by it
 
-# Metrics the monitoring files use before the sidecar exports them. kdtree_flip_duration_seconds (histogram,
-# label method=live|restart) is being added to sidecar/metrics.py in another branch: remove it from here when
-# that is merged (test_pending_names_are_not_exported_yet then says so).
-PENDING = {"kdtree_flip_duration_seconds"}
 PROMETHEUS_OWN = {"up"}  # written by Prometheus for every target, not by the sidecar
 
 # Names a family's samples take in the exposition format, by type. Needed besides the samples themselves:
@@ -78,19 +74,8 @@ def exported(tmp_path_factory) -> dict[str, str]:
 
 
 def family_of(name: str, exported: dict[str, str]) -> str | None:
-    """The exported or pending family a sample name belongs to; None when the sidecar has no such metric."""
-    if name in exported:
-        return exported[name]
-    for pending in PENDING:
-        if name == pending or name.removeprefix(pending) in {
-            "_bucket",
-            "_count",
-            "_sum",
-            "_total",
-            "_created",
-        }:
-            return pending
-    return None
+    """The exported family a sample name belongs to; None when the sidecar has no such metric."""
+    return exported.get(name)
 
 
 def test_the_registry_shows_sidecar_and_rank_metrics(exported):
@@ -105,11 +90,6 @@ def test_the_registry_shows_sidecar_and_rank_metrics(exported):
     ):
         assert name in exported
     assert "kdtree_transitions" not in exported, "a counter is exposed only with _total (and _created)"
-
-
-def test_pending_names_are_not_exported_yet(exported):
-    merged = {p for p in PENDING if any(family == p for family in exported.values())}
-    assert not merged, f"the sidecar exports {sorted(merged)} now: remove it from PENDING in {__file__}"
 
 
 # ---- PromQL ----------------------------------------------------------------------------------------------
@@ -160,8 +140,10 @@ def test_the_checker_finds_metric_names_only(exported):
     assert unknown_metrics(expr, exported) == set()
     assert unknown_metrics("kdtree_raedy == 0", exported) == {"kdtree_raedy"}
     assert unknown_metrics("rate(kdtree_transitions[5m])", exported) == {"kdtree_transitions"}  # no _total
-    assert unknown_metrics("kdtree_flip_duration_seconds_count", exported) == set()  # PENDING
-    assert unknown_metrics("kdtree_flip_duration_seconds_total", exported) == set()  # PENDING, any suffix
+    assert unknown_metrics("kdtree_flip_duration_seconds_count", exported) == set()
+    assert unknown_metrics("kdtree_flip_duration_seconds_total", exported) == {
+        "kdtree_flip_duration_seconds_total"  # a histogram has no _total
+    }
     assert unknown_metrics("kdtree_flip_duration_seconds_bucket_x", exported) == {
         "kdtree_flip_duration_seconds_bucket_x"
     }
@@ -348,7 +330,7 @@ def test_dashboard_shows_every_metric_the_sidecar_exports(exported):
     shown = set()
     for _, expr in dashboard_queries(load_dashboard()):
         shown |= {family_of(n, exported) for n in selected_metrics(expr)}
-    missing = (set(exported.values()) | PENDING) - shown
+    missing = set(exported.values()) - shown
     assert not missing, f"no panel in {DASHBOARD.name} shows {sorted(missing)}"
 
 

@@ -145,7 +145,7 @@ def test_evidence_module_imports_neither_torch_nor_sglang():
 )
 def test_the_mode_holder_switches_live_between_live_modes_only(started, desired, mode, pending, changed):
     from kdtree.config import Mode
-    from kdtree.verify import ModeHolder
+    from kdtree.control import ModeHolder
 
     holder = ModeHolder(started)
     before = holder.applied_at
@@ -166,7 +166,7 @@ class Word:
 
 def test_a_switch_is_stored_where_the_device_reads_it():
     from kdtree.config import Mode
-    from kdtree.verify import ModeHolder
+    from kdtree.control import ModeHolder
 
     holder, word = ModeHolder("validate"), Word()
     holder.attach(word)
@@ -178,9 +178,8 @@ def test_a_switch_is_stored_where_the_device_reads_it():
 def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
     """Each rank reads the mode file every MODE_POLL_S and rewrites its record as soon as it switched, long before
     its next regular heartbeat (60 s here)."""
-    from kdtree.control import write_desired_mode
+    from kdtree.control import ModeHolder, write_desired_mode
     from kdtree.evidence import MODE_POLL_S
-    from kdtree.verify import ModeHolder
 
     holder = ModeHolder("validate")
 
@@ -210,7 +209,7 @@ def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
 
 
 def test_an_unreadable_mode_file_is_reported_and_changes_nothing(tmp_path):
-    from kdtree.verify import ModeHolder
+    from kdtree.control import ModeHolder
 
     holder = ModeHolder("validate")
     (tmp_path / "mode").write_text("fastest\n")
