@@ -386,7 +386,7 @@ class Controller:
         detail = "; ".join(a.reasons)
         if target in (Mode.VALIDATE, Mode.STANDBY):
             up = a.probe is not None and a.probe.ok
-            return [Criterion(name="server_up", value=up, threshold=True, passed=up, detail=detail)]
+            return [Criterion(name="server_up", value=up, op="==", threshold=True, passed=up, detail=detail)]
         return await asyncio.to_thread(gate_to_on, self.settings, a.ready, detail)
 
     async def _transition(self, t: Transition) -> None:

@@ -101,8 +101,11 @@ def bake_evidence(
 
 
 class Criterion(BaseModel):
+    """One condition of a gate: passed when `value <op> threshold` (op: ==, >= or <=) holds."""
+
     name: str
     value: float | int | bool | None
+    op: str
     threshold: float | int | bool | None
     passed: bool
     detail: str = ""
@@ -131,10 +134,16 @@ def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str)
     no_evidence = "" if all_there else "not every rank reports validate mode"
     return [
         Criterion(
-            name="server_ready", value=server_ready, threshold=True, passed=server_ready, detail=ready_detail
+            name="server_ready",
+            value=server_ready,
+            op="==",
+            threshold=True,
+            passed=server_ready,
+            detail=ready_detail,
         ),
         Criterion(
             name="ranks_in_validate",
+            op="==",
             value=len(in_validate),
             threshold=want,
             passed=all_there,
@@ -142,6 +151,7 @@ def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str)
         ),
         Criterion(
             name="min_calls_compared",
+            op=">=",
             value=min_calls,
             threshold=settings.gate_min_calls,
             detail=no_evidence,
@@ -149,6 +159,7 @@ def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str)
         ),
         Criterion(
             name="max_rel_err",
+            op="<=",
             value=max_rel,
             threshold=settings.gate_max_rel_err,
             detail=no_evidence,
@@ -156,6 +167,7 @@ def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str)
         ),
         Criterion(
             name="nan_inf",
+            op="<=",
             value=nan_inf,
             threshold=settings.gate_max_nan_inf,
             detail=no_evidence,
@@ -163,6 +175,7 @@ def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str)
         ),
         Criterion(
             name="calls_over_tol",
+            op="<=",
             value=over_tol,
             threshold=settings.gate_max_calls_over_tol,
             detail=no_evidence,

@@ -9,6 +9,7 @@ lists every rank and flags one that was killed (stale) or never reported (missin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -18,6 +19,7 @@ import time
 import pytest
 
 from kdtree.config import Mode
+from kdtree.control import read_desired_mode
 from kdtree.status import read_records
 
 pytestmark = pytest.mark.sglang
@@ -129,6 +131,77 @@ def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(tmp_pat
         assert dead.problems == [f"rank 1: record is stale (pid {procs[1].pid} is gone)"]
     finally:
         stop.touch()
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.anyio
+async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_rolled_back(
+    tmp_path, monkeypatch
+):
+    """Three ranks with kdtree installed by SGLang's own plugin loader, behind the real sidecar (the HTTP server
+    is tests/standin_engine.py, a stand-in, writing no records): a live flip validate -> standby is confirmed
+    by every rank through its own heartbeat; then, with rank 1 stopped (SIGSTOP), standby -> validate times out
+    naming rank 1 and is rolled back live. No server restart is involved (the sidecar has no server control)."""
+    from sidecar_harness import AUTH, make_settings, sidecar
+    from standin_engine import StandinProcess, free_port
+
+    model = tmp_path / "tiny-mla"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_MLA))
+    state = tmp_path / "state"
+    monkeypatch.setenv("KDTREE_VERIFY", "validate")
+    monkeypatch.setenv("KDTREE_STATE_DIR", str(state))
+    monkeypatch.setenv("KDTREE_HEARTBEAT_S", "0.3")
+    ctx = mp.get_context("spawn")
+    stop = tmp_path / "stop"
+    procs = [
+        ctx.Process(target=scheduler_prologue, args=(str(model), r, TP, str(stop)), daemon=True)
+        for r in range(TP)
+    ]
+    for p in procs:
+        p.start()
+    (tmp_path / "http").mkdir()
+    http = StandinProcess(free_port(), str(tmp_path / "http"), []).start()
+    http.wait_port()
+    settings = make_settings(
+        state, http.port, expected_tp_size=TP, heartbeat_stale_s=60, live_flip_timeout_s=3, bake_probes=2
+    )
+
+    async def settle(c):
+        while (st := (await c.get("/status")).json())["active_transition"] is not None:
+            await asyncio.sleep(0.1)
+        return st["transitions"][-1]
+
+    try:
+        wait_for(lambda: len(read_records(state)) == TP, 240, f"{TP} rank records")
+        async with sidecar(settings, server=None) as c:
+            r = await c.post("/mode", json={"mode": "standby", "reason": "live"}, headers=AUTH)
+            assert r.status_code == 202 and r.json()["method"] == "live", r.json()
+            flip = await settle(c)
+            assert flip["outcome"] == "succeeded", flip
+            assert flip["confirmed_s"] < 10  # the live-flip goal at the ranks' heartbeat
+            assert {v.record.mode for v in read_records(state)} == {"standby"}
+
+            os.kill(procs[1].pid, signal.SIGSTOP)  # alive, its record fresh enough, but it never switches
+            try:
+                r = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
+                assert r.status_code == 202 and r.json()["method"] == "live"
+                back = await settle(c)
+            finally:
+                os.kill(procs[1].pid, signal.SIGCONT)
+        assert back["outcome"] == "rolled_back", back
+        assert f"2/{TP} ranks confirmed mode validate" in back["failure"]
+        assert "rank 1: still reports standby" in back["failure"]
+        assert read_desired_mode(state) == Mode.STANDBY
+        wait_for(
+            lambda: {v.record.mode for v in read_records(state)} == {"standby"}, 10, "every rank in standby"
+        )
+    finally:
+        stop.touch()
+        http.stop()
         for p in procs:
             p.join(20)
             if p.is_alive():
