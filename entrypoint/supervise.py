@@ -368,12 +368,12 @@ class Supervisor:
         # Wait without reaping, so the pid (the process group's id) cannot be reused while the group's
         # leftovers are killed: the server's own children must not outlive it, holding GPUs and our pipes.
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        self._phase = "done"  # from here on the pid may be reused: no more signals to it
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         rc = self.child.wait()
-        self._phase = "done"
         deadline = time.monotonic() + READER_DRAIN_S
         for t in pumps:  # the rest of the output (a pipe keeps what was written before its writer died)
             t.join(max(0.0, deadline - time.monotonic()))
