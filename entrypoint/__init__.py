@@ -1,1 +1,1 @@
-"""How the SGLang server container starts: config validation, then exec of sglang.launch_server."""
+"""How the SGLang server container starts: config validation, then sglang.launch_server as a supervised child."""

@@ -1,11 +1,14 @@
-"""Server container entry: check the configuration, print it once, then exec SGLang's launcher.
+"""Server container entry: check the configuration, print it once, then run SGLang's launcher under supervision.
 
     python -m entrypoint.launch <sglang.launch_server arguments...>
 
 Each check fails fast with one line naming the problem and the fix (exit code 2), so a misconfigured
-pod dies in seconds with a reason instead of minutes later inside SGLang. On success the process is
-replaced by `python -m sglang.launch_server` (exec): SGLang's stdout, stderr and exit code are the
-container's own.
+pod dies in seconds with a reason instead of minutes later inside SGLang. On success
+`python -m sglang.launch_server` runs as this process's child (entrypoint.supervise): its output goes on to
+the container's stdout and stderr as it comes and into a size-capped log in KDTREE_STATE_DIR, stop signals
+are passed on to it, and the container exits with its status (128+N when signal N killed it). The start,
+the server's pid and the exit status are recorded in KDTREE_STATE_DIR/server-process.json, refused
+configurations included: what the sidecar reads when it controls the server without the Docker socket.
 
 The desired mode comes from the sidecar's file KDTREE_STATE_DIR/mode when present, else from
 KDTREE_VERIFY; it is exported to SGLang as KDTREE_VERIFY.
@@ -25,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from entrypoint.supervise import DEFAULT_LOG_MAX_BYTES, StopRequested, Supervisor, SupervisorSettings
 from kdtree.config import ConfigError, Mode, load_settings
 from kdtree.control import mode_path, read_desired_mode
 
@@ -40,8 +44,9 @@ NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH"})
 MTP_CAPABLE = frozenset({"EAGLE", "NEXTN"})
 
 
-class LauncherSettings(BaseSettings):
-    """The launcher's own knobs (KDTREE_VERIFY and KDTREE_STATE_DIR are kdtree.config's)."""
+class LauncherSettings(SupervisorSettings):
+    """The launcher's own knobs (KDTREE_VERIFY is kdtree.config's); KDTREE_STATE_DIR and
+    KDTREE_SERVER_LOG_MAX_BYTES (the server log's cap, 0: no log file) come from SupervisorSettings."""
 
     model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
 
@@ -171,15 +176,32 @@ def _resolve_mode() -> tuple[Mode, str]:
     return settings.verify, "KDTREE_VERIFY"
 
 
+_SETTING_FIX = {
+    "KDTREE_ALLOW_OTHER_BACKEND": "set it to 1 or 0",
+    "KDTREE_SERVER_LOG_MAX_BYTES": "set it to a byte count, e.g. 10485760 (10 MiB), or 0 for no log file",
+}
+
+
 def _launcher_settings() -> LauncherSettings:
     try:
         return LauncherSettings()
     except ValidationError as e:
         err = e.errors()[0]
         var = "KDTREE_" + str(err["loc"][0]).upper()
+        msg = err["msg"].removeprefix("Value error, ")
         raise ConfigError(
-            f"{var}={err.get('input')!r} is invalid ({err['msg']}); fix: set it to 1 or 0"
+            f"{var}={err.get('input')!r} is invalid ({msg}); fix: {_SETTING_FIX.get(var, 'correct it')}"
         ) from None
+
+
+def _supervisor() -> Supervisor:
+    """Where this start is recorded: the settings' state dir and log cap, or their defaults when they
+    are invalid (plan() then refuses them, and the refusal is recorded too)."""
+    try:
+        settings = LauncherSettings()
+    except ValidationError:
+        return Supervisor(os.environ.get("KDTREE_STATE_DIR") or "/var/run/kdtree", DEFAULT_LOG_MAX_BYTES)
+    return Supervisor(settings.state_dir, settings.server_log_max_bytes)
 
 
 def plan(
@@ -305,19 +327,27 @@ def main(
     argv: Sequence[str] | None = None,
     *,
     environ: Mapping[str, str] = os.environ,
-    execve: Callable[[str, list[str], dict[str, str]], None] = os.execve,
+    serve: Callable[[Supervisor, list[str], dict[str, str]], int] = Supervisor.run,
     **probes,
 ) -> int:
+    """Check, then serve: returns the server's exit status (serve is replaced by a double in tests)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Recorded before the mode file is read: see entrypoint.supervise.
+    sup = _supervisor().begin()
     try:
-        p = plan(argv, **probes)
-    except (LaunchError, ConfigError) as e:
-        print(f"kdtree launcher: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG
-    print(p.summary, file=sys.stderr, flush=True)
-    env = {**environ, "KDTREE_VERIFY": p.mode.value}
-    execve(p.argv[0], p.argv, env)  # replaces this process; returns only when execve is a test double
-    return 0
+        try:
+            p = plan(argv, **probes)
+        except (LaunchError, ConfigError) as e:
+            line = f"kdtree launcher: error: {e}"
+            print(line, file=sys.stderr, flush=True)
+            sup.log_line(line)
+            return sup.finish(EXIT_CONFIG)
+        print(p.summary, file=sys.stderr, flush=True)
+        sup.log_line(p.summary)
+        env = {**environ, "KDTREE_VERIFY": p.mode.value}
+        return serve(sup, p.argv, env)
+    except StopRequested as e:
+        return sup.stopped(e)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,25 @@ from pydantic import ValidationError
 from .controller import Controller, ModeRequest
 from .docker_control import ServerContainer, ServerControl
 from .metrics import Metrics
+from .process_control import ServerProcess
 from .settings import SidecarSettings, load_sidecar_settings
 
 MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread
 
 
+def server_control(settings: SidecarSettings) -> ServerControl | None:
+    """The configured control: the server process (KDTREE_SERVER_CONTROL=process), or the container named
+    by KDTREE_SERVER_CONTAINER through the Docker socket (docker; None when no name is set)."""
+    if settings.server_control == "process":
+        return ServerProcess(settings.state_dir, restart_wait_s=settings.restart_wait_s)
+    return ServerContainer(settings.server_container) if settings.server_container else None
+
+
 def create_app(settings: SidecarSettings | None = None, server: ServerControl | None = None) -> FastAPI:
-    """server: what restarts the SGLang server; by default the container named by KDTREE_SERVER_CONTAINER."""
+    """server: what observes and restarts the SGLang server; by default the one the settings name."""
     settings = settings or load_sidecar_settings()
-    if server is None and settings.server_container:
-        server = ServerContainer(settings.server_container)
+    if server is None:
+        server = server_control(settings)
     metrics = Metrics(settings.state_dir, settings.heartbeat_stale_s)
     controller = Controller(settings, server, metrics)
 

@@ -1,7 +1,9 @@
-"""The one SGLang server container, seen and restarted through the Docker SDK.
+"""The one SGLang server container, seen and restarted through the Docker SDK (KDTREE_SERVER_CONTROL=docker).
 
-Everything the sidecar does with Docker goes through ServerContainer (inspect, logs, restart), so the
-state machine can be tested with another object that has the same three methods.
+Everything the sidecar does to the server goes through a ServerControl (inspect, logs, restart): this
+module's ServerContainer, or process_control.ServerProcess (signals in a shared PID namespace, no socket).
+Both report the same ContainerState and raise DockerError (or a subclass) when they cannot answer or act,
+so the state machine is the same for both, and can be tested with any object that has the three methods.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from pydantic import BaseModel
 
 
 class DockerError(RuntimeError):
-    """Docker could not answer or act; the message says what was attempted."""
+    """The server control (Docker, or process control's subclass) could not answer or act; the message
+    says what was attempted."""
 
 
 class ContainerMissing(DockerError):
-    """Docker answers, but no container has the configured name (e.g. compose has not created it yet)."""
+    """Docker answers, but no container has the configured name (e.g. compose has not created it yet);
+    process control: no server has started on the state volume yet."""
 
 
 class ContainerState(BaseModel):

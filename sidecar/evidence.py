@@ -17,7 +17,9 @@ LOG_MARKERS = (
 
 _ERROR_LINE = re.compile(
     r"Traceback \(most recent call last\)|\b\w*(Error|Exception)\b|\bERROR\b|\bFATAL\b|out of memory|"
-    r"\bKilled\b|Segmentation fault|core dumped|NCCL WARN",
+    r"\bKilled\b|Segmentation fault|core dumped|NCCL WARN|"
+    # The server's entrypoint: a refused configuration, or the server killed by a signal.
+    r"^kdtree launcher: (?:error:|the server was killed)",
 )
 
 

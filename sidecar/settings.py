@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field, ValidationError, model_validator
+from typing import Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kdtree.config import ConfigError, Mode
@@ -44,9 +46,15 @@ class SidecarSettings(BaseSettings):
     expected_tp_size: int = Field(1, ge=0, description="ranks that must report; 0 skips the rank check")
     heartbeat_stale_s: float = Field(30.0, gt=0)
 
-    # The one server container the sidecar observes and restarts.
+    # How the sidecar observes and restarts the server: `process` (its entrypoint's state file and log in
+    # state_dir, signals in a shared PID namespace) or `docker` (the container named server_container,
+    # through the Docker socket).
+    server_control: Literal["process", "docker"] = "process"
     server_container: str | None = None
-    restart_stop_timeout_s: int = Field(30, ge=0, description="SIGTERM grace before Docker kills the server")
+    restart_stop_timeout_s: int = Field(30, ge=0, description="SIGTERM grace before the server is killed")
+    restart_wait_s: float = Field(
+        300.0, gt=0, description="process control: seconds the orchestrator has to start the stopped server"
+    )
     log_tail_lines: int = Field(2000, ge=10)
 
     # Who may change the mode.
@@ -82,6 +90,17 @@ class SidecarSettings(BaseSettings):
         50, ge=1, description="transitions kept in the state file (the audit log keeps all)"
     )
 
+    @field_validator("server_control", mode="before")
+    @classmethod
+    def _known_control(cls, v):
+        if v not in ("process", "docker"):
+            raise ValueError(
+                "set it to process (signal the server in a shared PID namespace, no Docker socket: "
+                "compose.yaml's default) or docker (restart the container KDTREE_SERVER_CONTAINER through the "
+                "Docker socket: add compose.docker.yaml)"
+            )
+        return v
+
     @model_validator(mode="after")
     def _admin_is_decided(self) -> SidecarSettings:
         if not self.admin_token and not self.allow_open_admin:
@@ -102,4 +121,5 @@ def load_sidecar_settings(**overrides) -> SidecarSettings:
             raise ConfigError(err["msg"].removeprefix("Value error, ")) from None
         name = str(err["loc"][0]).upper()
         var = name if name.startswith("KDTREE_") else "KDTREE_" + name
-        raise ConfigError(f"{var}={err.get('input')!r} is invalid: {err['msg']}") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{var}={err.get('input')!r} is invalid: {msg}") from None

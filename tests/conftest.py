@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 import pytest
+from process_harness import SupervisedStandin
 from standin_engine import StandinProcess, free_port
 
 from kdtree.config import Mode
@@ -59,6 +60,27 @@ def engine(tmp_path):
         if mode is not None:
             write_desired_mode(tmp_path, mode)
         proc = StandinProcess(port or free_port(), str(tmp_path), args).start()
+        started.append(proc)
+        if wait:
+            proc.wait_port()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def supervised(tmp_path):
+    """Like `engine`, but each stand-in runs under the server entrypoint's supervisor behind a stand-in
+    orchestrator, and is controlled through the sidecar's process control (tests/process_harness.py):
+    supervised(*engine_args, port=None, wait=True, mode=None) -> SupervisedStandin."""
+    started = []
+
+    def start(*args, port=None, wait=True, mode: Mode | None = None) -> SupervisedStandin:
+        if mode is not None:
+            write_desired_mode(tmp_path, mode)
+        proc = SupervisedStandin(port or free_port(), str(tmp_path), args).start()
         started.append(proc)
         if wait:
             proc.wait_port()

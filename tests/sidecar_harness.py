@@ -1,12 +1,19 @@
-"""What the sidecar tests share: settings with short timings, and the app behind an in-process client."""
+"""What the sidecar tests share: settings with short timings, the app behind an in-process client or
+under uvicorn in a thread, and kdtreectl run as a user runs it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import httpx
+import uvicorn
+from standin_engine import free_port
 
 from sidecar.app import create_app
 from sidecar.settings import SidecarSettings
@@ -60,3 +67,39 @@ async def wait_ready(c: httpx.AsyncClient, timeout: float = 30) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"the sidecar was not ready within {timeout:g}s: {r.json()}")
         await asyncio.sleep(0.1)
+
+
+@contextmanager
+def serve(settings: SidecarSettings, server):
+    """The sidecar app under uvicorn in a thread; yields its URL."""
+    port = free_port()
+    uv = uvicorn.Server(
+        uvicorn.Config(create_app(settings, server), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+def kdtreectl(
+    url: str | None, *args: str, token: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """`python -m sidecar.cli [--url URL] ARGS...` with no KDTREE_* from this environment but the token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}
+    if token:
+        env["KDTREE_ADMIN_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", *(["--url", url] if url else []), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )

@@ -9,43 +9,18 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from sidecar_harness import TOKEN, make_settings
+from sidecar_harness import TOKEN, kdtreectl, make_settings, serve
 from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode
-from sidecar.app import create_app
-from sidecar.settings import SidecarSettings
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@contextmanager
-def serve(settings: SidecarSettings, server):
-    """The sidecar app under uvicorn in a thread; yields its URL."""
-    port = free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(create_app(settings, server), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture
@@ -65,21 +40,6 @@ def stack(engine):
     yield start
     for ctx in contexts:
         ctx.__exit__(None, None, None)
-
-
-def kdtreectl(
-    url: str, *args: str, token: str | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}
-    if token:
-        env["KDTREE_ADMIN_TOKEN"] = token
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "--url", url, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
 
 
 def test_wait_follows_the_startup_and_exits_0_when_ready(stack):

@@ -48,12 +48,12 @@ def gpus(n, gpu=H200):
 
 
 def run(argv, *, n_gpus=1, gpu=H200, archs=(90, 100, 120)):
-    """main() with test doubles; returns (exit code, the exec call or None)."""
+    """main() with test doubles; returns (exit code, the server's (path, argv, env) or None)."""
     calls = []
     rc = launch.main(
         argv,
         environ={"PATH": "/usr/bin"},
-        execve=lambda path, argv, env: calls.append((path, argv, env)),
+        serve=lambda sup, argv, env: calls.append((argv[0], argv, env)) or 0,
         gpus=gpus(n_gpus, gpu),
         archs=lambda: list(archs),
     )
@@ -67,7 +67,7 @@ def error_line(capsys) -> str:
     return err[0]
 
 
-def test_good_configuration_execs_sglang_with_the_mode_exported(model, capsys):
+def test_good_configuration_starts_sglang_with_the_mode_exported(model, capsys):
     rc, call = run(args(model, "--tp-size", "1"))
     assert rc == 0
     path, argv, env = call

@@ -5,9 +5,12 @@ with that command as the reason. Nothing here builds an image.
 
 The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compose.ci.yaml replaces the
 server's command with tests/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
-and HTTP contract and writes the per-rank records), and the test drops the server's GPU reservation from
-its copy of compose.yaml, since this machine has no GPU runtime. The sidecar is the real one, restarting
-the server container through the Docker socket.
+and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor, and the
+test drops the server's GPU reservation from its copy of compose.yaml, since this machine has no GPU
+runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket; it
+reads the server's state file and log from the shared volume and restarts it by signalling it in the PID
+namespace the two share, and the server's restart policy starts it again. (Docker control is tested
+against the same dockerd in test_sidecar_docker.py, down to a mode flip through a real `docker restart`.)
 """
 
 from __future__ import annotations
@@ -217,7 +220,6 @@ class Stack:
         sidecar_port = free_port()
         self.env = {
             **os.environ,
-            "KDTREE_DOCKER_GID": str(os.stat("/var/run/docker.sock").st_gid),
             "KDTREE_ADMIN_TOKEN": TOKEN,
             "KDTREE_MODEL_DIR": str(models),
             "KDTREE_SERVER_CONTAINER": self.server,
@@ -291,8 +293,11 @@ class Stack:
         return s["transitions"][-1]
 
     def container_started_at(self) -> str:
+        return self.inspect("{{.State.StartedAt}}")
+
+    def inspect(self, template: str, container: str | None = None) -> str:
         return subprocess.run(
-            ["docker", "inspect", "-f", "{{.State.StartedAt}}", self.server], capture_output=True, text=True
+            ["docker", "inspect", "-f", template, container or self.server], capture_output=True, text=True
         ).stdout.strip()
 
 
@@ -337,7 +342,8 @@ def test_compose_sidecar_reports_loading_while_the_port_is_closed_then_ready(sta
     assert s["phase"] == "ready" and s["mode"]["current"] == "validate"
     assert sorted(v["record"]["tp_rank"] for v in s["ranks"]) == [0, 1]
     assert {v["record"]["mode"] for v in s["ranks"]} == {"validate"}
-    assert s["log"]["latest_marker"] is not None  # SGLang's startup markers, read from the container log
+    assert s["log"]["latest_marker"] is not None  # SGLang's startup markers, read from the state volume's log
+    assert s["container"]["state"]["name"] == "server process" and s["container"]["state"]["running"]
     # The server container's own healthcheck goes through the sidecar's /ready.
     health = lambda: subprocess.run(  # noqa: E731
         ["docker", "inspect", "-f", "{{.State.Health.Status}}", stack.server], capture_output=True, text=True
@@ -348,11 +354,24 @@ def test_compose_sidecar_reports_loading_while_the_port_is_closed_then_ready(sta
     assert health() == "healthy"
 
 
+def test_compose_sidecar_has_no_docker_socket_and_shares_the_servers_pid_namespace(stack):
+    sidecar = stack.inspect("{{.Name}}", container=stack.inspect("{{.HostConfig.PidMode}}").split(":")[1])
+    assert sidecar.lstrip("/").startswith(stack.project) and "sidecar" in sidecar
+    mounts = stack.inspect("{{range .Mounts}}{{.Destination}} {{end}}", container=sidecar.lstrip("/"))
+    assert "/var/run/docker.sock" not in mounts and "/var/run/kdtree" in mounts
+    # SGLang's output still reaches `docker logs` (the entrypoint tees it into the volume's log as well).
+    logs = subprocess.run(["docker", "logs", stack.server], capture_output=True, text=True)
+    assert "Load weight begin" in logs.stdout + logs.stderr
+
+
 def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
+    # `docker kill` SIGKILLs the server's entrypoint: no exit status is recorded, and the restart policy
+    # leaves a container that was killed by hand down. What an OOM kill of the entrypoint looks like.
     subprocess.run(["docker", "kill", stack.server], check=True, capture_output=True)
     s = stack.wait("the crashed verdict", lambda s: s["phase"] == "crashed", timeout=30)
     assert not s["ready"]
     assert any("exit code 137" in r for r in s["reasons"]), s["reasons"]
+    assert "recorded no exit status" in s["container"]["state"]["error"]
     assert s["log"]["latest_marker"] is not None, s["log"]  # how far the server got before it died
     subprocess.run(["docker", "start", stack.server], check=True, capture_output=True)
     stack.wait("ready after the manual start", lambda s: s["ready"], timeout=90)
@@ -396,11 +415,18 @@ def test_compose_failed_restart_rolls_back_to_validate(stack):
 
 
 def test_compose_crash_at_start_shows_the_traceback(stack):
+    # Without a restart policy, so that the crashed server stays down and its verdict stays observable.
     stack.compose(
-        "up", "-d", "--no-deps", "server", extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start"}
+        "up",
+        "-d",
+        "--no-deps",
+        "server",
+        extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start", "KDTREE_CI_SERVER_RESTART": "no"},
     )
     s = stack.wait(
         "the crashed verdict", lambda s: s["phase"] == "crashed" and s["log"]["crash_excerpt"], timeout=60
     )
     excerpt = "\n".join(s["log"]["crash_excerpt"])
     assert "Traceback (most recent call last)" in excerpt, excerpt
+    assert any("exit code 1" in r for r in s["reasons"]), s["reasons"]
+    assert s["container"]["state"]["exit_code"] == 1

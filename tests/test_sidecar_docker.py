@@ -1,4 +1,4 @@
-"""The sidecar's Docker access (ServerContainer) against a real Docker engine.
+"""The sidecar's Docker control (ServerContainer, KDTREE_SERVER_CONTROL=docker) against a real Docker engine.
 
 Containers run from kdtree-test-base:bookworm, the minimal Debian image .ci/docker.sh builds with
 debootstrap (no registry is needed); the fixture builds it when missing. The last test runs tests/standin_engine.py (a stand-in for SGLang, not
@@ -157,7 +157,9 @@ def test_unreachable_docker_is_a_clear_error(monkeypatch):
 def test_status_of_a_crashed_server_container(run_container, tmp_path):
     c = run_container(["sh", "-c", SGLANG_START + 'echo "RuntimeError: NCCL error" >&2; exit 7'])
     wait_for(lambda: ServerContainer(c.name).inspect().status == "exited")
-    settings = make_settings(tmp_path, free_port(), server_container=c.name, expected_tp_size=1)
+    settings = make_settings(
+        tmp_path, free_port(), server_control="docker", server_container=c.name, expected_tp_size=1
+    )
 
     async def check():
         async with sidecar(settings, timeout=60) as client:
@@ -204,6 +206,7 @@ def test_mode_flip_through_a_real_docker_restart(run_container, tmp_path):
     settings = make_settings(
         state_dir,
         port,
+        server_control="docker",
         server_container=c.name,
         ready_timeout_s=30,
         ready_poll_min_s=0.2,

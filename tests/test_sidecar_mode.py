@@ -1,8 +1,13 @@
 """POST /mode: the gate, the flip, rollback at each failure point, concurrency, auth, persistence.
 
-The server is tests/standin_engine.py, a stand-in for SGLang run as a separate local process; the sidecar
-restarts it through StandinProcess, which has the same inspect/logs/restart methods as the Docker-backed
-ServerContainer (that one is tested against a real dockerd in test_sidecar_docker.py).
+The server is tests/standin_engine.py, a stand-in for SGLang (NOT SGLang: it keeps SGLang's startup and
+HTTP contract and writes the per-rank records) run as a separate local process. Every test that uses it
+runs twice, once per server control:
+- standin: the sidecar restarts it through StandinProcess, which has the same inspect/logs/restart methods
+  as the Docker-backed ServerContainer (that one is tested against a real dockerd in test_sidecar_docker.py);
+- process: it runs under the server entrypoint's real supervisor behind a stand-in orchestrator that
+  restarts it like a restart policy, and the sidecar sees and restarts it through its process control
+  (sidecar/process_control.py, reading the state file and log the supervisor writes; tests/process_harness.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 
 import httpx
 import pytest
+from process_harness import SupervisedStandin
 from sidecar_harness import AUTH, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
@@ -25,10 +31,15 @@ from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def engine(engine):
-    """Stand-in engines that report two ranks with a fast heartbeat."""
-    return lambda *args, **kw: engine("--tp-size", "2", "--heartbeat-s", "0.2", *args, **kw)
+@pytest.fixture(params=["standin", "process"])
+def engine(request, engine, supervised):
+    """Stand-in engines that report two ranks with a fast heartbeat, under either server control."""
+    start = engine if request.param == "standin" else supervised
+    return lambda *args, **kw: start("--tp-size", "2", "--heartbeat-s", "0.2", *args, **kw)
+
+
+def process_controlled(proc) -> bool:
+    return isinstance(proc, SupervisedStandin)
 
 
 async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:
@@ -185,7 +196,8 @@ async def test_validate_needs_the_server_up_and_off_never_does(engine, tmp_path)
 
 async def test_without_a_server_container_nothing_is_flipped(engine, tmp_path):
     proc = engine()
-    async with sidecar(make_settings(tmp_path, proc.port), server=None) as c:
+    settings = make_settings(tmp_path, proc.port, server_control="docker")  # and no KDTREE_SERVER_CONTAINER
+    async with sidecar(settings, server=None) as c:
         r = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
         again = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
     assert r.status_code == 503 and "KDTREE_SERVER_CONTAINER" in r.json()["error"]
@@ -254,6 +266,8 @@ async def test_each_failure_rolls_back(engine, tmp_path, case, args, overrides, 
     proc = engine(*args)
     if case == "restart fails":
         proc.restart_failures = 1
+        if process_controlled(proc):  # the orchestrator did not start the stopped server in time
+            failure = "restart failed: the server was stopped but did not start again within"
     async with sidecar(make_settings(tmp_path, proc.port, **overrides), server=proc) as c:
         r = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
         assert r.status_code == 202
@@ -276,6 +290,7 @@ async def test_a_failed_rollback_is_reported(engine, tmp_path):
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
         assert (await c.post("/mode", json={"mode": "validate"}, headers=AUTH)).status_code == 202
         t = await settle(c)
+        await wait_ready(c)  # process control: the orchestrator starts the server again, late
         assert (
             await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
         ).status_code == 202  # not stuck
@@ -374,6 +389,8 @@ def test_server_logs_stay_readable_while_it_restarts(engine):
     caught the stand-in between naming its next log file and creating it). Docker's logs of a restarting
     container never fail for a missing file, so neither may the stand-in's."""
     proc = engine(wait=False)
+    if process_controlled(proc):
+        proc.wait_port()  # its log and state file exist from its first start on; before it, nothing does
     errors: list[Exception] = []
     done = threading.Event()
 
@@ -387,7 +404,7 @@ def test_server_logs_stay_readable_while_it_restarts(engine):
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for _ in range(20):
+        for _ in range(5 if process_controlled(proc) else 20):
             proc.restart(5)
     finally:
         done.set()

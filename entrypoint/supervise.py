@@ -1,0 +1,473 @@
+"""The server as a supervised child: its output teed into a size-capped log, its life in a state file.
+
+The launcher (entrypoint.launch) checks the configuration, then runs SGLang as its child through a
+Supervisor instead of exec'ing it, so that the sidecar can follow and restart the server without the
+Docker socket (KDTREE_SERVER_CONTROL=process, sidecar/process_control.py):
+
+- output: each chunk the server writes goes straight on to the launcher's own stdout or stderr (what
+  `docker logs` and `kubectl logs` show is unchanged), and line by line into KDTREE_STATE_DIR/server.log,
+  which moves to server.log.1 when the next line would take it past KDTREE_SERVER_LOG_MAX_BYTES (so at most
+  twice that on disk). Each start opens its part of the file with a START_MARK line (the file only).
+- state: KDTREE_STATE_DIR/server-process.json, replaced atomically, holds the launcher's pid, pid
+  namespace and kernel start time, the server's pid, the number of starts seen on this volume, and once the
+  server has ended its exit status. It is written before the launcher reads the mode file, so a sidecar that
+  restarts the server after writing the mode file never mistakes an older start for the new one. A pid that
+  is gone while the file records no exit status was killed with SIGKILL (an OOM kill looks like that).
+- signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 are passed on to the server, which runs in
+  its own process group (a terminal's Ctrl-C reaches it once, through the launcher) with PDEATHSIG=SIGKILL
+  (it never outlives the launcher). A stop signal that arrives before the server has started ends the
+  launcher at once. The launcher exits with the server's status, 128+N when signal N killed it, after
+  the last line has been copied (whatever the server's own children left is killed with its group).
+
+`python -m entrypoint.supervise COMMAND [ARG...]` runs any command this way, without the launcher's checks:
+the CPU stand-in stack in CI runs the stand-in engine through it, so that its log and state file come
+from this code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kdtree.status import own_pid_ns
+
+LOG_FILE = "server.log"
+PROCESS_FILE = "server-process.json"
+DEFAULT_LOG_MAX_BYTES = 10 * 1024 * 1024
+MIN_LOG_MAX_BYTES = 64 * 1024
+MAX_LOG_LINE = 64 * 1024  # a longer run of output without a newline is written as several lines
+START_MARK = "kdtree launcher: server start"  # "... #3 at 2026-01-01T00:00:00.000Z (t=1767225600.000), pid 7"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+FORWARDED = (*STOP_SIGNALS, signal.SIGUSR1, signal.SIGUSR2)
+READER_DRAIN_S = 5.0  # after the server exits: how long its output may still take to arrive
+EXIT_USAGE = 2
+
+
+class SupervisorSettings(BaseSettings):
+    """Where the state file and the log go, and the log's cap (KDTREE_SERVER_LOG_MAX_BYTES=0: no log file)."""
+
+    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
+
+    state_dir: str = "/var/run/kdtree"
+    server_log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+
+    @field_validator("server_log_max_bytes")
+    @classmethod
+    def _cap(cls, v: int) -> int:
+        if v != 0 and not MIN_LOG_MAX_BYTES <= v <= 2**40:
+            raise ValueError(f"must be 0 (no log file) or between {MIN_LOG_MAX_BYTES} and 2**40 bytes")
+        return v
+
+
+class ServerProcessRecord(BaseModel):
+    """KDTREE_STATE_DIR/server-process.json: one start of the server, as the launcher saw it."""
+
+    schema_version: int = 1
+    pid: int  # the launcher: the container's main process, the one to signal
+    pid_ns: str = ""  # /proc/self/ns/pid of the launcher: its pids mean something only in that namespace
+    pid_start_ticks: int | None = None  # /proc/<pid>/stat starttime: tells a reused pid apart
+    server_pid: int | None = None  # the server (sglang.launch_server), leader of its own process group
+    server_start_ticks: int | None = None
+    hostname: str = ""
+    starts: int = Field(1, ge=1)  # launcher starts seen on this state volume, this one included
+    started_at: float
+    exited_at: float | None = None
+    exit_code: int | None = None  # the launcher's exit status: the server's, or 128+N when signal N killed it
+    signal: str | None = None  # the signal that killed the server, e.g. SIGKILL
+    stop_signal: str | None = None  # the first stop signal the launcher received (and passed on)
+
+
+def process_path(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir) / PROCESS_FILE
+
+
+def log_path(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir) / LOG_FILE
+
+
+def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | None:
+    """The latest start's record; None when no server has started on this volume. Raises ValueError
+    (with the path) when the file cannot be parsed."""
+    path = process_path(state_dir)
+    try:
+        with path.open("rb") as f:
+            data = f.read(64 * 1024)
+    except FileNotFoundError:
+        return None
+    try:
+        return ServerProcessRecord.model_validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"{path} is unreadable: {e.errors()[0]['msg']}") from None
+
+
+def write_process_record(state_dir: str | os.PathLike, record: ServerProcessRecord) -> Path:
+    """Atomically replace the record (a reader never sees half of one)."""
+    path = process_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(record.model_dump_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a pid in our namespace; None when gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return fields[0].decode(), int(fields[19])
+
+
+def pid_alive(pid: int, start_ticks: int | None) -> bool:
+    """The process is there, not a zombie, and (when start_ticks is known) the same one as recorded."""
+    stat = proc_stat(pid)
+    if stat is None:
+        if Path("/proc/self/stat").exists():
+            return False
+        try:  # no procfs: a plain existence check
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    state, ticks = stat
+    if state in ("Z", "X"):
+        return False
+    return start_ticks is None or ticks == start_ticks
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def start_mark(starts: int, started_at: float, pid: int) -> str:
+    stamp = datetime.fromtimestamp(started_at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return f"{START_MARK} #{starts} at {stamp} (t={started_at:.3f}), pid {pid}"
+
+
+class RotatingLog:
+    """Lines appended to one file that moves to `<file>.1` when the next line would pass max_bytes.
+
+    Written by one process (the launcher; its reader threads share it under a lock). A write that fails
+    (disk full, volume gone) turns the file off with one warning: the server keeps running."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.size = 0
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._open()
+        except OSError as e:
+            self._fail(e)
+
+    def _open(self) -> None:
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self.size = os.fstat(self.fd).st_size
+
+    def _fail(self, e: OSError) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = None
+        print(f"kdtree launcher: warning: not writing {self.path} any more: {e}", file=sys.stderr, flush=True)
+
+    def write_line(self, line: bytes) -> None:
+        """One line, newline included."""
+        with self.lock:
+            if self.fd is None:
+                return
+            try:
+                if self.size and self.size + len(line) > self.max_bytes:
+                    os.close(self.fd)
+                    self.fd = None
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                    self._open()
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self.fd, view) :]
+                self.size += len(line)
+            except OSError as e:
+                self._fail(e)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+
+class StopRequested(Exception):
+    """A stop signal arrived before the server was started."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+def _die_with_parent():
+    """preexec_fn for the server: SIGKILL when the launcher dies (Linux prctl), exit if it already has."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, before the fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class Supervisor:
+    """One start of the server: its state record, its log file, the child, and the signals.
+
+    begin() records the start, then takes over the signals (from then on a stop signal raises StopRequested
+    until the server runs, and is passed on to it after); run() starts the command and returns its exit
+    status once it has ended and been recorded; finish() records an end without a server (a refused
+    configuration), stopped() one by a stop signal before the start. After each, the old handlers are back."""
+
+    def __init__(self, state_dir: str | os.PathLike, log_max_bytes: int):
+        self.state_dir = Path(state_dir)
+        self.log = RotatingLog(log_path(state_dir), log_max_bytes) if log_max_bytes else None
+        self.child: subprocess.Popen | None = None
+        self._phase = "before"  # before -> spawning -> running -> done
+        self._pending: list[int] = []
+        self._saved: dict[int, object] = {}
+        self.record: ServerProcessRecord | None = None
+
+    def begin(self) -> Supervisor:
+        self._record_start()
+        self._take_signals()
+        return self
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    def _record_start(self) -> None:
+        try:
+            previous = read_process_record(self.state_dir)
+        except ValueError:
+            previous = None
+        pid = os.getpid()
+        stat = proc_stat(pid)
+        self.record = ServerProcessRecord(
+            pid=pid,
+            pid_ns=own_pid_ns(),
+            pid_start_ticks=stat[1] if stat else None,
+            hostname=socket.gethostname(),
+            starts=(previous.starts + 1) if previous else 1,
+            started_at=time.time(),
+        )
+        self._save()
+        self.log_line(start_mark(self.record.starts, self.record.started_at, pid))
+
+    def _save(self) -> None:
+        try:
+            write_process_record(self.state_dir, self.record)
+        except OSError as e:
+            print(
+                f"kdtree launcher: warning: cannot write {process_path(self.state_dir)}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def log_line(self, text: str) -> None:
+        """A line of the launcher's own into the log file (not to stdout/stderr)."""
+        if self.log is not None:
+            self.log.write_line(text.encode(errors="replace") + b"\n")
+
+    # ---- signals ---------------------------------------------------------------------------------
+
+    def _take_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers (tests calling in from elsewhere)
+        for sig in FORWARDED:
+            self._saved[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if signum in STOP_SIGNALS and self.record and self.record.stop_signal is None:
+            self.record.stop_signal = signal_name(signum)
+        if self._phase == "before":
+            if signum in STOP_SIGNALS:
+                raise StopRequested(signum)
+        elif self._phase == "spawning":
+            self._pending.append(signum)
+        elif self._phase == "running":
+            try:
+                os.kill(self.child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    # ---- the server ------------------------------------------------------------------------------
+
+    def run(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        env = {**env}
+        env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe makes Python block-buffer; the log must keep up
+        self._phase = "spawning"
+        try:
+            self.child = subprocess.Popen(
+                list(argv),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                process_group=0,
+                preexec_fn=_die_with_parent(),
+            )
+        except OSError as e:
+            self._phase = "before"
+            print(f"kdtree launcher: error: cannot start {argv[0]}: {e}", file=sys.stderr, flush=True)
+            self.log_line(f"kdtree launcher: error: cannot start {argv[0]}: {e}")
+            return self.finish(127)
+        pid = self.child.pid
+        stat = proc_stat(pid)
+        self.record.server_pid, self.record.server_start_ticks = pid, (stat[1] if stat else None)
+        self._save()
+        pumps = [
+            threading.Thread(target=self._pump, args=(self.child.stdout, 1), daemon=True),
+            threading.Thread(target=self._pump, args=(self.child.stderr, 2), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        self._phase = "running"
+        for signum in self._pending:  # arrived while the process was being created
+            os.kill(pid, signum)
+        self._pending.clear()
+
+        # Wait without reaping, so the pid (the process group's id) cannot be reused while the group's
+        # leftovers are killed: the server's own children must not outlive it, holding GPUs and our pipes.
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        self._phase = "done"  # from here on the pid may be reused: no more signals to it
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        rc = self.child.wait()
+        deadline = time.monotonic() + READER_DRAIN_S
+        for t in pumps:  # the rest of the output (a pipe keeps what was written before its writer died)
+            t.join(max(0.0, deadline - time.monotonic()))
+        if rc < 0:
+            self.record.signal = signal_name(-rc)
+            line = f"kdtree launcher: the server was killed by {self.record.signal} (exit status {128 - rc})"
+            code = 128 - rc
+        else:
+            line = f"kdtree launcher: the server exited with status {rc}"
+            code = rc
+        print(line, file=sys.stderr, flush=True)
+        self.log_line(line)
+        return self.finish(code)
+
+    def _pump(self, pipe, out_fd: int) -> None:
+        """Copy the server's stream to ours as it comes, and into the log file line by line."""
+        fd = pipe.fileno()
+        passthrough = True
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            if passthrough:
+                try:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(out_fd, view) :]
+                except OSError:
+                    passthrough = False  # nobody reads our output any more; the log file still does
+            if self.log is None:
+                continue
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self.log.write_line(line + b"\n")
+            while len(pending) > MAX_LOG_LINE:
+                self.log.write_line(pending[:MAX_LOG_LINE] + b"\n")
+                pending = pending[MAX_LOG_LINE:]
+        if pending and self.log is not None:
+            self.log.write_line(pending + b"\n")
+        pipe.close()
+
+    def finish(self, exit_code: int) -> int:
+        """Record the end of this start; returns exit_code."""
+        self._phase = "done"
+        self.record.exited_at = time.time()
+        self.record.exit_code = exit_code
+        self._save()
+        if self.log is not None:
+            self.log.close()
+        self._restore_signals()
+        return exit_code
+
+    def stopped(self, e: StopRequested) -> int:
+        """The launcher was asked to stop before the server started: exit as that signal would."""
+        line = f"kdtree launcher: stopped by {signal_name(e.signum)} before the server started"
+        print(line, file=sys.stderr, flush=True)
+        self.log_line(line)
+        return self.finish(128 + e.signum)
+
+
+def load_supervisor_settings() -> SupervisorSettings:
+    try:
+        return SupervisorSettings()
+    except ValidationError as e:
+        err = e.errors()[0]
+        var = "KDTREE_" + str(err["loc"][0]).upper()
+        raise ValueError(
+            f"{var}={err.get('input')!r} is invalid: {err['msg'].removeprefix('Value error, ')}"
+        ) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m entrypoint.supervise COMMAND [ARG...]", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        settings = load_supervisor_settings()
+    except ValueError as e:
+        print(f"kdtree supervisor: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    sup = Supervisor(settings.state_dir, settings.server_log_max_bytes).begin()
+    try:
+        return sup.run(argv, os.environ)
+    except StopRequested as e:
+        return sup.stopped(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
