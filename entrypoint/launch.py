@@ -35,6 +35,13 @@ from kdtree.config import ConfigError, Mode, load_settings
 from kdtree.control import mode_path, read_desired_mode
 
 EXIT_CONFIG = 2
+USAGE = """usage: python -m entrypoint.launch SGLANG_LAUNCH_SERVER_ARGUMENTS...
+
+Checks the configuration (verify mode, GPUs against --tp-size, the kernel library's architectures, the
+model path, the attention backend, the speculative-decoding arguments), prints it once, then runs
+`python -m sglang.launch_server` with the same arguments and supervises it (its output also goes to
+KDTREE_STATE_DIR/server.log; its pid and exit status to KDTREE_STATE_DIR/server-process.json).
+A failed check exits 2 with one line naming the problem and the fix. Settings: the README's tables."""
 # kdtree overrides the verify call of SGLang's Triton attention backend; no other backend reaches it.
 VERIFY_BACKEND = "triton"
 # Speculative algorithms that always draft with a separate model (SGLang 0.5.23). EAGLE and NEXTN may instead
@@ -48,7 +55,7 @@ class LauncherSettings(SupervisorSettings):
     """The launcher's own knobs (KDTREE_VERIFY is kdtree.config's); KDTREE_STATE_DIR and
     KDTREE_SERVER_LOG_MAX_BYTES (the server log's cap, 0: no log file) come from SupervisorSettings."""
 
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
 
     allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
 
@@ -79,7 +86,10 @@ class Plan:
 
 def visible_gpus() -> list[Gpu]:
     """The GPUs this process may use (CUDA_VISIBLE_DEVICES applies), from torch."""
-    import torch  # the server image's torch; imported only here so CPU tests stay light
+    try:
+        import torch  # the server image's torch; imported only here so CPU tests stay light
+    except ImportError as e:
+        raise LaunchError(f"torch does not import here ({e})", "run the launcher in the server image") from None
 
     count = torch.cuda.device_count()
     return [Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(count)]
@@ -292,6 +302,12 @@ def plan(
             "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count) "
             "or lower --tp-size (KDTREE_TP_SIZE) to match",
         )
+    if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
+        raise LaunchError(
+            f"{len(found)} GPUs are visible and --tp-size {args.tp_size} uses {per_node}",
+            f"reserve {per_node} (compose.yaml: `count:` under the server's deploy.resources.reservations."
+            f"devices; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
+        )
 
     have = archs()
     if mode is not Mode.OFF:
@@ -332,6 +348,9 @@ def main(
 ) -> int:
     """Check, then serve: returns the server's exit status (serve is replaced by a double in tests)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):  # usage, without touching the GPU, torch or the state volume
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else EXIT_CONFIG
     # Recorded before the mode file is read: see entrypoint.supervise.
     sup = _supervisor().begin()
     try:

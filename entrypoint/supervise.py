@@ -59,7 +59,7 @@ EXIT_USAGE = 2
 class SupervisorSettings(BaseSettings):
     """Where the state file and the log go, and the log's cap (KDTREE_SERVER_LOG_MAX_BYTES=0: no log file)."""
 
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
 
     state_dir: str = "/var/run/kdtree"
     server_log_max_bytes: int = DEFAULT_LOG_MAX_BYTES

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 
 class VerifySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
 
     verify: Mode = Mode.OFF
     validate_rtol: float = Field(

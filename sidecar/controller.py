@@ -350,8 +350,9 @@ class Controller:
         if method == "restart" and self.server is None:
             return 503, {
                 **body,
-                "error": "this change needs a server restart and the sidecar cannot restart the server: set "
-                "KDTREE_SERVER_CONTAINER and mount the Docker socket",
+                "error": "this change needs a server restart and the sidecar has no server control: with "
+                "KDTREE_SERVER_CONTROL=docker, set KDTREE_SERVER_CONTAINER and mount the Docker socket "
+                "(or use KDTREE_SERVER_CONTROL=process)",
             }
         t = Transition(
             from_mode=current,

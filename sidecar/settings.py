@@ -11,7 +11,9 @@ from kdtree.config import ConfigError, Mode
 
 
 class SidecarSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(
+        env_prefix="KDTREE_", extra="ignore", populate_by_name=True, env_ignore_empty=True
+    )
 
     # Where the sidecar itself listens.
     sidecar_host: str = "0.0.0.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from entrypoint import launch
-from entrypoint.launch import EXIT_CONFIG, Gpu
+from entrypoint.launch import EXIT_CONFIG, Gpu, LaunchError, main
 from kdtree.control import write_desired_mode
 
 H200 = Gpu(0, "NVIDIA H200", (9, 0))
@@ -94,7 +94,7 @@ def test_invalid_kdtree_verify(model, monkeypatch, capsys):
 def test_invalid_mode_file(model, env, capsys):
     (env / "mode").write_text("maybe\n")
     assert run(args(model))[0] == EXIT_CONFIG
-    assert "holds 'maybe': expected one of off, validate, on; fix or delete the file" in error_line(capsys)
+    assert "holds 'maybe': expected one of off, validate, on, standby; fix or delete the file" in error_line(capsys)
 
 
 def test_invalid_launcher_setting(model, monkeypatch, capsys):
@@ -109,6 +109,13 @@ def test_tp_size_above_visible_gpus(model, capsys):
     line = error_line(capsys)
     assert "; fix: " in line
     assert "--tp-size 8 needs 8 GPUs on this node, 2 visible" in line and "KDTREE_TP_SIZE" in line
+
+
+def test_more_gpus_visible_than_tp_size_names_both_settings(model, capsys):
+    assert run(args(model, "--tp-size", "1"), n_gpus=8)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "8 GPUs are visible and --tp-size 1 uses 1" in line
+    assert "`count:`" in line and "KDTREE_TP_SIZE=8" in line
 
 
 def test_tensor_parallel_alias_and_equals_form(model, capsys):
@@ -293,3 +300,29 @@ def test_cuobjdump_fallback_parses_elf_listing(monkeypatch, tmp_path):
         launch.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": listing, "returncode": 0})()
     )
     assert launch._cuobjdump_archs() == [90, 120]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"]])
+def test_help_prints_usage_and_touches_nothing(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KDTREE_STATE_DIR", str(tmp_path / "help-state"))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m entrypoint.launch") and "exits 2" in out
+    assert not (tmp_path / "help-state").exists()  # no state file, no log: it started nothing
+
+
+def test_no_torch_is_one_line(model, capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_torch(name, *a, **kw):
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    from entrypoint.launch import visible_gpus
+
+    with pytest.raises(LaunchError, match="torch does not import here.*run the launcher in the server image"):
+        visible_gpus()

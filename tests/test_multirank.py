@@ -167,7 +167,13 @@ async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_roll
     http = StandinProcess(free_port(), str(tmp_path / "http"), []).start()
     http.wait_port()
     settings = make_settings(
-        state, http.port, expected_tp_size=TP, heartbeat_stale_s=60, live_flip_timeout_s=3, bake_probes=2
+        state,
+        http.port,
+        expected_tp_size=TP,
+        heartbeat_stale_s=60,
+        live_flip_timeout_s=3,
+        bake_probes=2,
+        server_control="docker",  # with no container named: the sidecar has no server control at all
     )
 
     async def settle(c):

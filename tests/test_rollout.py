@@ -100,11 +100,13 @@ def test_a_refused_gate_stops_the_rollout_and_leaves_the_flipped_replicas(replic
     assert r.returncode == 1, (r.stdout, r.stderr)
     rows = table(r.stdout)
     assert [rows[url][2] for url, _, _ in stacks] == ["succeeded", "refused", "skipped"]
-    assert "gate failed: min_calls_compared=10 (threshold 100)" in " ".join(rows[stacks[1][0]])
+    # 10 compared calls, plus those of the sidecar's own probes: still below the gate's 100.
+    got = re.search(r"gate failed: min_calls_compared=(\d+) \(threshold 100\)", " ".join(rows[stacks[1][0]]))
+    assert got and 10 <= int(got[1]) < 100, rows[stacks[1][0]]
     assert "not attempted: the rollout stopped at " + stacks[1][0] in " ".join(rows[stacks[2][0]])
     assert f"rollout to on stopped at {stacks[1][0]} (refused); left in mode on: {stacks[0][0]}" in r.stderr
     assert [read_desired_mode(state) for _, _, state in stacks] == [Mode.ON, Mode.VALIDATE, Mode.VALIDATE]
-    assert [proc.starts for _, proc, _ in stacks] == [2, 1, 1]
+    assert [proc.starts for _, proc, _ in stacks] == [1, 1, 1]  # validate -> on is a live switch: no restart
 
 
 def test_a_failed_bake_stops_the_rollout_and_rollback_on_failure_flips_back(replicas):
@@ -119,7 +121,7 @@ def test_a_failed_bake_stops_the_rollout_and_rollback_on_failure_flips_back(repl
     assert any(line.startswith(f"[revert] {stacks[0][0]}") for line in r.stdout.splitlines())
     assert "no replica was left flipped" in r.stderr
     assert [read_desired_mode(state) for _, _, state in stacks] == [Mode.VALIDATE] * 3
-    assert [proc.starts for _, proc, _ in stacks] == [3, 3, 1]  # there and back; there and rolled back
+    assert [proc.starts for _, proc, _ in stacks] == [1, 1, 1]  # there and back, live; there and rolled back, live
     forced = [e for e in Store(stacks[0][2], 50).audit_tail(100) if e["event"] == "FORCED"]
     assert forced and forced[0]["to_mode"] == "validate"  # the way back skips the gate, loudly
 

@@ -458,7 +458,8 @@ async def test_restart_true_takes_the_restart_path_between_live_modes(engine, tm
 async def test_a_live_flip_works_without_server_control(engine, tmp_path):
     """Only a restart needs the server container: a live switch goes through the mode file and the records."""
     proc = engine(mode=Mode.VALIDATE)
-    async with sidecar(make_settings(tmp_path, proc.port), server=None) as c:
+    settings = make_settings(tmp_path, proc.port, server_control="docker")  # and no container named: none
+    async with sidecar(settings, server=None) as c:
         await wait_ready(c)
         live = await c.post("/mode", json={"mode": "standby"}, headers=AUTH)
         assert live.status_code == 202
