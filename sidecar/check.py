@@ -12,17 +12,24 @@ Output: progress and a table on the terminal, report.json and report.md in --out
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import json
+import os
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from kdtree.config import Mode
+
+from .client import SidecarClient, Unreachable, criterion_line, short
+
+OK, FAILED, USAGE = 0, 1, 2
 
 # ---- the built-in prompt set (no download): short instructions, mid-size tasks, and one long document -------
 
@@ -310,20 +317,274 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-__all__ = [
-    "BUILTIN_PROMPTS",
-    "Completion",
-    "Level",
-    "Mode",
-    "asdict",
-    "compare_outputs",
-    "first_divergence",
-    "level_row",
-    "markdown",
-    "now_iso",
-    "prompts",
-    "rank_counts",
-    "run_level",
-    "verify_evidence",
-    "write_report",
-]
+# ---- the command ---------------------------------------------------------------------------------------------
+
+CHECK_HELP = """\
+Prove on this stack, in one command and one report, that tree verify runs through kdtree, whether `on` changes
+what the model says, and what it gains.
+
+1. Preflight: the sidecar's /status must be ready with every rank installed (else exit 2, one line).
+2. Load: the built-in prompts (mixed lengths, one of thousands of tokens; nothing is downloaded) as greedy
+   completions at each --concurrency level, asking SGLang for token ids and speculative-decoding details:
+   tokens/s, p50/p99 latency, accept length.
+3. Evidence: the rank records before and after each load; every rank must show verify calls that kdtree
+   served (on) or compared (validate). None: the check fails and names the fallback reasons that grew.
+4. --flip: the load in the current mode, a gated flip to on (as `kdtreectl mode on`), the same load again,
+   and the greedy completions compared token by token (identical ones, and where each other one first
+   differs); tokens/s and latency ratios, the parity statistics, the flip's method and duration; then back to
+   the starting mode unless --stay.
+Output: progress and a table here; report.json and report.md in --out.
+Exit codes: 0 everything checked holds, 1 a check failed (the reason in one line), 2 bad input or a stack
+that is not reachable or not ready.
+"""
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected concurrency levels like 1,8") from None
+    if not levels or min(levels) < 1 or max(levels) > 256:
+        raise argparse.ArgumentTypeError(f"{text!r}: levels from 1 to 256, e.g. 1,8")
+    return levels
+
+
+def _bounded(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not in {lo}..{hi}")
+        return value
+
+    return parse
+
+
+def add_parser(sub, formatter) -> None:
+    c = sub.add_parser(
+        "check", help="prove kdtree serves on this stack, and what on changes", description=CHECK_HELP,
+        formatter_class=formatter,
+    )  # fmt: skip
+    c.add_argument(
+        "--server-url",
+        default=os.environ.get("KDTREE_SERVER_URL", "http://127.0.0.1:30000"),
+        help="the SGLang server's base URL (env KDTREE_SERVER_URL)",
+    )
+    c.add_argument(
+        "--flip", action="store_true", help="also flip to on, run the load again and compare outputs"
+    )
+    c.add_argument("--stay", action="store_true", help="with --flip: stay in on afterwards")
+    c.add_argument("--concurrency", type=_levels, default=[1, 8], help="concurrency levels, e.g. 1,8")
+    c.add_argument(
+        "--prompts", type=_bounded(1, 1000), default=len(BUILTIN_PROMPTS), help="prompts per level"
+    )
+    c.add_argument("--max-tokens", type=_bounded(2, 4096), default=128, help="tokens per completion")
+    c.add_argument("--out", default="kdtree-check", help="folder for report.json and report.md")
+    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds one completion may take")
+    c.add_argument("--timeout", type=float, default=3900.0, help="seconds the flip may take")
+    c.add_argument("--interval", type=float, default=2.0, help="seconds between polls of the flip")
+    c.set_defaults(func=cmd_check)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _fail_line(message: str, code: int) -> int:
+    print(f"kdtreectl check: {message}", file=sys.stderr)
+    return code
+
+
+def _preflight(st: dict) -> str | None:
+    """Why the stack cannot be checked now, or None."""
+    if not st.get("ready"):
+        return f"the stack is not ready (phase {st.get('phase')}): " + "; ".join(st.get("reasons") or ["?"])
+    if st.get("active_transition"):
+        return "a mode transition is running; run the check when it has finished"
+    ranks = rank_counts(st)
+    missing = [r for r in range(int(st.get("expected_tp_size") or 0)) if r not in ranks]
+    bad = [r for r, c in ranks.items() if c["stale"] or (c["mode"] != "off" and not c["installed"])]
+    if missing or bad:
+        return f"ranks missing {missing} or stale / not installed {bad}: see kdtreectl status"
+    if (st.get("mode") or {}).get("current") == "off":
+        return "the server runs in off: kdtree is not installed; switch to validate first (kdtreectl mode validate)"
+    return None
+
+
+async def _load(
+    args, model: str, texts: list[str], mode: str, side: SidecarClient
+) -> tuple[list[Level], list[dict]]:
+    """Every level once, with the rank records read before and after each."""
+    levels, evidence = [], []
+    limits = httpx.Limits(max_connections=max(args.concurrency))
+    async with httpx.AsyncClient(
+        base_url=args.server_url, timeout=args.request_timeout, limits=limits
+    ) as http:
+        for c in args.concurrency:
+            before = rank_counts(side.status())
+            say(f"[{mode}] concurrency {c}: {len(texts)} completions of up to {args.max_tokens} tokens ...")
+            level = await run_level(http, model, texts, c, args.max_tokens)
+            after = rank_counts(side.status())
+            rows = verify_evidence(before, after, len(after))
+            levels.append(level)
+            evidence.append({"concurrency": c, "ranks": rows})
+            say(
+                f"[{mode}] concurrency {c}: {level.tokens_per_s:.1f} tokens/s, p50 {level.p50_s or 0:.2f}s, "
+                f"p99 {level.p99_s or 0:.2f}s, accept length {level.accept_length or 0:.2f}, "
+                f"{level.failed} failed; kdtree served {sum(r['served'] for r in rows)}, "
+                f"compared {sum(r['compared'] for r in rows)} verify calls over {len(rows)} ranks"
+            )
+    return levels, evidence
+
+
+def _model(args) -> str:
+    try:
+        body = httpx.get(f"{args.server_url.rstrip('/')}/v1/models", timeout=args.http_timeout).json()
+        return str(body["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise Unreachable(f"GET {args.server_url}/v1/models gave no model: {short(e, 200)}") from None
+
+
+def _accept_from_server(args) -> float | None:
+    """SGLang's average accept length (/server_info internal_states), where responses carried none."""
+    try:
+        states = httpx.get(f"{args.server_url.rstrip('/')}/server_info", timeout=args.http_timeout).json()
+        values = [s.get("avg_spec_accept_length") for s in states.get("internal_states") or []]
+        values = [v for v in values if isinstance(v, int | float) and v > 0]
+        return statistics.fmean(values) if values else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
+def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
+    """POST /mode (gated) and follow it; the transition, or None with report['failure'] set."""
+    code, body = side.post_mode(mode, reason="kdtreectl check")
+    for c in body.get("criteria") or []:
+        say("  " + criterion_line(c))
+    if code == 200 and body.get("changed") is False:
+        return {"outcome": "succeeded", "method": "none", "duration_s": 0.0, "to_mode": mode}
+    if code != 202:
+        failed = [c["name"] for c in body.get("criteria") or [] if not c.get("passed")]
+        why = f"the gate refused the flip to {mode} ({', '.join(failed)})" if code == 412 else None
+        report["failure"] = (
+            why
+            or f"POST /mode {mode} answered {code}: {short(body.get('error') or body.get('detail') or body, 200)}"
+        )
+        return None
+    say(f"flip to {mode} accepted ({body.get('method')}); following it ...")
+    t = side.follow(body["transition"]["id"], args.timeout, args.interval)
+    if t is None:
+        report["failure"] = f"the flip to {mode} did not finish within {args.timeout:g}s"
+        return None
+    say(f"flip to {mode}: {t.get('outcome')} ({t.get('method')}, {t.get('duration_s') or 0:.1f}s)")
+    if t.get("outcome") != "succeeded":
+        report["failure"] = f"the flip to {mode} {t.get('outcome')}: {short(t.get('failure'), 200)}"
+    return t
+
+
+def _evidence_failure(mode: str, evidence: list[dict]) -> str | None:
+    for level in evidence:
+        for r in level["ranks"]:
+            if not r["ok"]:
+                grew = ", ".join(f"{k} +{v}" for k, v in r["fallbacks_grew"].items())
+                why = r.get("problem") or (
+                    f"fallbacks grew instead: {grew}" if grew
+                    else "no fallback either: did any target-verify call reach the override? (speculative "
+                    "decoding on, --attention-backend triton)"
+                )  # fmt: skip
+                return (
+                    f"in {mode}, rank {r['rank']} shows no verify call served or compared by kdtree ({why})"
+                )
+    return None
+
+
+def cmd_check(args) -> int:
+    out = Path(args.out)
+    texts = prompts(args.prompts)
+    report: dict = {
+        "started": now_iso(),
+        "sidecar_url": args.url,
+        "server_url": args.server_url,
+        "prompts": len(texts),
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "levels": [],
+        "evidence": {},
+        "failure": None,
+    }
+    try:
+        with SidecarClient(args.url, args.token, args.http_timeout) as side:
+            st = side.status()
+            not_ready = _preflight(st)
+            if not_ready:
+                return _fail_line(not_ready, USAGE)
+            start_mode = st["mode"]["current"]
+            report["model"] = model = _model(args)
+            say(
+                f"stack ready in mode {start_mode}; model {model}; {len(texts)} prompts, levels {args.concurrency}"
+            )
+            runs = {start_mode: asyncio.run(_load(args, model, texts, start_mode, side))}
+            if args.flip and start_mode != Mode.ON and report["failure"] is None:
+                flip: dict = {"from_mode": start_mode}
+                report["flip"] = flip
+                t = _flip(side, args, Mode.ON.value, report)
+                flip["transition"] = t
+                if t is not None and t.get("outcome") == "succeeded":
+                    runs["on"] = asyncio.run(_load(args, model, texts, "on", side))
+                    flip["parity"] = {r: c["parity"] for r, c in rank_counts(side.status()).items()}
+                    _compare(flip, runs[start_mode][0], runs["on"][0])
+                    if not args.stay:
+                        back = _flip(side, args, start_mode, {})
+                        flip["returned"] = back.get("outcome") if back else "failed"
+                        if not back or back.get("outcome") != "succeeded":
+                            report["failure"] = (
+                                report["failure"] or f"the flip back to {start_mode} did not succeed"
+                            )
+    except Unreachable as e:
+        write_report(out, report)
+        return _fail_line(str(e), USAGE)
+    accept = _accept_from_server(args)
+    for mode, (levels, evidence) in runs.items():
+        report["evidence"][mode] = [
+            r | {"concurrency": e["concurrency"]} for e in evidence for r in e["ranks"]
+        ]
+        for level in levels:
+            row = level_row(mode, level)
+            row["accept_length"] = row["accept_length"] if row["accept_length"] is not None else accept
+            report["levels"].append(row)
+        report["failure"] = report["failure"] or _evidence_failure(mode, evidence)
+        failed = sum(level.failed for level in levels)
+        if failed and not report["failure"]:
+            report["failure"] = f"{failed} completion(s) failed in {mode}"
+    report["passed"] = report["failure"] is None
+    write_report(out, report)
+    say("")
+    say(markdown(report))
+    say(f"report: {out / 'report.json'}, {out / 'report.md'}")
+    if report["failure"]:
+        return _fail_line(report["failure"], FAILED)
+    return OK
+
+
+def _compare(flip: dict, base: list[Level], on: list[Level]) -> None:
+    by = levels_of(on)
+    diffs, identical, compared = [], 0, 0
+    tps, p50 = {}, {}
+    for lv in base:
+        other = by.get(lv.concurrency)
+        if other is None:
+            continue
+        for row in compare_outputs(lv, other):
+            compared += 1
+            identical += row["identical"]
+            if not row["identical"]:
+                diffs.append(row | {"concurrency": lv.concurrency})
+        if lv.tokens_per_s:
+            tps[lv.concurrency] = other.tokens_per_s / lv.tokens_per_s
+        if lv.p50_s and other.p50_s:
+            p50[lv.concurrency] = other.p50_s / lv.p50_s
+    flip.update(
+        identical=identical, compared=compared, differences=diffs, tokens_per_s_ratio=tps, p50_ratio=p50
+    )

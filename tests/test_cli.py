@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,9 +67,50 @@ def test_wait_exits_4_on_timeout(stack):
     assert r.returncode == 4 and "not ready after" in r.stderr and "connection_refused" in r.stderr
 
 
-def test_wait_exits_4_when_no_sidecar_answers():
+def test_wait_exits_7_when_no_sidecar_answers():
     r = kdtreectl(f"http://127.0.0.1:{free_port()}", "wait", "--timeout", "0.5", "--interval", "0.1")
-    assert r.returncode == 4 and "the sidecar never answered" in r.stderr
+    assert r.returncode == 7 and "never answered" in r.stderr
+
+
+class NotASidecar:
+    """A URL that answers, but not as a sidecar: an HTML error page, or JSON that is not an object."""
+
+    def __init__(self, body: bytes, code: int):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize(("body", "code"), [(b"<html>bad gateway</html>", 502), (b"[1, 2]", 200)])
+@pytest.mark.parametrize(
+    "command", [["status"], ["mode", "off"], ["wait", "--timeout", "0.3"], ["mode", "on", "--dry-run"]]
+)
+def test_every_answer_is_parsed_defensively(body, code, command):
+    """A URL that answers something other than a sidecar's JSON: one line and exit 7, never a traceback."""
+    fake = NotASidecar(body, code)
+    try:
+        r = kdtreectl(fake.url, *command, token=TOKEN)
+    finally:
+        fake.server.shutdown()
+    assert r.returncode == 7, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_status_summary_and_json(stack):
@@ -80,6 +122,11 @@ def test_status_summary_and_json(stack):
         and "phase:     ready" in r.stdout
         and "ranks:     2 records, expected 2" in r.stdout
     )
+    # Each rank's counters and parity, one line each.
+    ranks = [line for line in r.stdout.splitlines() if line.startswith("  rank ")]
+    assert len(ranks) == 2 and all(
+        "served kdtree" in x and "compared" in x and "fallbacks" in x for x in ranks
+    )
     doc = json.loads(kdtreectl(url, "status", "--json").stdout)
     assert doc["phase"] == "ready" and doc["mode"]["current"] == "off"
 
@@ -90,7 +137,8 @@ def test_mode_commands(stack, tmp_path):
     denied = kdtreectl(url, "mode", "off")
     assert denied.returncode == 6 and "KDTREE_ADMIN_TOKEN" in denied.stderr
     dry = kdtreectl(url, "mode", "on", "--dry-run", token=TOKEN)
-    assert dry.returncode == 1 and "FAIL  min_calls_compared: 10 (threshold 100)" in dry.stdout
+    assert dry.returncode == 1 and re.search(r"FAIL  min_calls_compared: need >= 100, got \d+", dry.stdout)
+    assert "pass  nan_inf: need <= 0, got 0" in dry.stdout  # a comparison, not a bare threshold
     assert "would be refused" in dry.stdout
     refused = kdtreectl(url, "mode", "on", token=TOKEN)
     assert refused.returncode == 1 and "the gate to on failed" in refused.stderr
@@ -98,14 +146,35 @@ def test_mode_commands(stack, tmp_path):
         url, "mode", "off", "--reason", "kill switch drill", "--wait", "--interval", "0.1", token=TOKEN
     )
     assert flipped.returncode == 0, flipped.stderr
-    assert "mode is now off" in flipped.stdout and read_desired_mode(tmp_path) == Mode.OFF
+    assert "mode is now off (restart," in flipped.stdout and read_desired_mode(tmp_path) == Mode.OFF
+
+
+def test_mode_wait_follows_a_live_switch_with_the_ranks_confirming(stack, tmp_path):
+    url, proc = stack(mode=Mode.VALIDATE)
+    proc.wait_port()
+    r = kdtreectl(url, "mode", "standby", "--wait", "--interval", "0.05", token=TOKEN)
+    assert r.returncode == 0, r.stderr
+    assert "validate -> standby (live)" in r.stdout
+    assert re.search(r"mode is now standby \(live, [\d.]+s; every rank confirmed after [\d.]+s\)", r.stdout)
+    assert proc.starts == 1
+
+
+def test_help_explains_the_mode_and_shows_defaults():
+    r = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "mode", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0
+    assert "standby: kdtree installed and idle" in r.stdout and "(default: 3900.0)" in r.stdout
+    assert "--dry-run changes nothing and still needs the token" in r.stdout
 
 
 def test_mode_wait_reports_a_rollback(stack, tmp_path):
     url, proc = stack("--fault", "crash-on-start", "--fault-in-mode", "validate")
     proc.wait_port()
     r = kdtreectl(url, "mode", "validate", "--wait", "--interval", "0.1", token=TOKEN)
-    assert r.returncode == 1 and "transition rolled_back: the server crashed while starting" in r.stderr
+    assert r.returncode == 1 and re.search(
+        r"transition rolled_back \(restart, [\d.]+s\): the server crashed while", r.stderr
+    )
     assert read_desired_mode(tmp_path) == Mode.OFF
 
 

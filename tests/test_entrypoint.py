@@ -94,7 +94,9 @@ def test_invalid_kdtree_verify(model, monkeypatch, capsys):
 def test_invalid_mode_file(model, env, capsys):
     (env / "mode").write_text("maybe\n")
     assert run(args(model))[0] == EXIT_CONFIG
-    assert "holds 'maybe': expected one of off, validate, on, standby; fix or delete the file" in error_line(capsys)
+    assert "holds 'maybe': expected one of off, validate, on, standby; fix or delete the file" in error_line(
+        capsys
+    )
 
 
 def test_invalid_launcher_setting(model, monkeypatch, capsys):

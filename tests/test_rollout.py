@@ -101,7 +101,7 @@ def test_a_refused_gate_stops_the_rollout_and_leaves_the_flipped_replicas(replic
     rows = table(r.stdout)
     assert [rows[url][2] for url, _, _ in stacks] == ["succeeded", "refused", "skipped"]
     # 10 compared calls, plus those of the sidecar's own probes: still below the gate's 100.
-    got = re.search(r"gate failed: min_calls_compared=(\d+) \(threshold 100\)", " ".join(rows[stacks[1][0]]))
+    got = re.search(r"gate failed: min_calls_compared need >= 100, got (\d+)", " ".join(rows[stacks[1][0]]))
     assert got and 10 <= int(got[1]) < 100, rows[stacks[1][0]]
     assert "not attempted: the rollout stopped at " + stacks[1][0] in " ".join(rows[stacks[2][0]])
     assert f"rollout to on stopped at {stacks[1][0]} (refused); left in mode on: {stacks[0][0]}" in r.stderr
@@ -121,7 +121,11 @@ def test_a_failed_bake_stops_the_rollout_and_rollback_on_failure_flips_back(repl
     assert any(line.startswith(f"[revert] {stacks[0][0]}") for line in r.stdout.splitlines())
     assert "no replica was left flipped" in r.stderr
     assert [read_desired_mode(state) for _, _, state in stacks] == [Mode.VALIDATE] * 3
-    assert [proc.starts for _, proc, _ in stacks] == [1, 1, 1]  # there and back, live; there and rolled back, live
+    assert [proc.starts for _, proc, _ in stacks] == [
+        1,
+        1,
+        1,
+    ]  # there and back, live; there and rolled back, live
     forced = [e for e in Store(stacks[0][2], 50).audit_tail(100) if e["event"] == "FORCED"]
     assert forced and forced[0]["to_mode"] == "validate"  # the way back skips the gate, loudly
 
@@ -133,8 +137,10 @@ def test_dry_run_shows_every_gate_and_flips_nothing(replicas):
     rows = table(r.stdout)
     assert [rows[url][2] for url, _, _ in stacks] == ["allowed", "refused", "allowed"]
     assert "gate failed: min_calls_compared" in " ".join(rows[stacks[1][0]])
-    assert "  FAIL  min_calls_compared: 10 (threshold 100)" in r.stdout.splitlines()  # each gate, in full
-    assert r.stdout.count("  pass  min_calls_compared: 500 (threshold 100)") == 2
+    # Each gate in full (the sidecars' own probes add compared calls to the 10 and 500 the stand-ins start with).
+    fails = re.findall(r"^  FAIL  min_calls_compared: need >= 100, got (\d+)$", r.stdout, re.M)
+    passes = re.findall(r"^  pass  min_calls_compared: need >= 100, got (\d+)$", r.stdout, re.M)
+    assert len(fails) == 1 and 10 <= int(fails[0]) < 100 and len(passes) == 2, r.stdout
     assert "a gate would refuse; nothing changed" in r.stdout
     assert [read_desired_mode(state) for _, _, state in stacks] == [Mode.VALIDATE] * 3
     assert [proc.starts for _, proc, _ in stacks] == [1, 1, 1]

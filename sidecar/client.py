@@ -1,0 +1,101 @@
+"""The one HTTP client of a sidecar that kdtreectl's commands share: every answer is parsed defensively, and a
+sidecar that cannot be reached, or answers something that is not a sidecar's JSON, is one `Unreachable` error
+with a one-line message."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+
+class Unreachable(Exception):
+    """The sidecar did not answer, or answered with something that is not its JSON."""
+
+
+def fmt_elapsed(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def short(text, limit: int = 300) -> str:
+    text = " ".join(str(text or "").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def criterion_line(c: dict) -> str:
+    """A gate criterion as `pass  name: need >= 1000, got 1200` (its comparison, not a bare threshold)."""
+    verdict = "pass" if c.get("passed") else "FAIL"
+    need = f"need {c.get('op', '')} {c.get('threshold')}".replace("  ", " ")
+    detail = f" ({c['detail']})" if c.get("detail") else ""
+    return f"{verdict}  {c.get('name')}: {need}, got {c.get('value')}{detail}"
+
+
+class SidecarClient:
+    def __init__(self, url: str, token: str | None, timeout: float):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+
+    def _json(self, resp: httpx.Response, what: str) -> dict:
+        try:
+            body = resp.json()
+        except ValueError:
+            raise Unreachable(
+                f"{what} at {self.url} answered HTTP {resp.status_code} with a body that is not JSON "
+                f"({short(resp.text, 120)!r}): is this a kdtree sidecar?"
+            ) from None
+        if not isinstance(body, dict):
+            raise Unreachable(f"{what} at {self.url} answered JSON that is not an object: {short(body, 120)}")
+        return body
+
+    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            return self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise Unreachable(f"cannot reach the sidecar at {self.url}: {type(e).__name__}: {e}") from None
+
+    def status(self) -> dict:
+        """GET /status: the document (Unreachable for anything but a 200 with the sidecar's JSON)."""
+        resp = self._send("GET", "/status")
+        body = self._json(resp, "GET /status")
+        if resp.status_code != 200 or "phase" not in body:
+            raise Unreachable(
+                f"GET /status at {self.url} answered HTTP {resp.status_code}: {short(body, 200)}"
+            )
+        return body
+
+    def post_mode(
+        self, mode: str, *, dry_run=False, force=False, restart=False, reason=""
+    ) -> tuple[int, dict]:
+        """POST /mode: (HTTP status, body); a 401/403 body carries `detail`."""
+        request = {"mode": mode, "dry_run": dry_run, "force": force, "restart": restart, "reason": reason}
+        resp = self._send("POST", "/mode", json=request)
+        return resp.status_code, self._json(resp, "POST /mode")
+
+    def follow(
+        self, tid: str, timeout: float, interval: float, progress: Callable[[dict], None] | None = None
+    ) -> dict | None:
+        """The finished transition `tid` from /status, or None after `timeout` seconds. A sidecar that does not
+        answer for a while (restarting mid-flip) is waited for: it resolves the transition on its next start."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = self.status()
+            except Unreachable:
+                time.sleep(interval)
+                continue
+            done = [t for t in st.get("transitions") or [] if t.get("id") == tid]
+            if done:
+                return done[0]
+            if progress:
+                progress(st)
+            time.sleep(interval)
+        return None

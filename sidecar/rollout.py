@@ -1,0 +1,273 @@
+"""`kdtreectl rollout`: switch the verify mode of several replicas through their sidecars, canary first, then
+in waves; stop at the first failure."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import httpx
+
+from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
+
+OK, FAILED, USAGE = 0, 1, 2
+
+
+DONE = ("succeeded", "already")  # a replica in the target mode
+
+
+@dataclass
+class Replica:
+    url: str
+    from_mode: str | None = None
+    to_mode: str = ""
+    outcome: str = "skipped"  # see ROLLOUT_HELP
+    duration_s: float | None = None
+    detail: str = ""
+    changed: bool = False  # this rollout flipped it, and it is (still) in the new mode
+    criteria: list | None = None  # the gate's criteria, as POST /mode answered them
+
+
+ROLLOUT_HELP = """\
+Switch several replicas' verify mode, each through its sidecar's POST /mode (where the gate, the bake and
+the automatic rollback happen, as for `kdtreectl mode`): the canary replicas first (--canary, flipped
+together), then the rest in waves of --wave replicas flipped concurrently, each wave after the previous one
+has finished. A replica already in the mode counts as done. The rollout stops at the first failure (gate
+refused, rolled back, unreachable, timed out, busy, not authorized) and leaves the replicas it flipped in
+the new mode, unless --rollback-on-failure, which flips them back to their previous mode (forced: the way
+back skips the gate, and each sidecar's audit log records it). Every sidecar is reached first: one that
+does not answer, or is in a transition already, stops the rollout before anything is flipped.
+
+One line per replica as its outcome is known, then a table. Outcomes: succeeded, already (in the mode),
+refused (gate), rolled_back / rollback_failed / aborted (by its sidecar), timeout, unreachable, busy,
+unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
+with --dry-run: allowed, refused, already.
+Exit codes: 0 every replica is in the mode (or, with --dry-run, would be allowed), 1 it stopped on a failure
+(or a gate would refuse), 2 bad input.
+"""
+
+
+def _normalized_url(url: str) -> str:
+    parsed = httpx.URL(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--sidecar {url!r} is not an http(s) URL with a host, e.g. http://10.0.0.5:8080")
+    return str(parsed.copy_with(path=parsed.path.rstrip("/") or "/", query=None, fragment=None)).rstrip("/")
+
+
+def _client(args, url: str) -> SidecarClient:
+    return SidecarClient(url, args.token, args.http_timeout)
+
+
+def _post_mode(args, r: Replica, mode: str, *, dry_run: bool = False, force: bool = False) -> dict | None:
+    """POST /mode; sets r's outcome for every answer but 202 (returns the body then, else None)."""
+    try:
+        with _client(args, r.url) as c:
+            code, body = c.post_mode(mode, dry_run=dry_run, force=force, reason=args.reason)
+    except Unreachable as e:
+        r.outcome, r.detail = "unreachable", short(e)
+        return None
+    r.from_mode = body.get("from_mode", r.from_mode)
+    if isinstance(body.get("criteria"), list):
+        r.criteria = body["criteria"]
+    failed = [c for c in r.criteria or [] if not c.get("passed")]
+    if code in (401, 403):
+        r.outcome = "unauthorized"
+        r.detail = short(f"{body.get('detail')} (pass --token or set KDTREE_ADMIN_TOKEN)")
+    elif code == 409:
+        t = body.get("transition") or {}
+        r.outcome = "busy"
+        r.detail = short(
+            f"a transition is running: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}"
+        )
+    elif code == 412 or (code == 200 and dry_run and body.get("changed") is not False):
+        r.outcome = "refused" if code == 412 or not body.get("allowed") else "allowed"
+        r.detail = short("gate failed: " + "; ".join(_need(c) for c in failed)) if failed else ""
+    elif code == 200:
+        r.outcome, r.detail = "already", short(body.get("detail") or f"already in mode {mode}")
+    elif code == 202 and (body.get("transition") or {}).get("id"):
+        return body
+    else:
+        r.outcome = "error"
+        r.detail = short(f"HTTP {code}: {body.get('error') or body.get('detail') or body}")
+    return None
+
+
+def _need(c: dict) -> str:
+    return f"{c.get('name')} need {c.get('op')} {c.get('threshold')}, got {c.get('value')}"
+
+
+def _await_transition(args, r: Replica, tid: str) -> None:
+    """Poll GET /status until transition tid has an outcome, or --timeout."""
+    step = ["?"]
+
+    def seen(st: dict) -> None:
+        step[0] = (st.get("active_transition") or {}).get("step", step[0])
+
+    with _client(args, r.url) as c:
+        t = c.follow(tid, args.timeout, args.interval, seen)
+    if t is None:
+        r.outcome = "timeout"
+        r.detail = f"transition {tid} still at step {step[0]} after {fmt_elapsed(args.timeout)}"
+        return
+    r.outcome = t.get("outcome") or "error"
+    why = [t.get("failure")]
+    if t.get("rollback_failure"):
+        why.append("rollback: " + t["rollback_failure"])
+    r.detail = short("; ".join(x for x in why if x))
+
+
+def _flip(args, r: Replica, mode: str, force: bool = False) -> Replica:
+    start = time.monotonic()
+    body = _post_mode(args, r, mode, force=force)
+    if body is not None:
+        _await_transition(args, r, body["transition"]["id"])
+    r.duration_s = time.monotonic() - start
+    return r
+
+
+class _Lines:
+    """Progress lines from several threads, one whole line at a time."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+
+
+def _line(label: str, r: Replica, to_mode: str) -> str:
+    took = f" in {r.duration_s:.1f}s" if r.duration_s is not None else ""
+    return f"[{label}] {r.url}: {r.from_mode or '?'} -> {to_mode} {r.outcome}{took}" + (
+        f": {r.detail}" if r.detail else ""
+    )
+
+
+def _table(replicas: list[Replica]) -> str:
+    rows = [("replica", "from", "to", "outcome", "duration", "detail")]
+    for r in replicas:
+        took = f"{r.duration_s:.1f}s" if r.duration_s is not None else "-"
+        rows.append((r.url, r.from_mode or "-", r.to_mode, r.outcome, took, r.detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, [*widths, 0], strict=True)).rstrip() for row in rows
+    )
+
+
+def cmd_rollout(args) -> int:
+    try:
+        urls = [_normalized_url(u) for u in args.sidecar]
+    except ValueError as e:
+        print(f"kdtreectl rollout: {e}", file=sys.stderr)
+        return USAGE
+    dupes = sorted({u for u in urls if urls.count(u) > 1})
+    if dupes:
+        print(f"kdtreectl rollout: the same sidecar twice: {', '.join(dupes)}", file=sys.stderr)
+        return USAGE
+    replicas = [Replica(url=u, to_mode=args.to) for u in urls]
+    say = _Lines()
+    workers = max(1, min(len(replicas), 16))
+
+    if args.dry_run:
+
+        def gate(r: Replica) -> Replica:
+            start = time.monotonic()
+            _post_mode(args, r, args.to, dry_run=True)
+            r.duration_s = time.monotonic() - start
+            return r
+
+        with ThreadPoolExecutor(workers) as pool:
+            for r in pool.map(gate, replicas):
+                say(_line("dry run", r, args.to))
+                for c in r.criteria or []:
+                    say("  " + criterion_line(c))
+        print()
+        print(_table(replicas))
+        ok = all(r.outcome in ("allowed", "already") for r in replicas)
+        print(
+            "dry run: "
+            + ("every replica would be allowed" if ok else "a gate would refuse")
+            + "; nothing changed"
+        )
+        return OK if ok else FAILED
+
+    # Every sidecar first: one that cannot take part stops the rollout before anything changes.
+    def preflight(r: Replica) -> Replica:
+        try:
+            with _client(args, r.url) as c:
+                st = c.status()
+        except Unreachable as e:
+            r.outcome, r.detail = "unreachable", short(e)
+            return r
+        r.from_mode = (st.get("mode") or {}).get("current")
+        if st.get("active_transition"):
+            t = st["active_transition"]
+            r.outcome = "busy"
+            r.detail = short(
+                f"a transition is running: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}"
+            )
+        return r
+
+    with ThreadPoolExecutor(workers) as pool:
+        blocked = [r for r in pool.map(preflight, replicas) if r.outcome != "skipped"]
+    if blocked:
+        for r in blocked:
+            say(_line("preflight", r, args.to))
+        for r in replicas:
+            if r.outcome == "skipped":
+                r.detail = "not attempted: a sidecar cannot take part"
+        print()
+        print(_table(replicas))
+        print(
+            f"rollout to {args.to} not started: {len(blocked)} sidecar(s) cannot take part; nothing changed"
+        )
+        return FAILED
+
+    rest = [replicas[i : i + args.wave] for i in range(args.canary, len(replicas), args.wave)]
+    waves = ([("canary", replicas[: args.canary])] if args.canary else []) + [
+        (f"wave {n}/{len(rest)}", wave) for n, wave in enumerate(rest, 1)
+    ]
+    failed: Replica | None = None
+    for label, wave in waves:
+        with ThreadPoolExecutor(len(wave)) as pool:
+            for f in as_completed([pool.submit(_flip, args, r, args.to) for r in wave]):
+                r = f.result()
+                r.changed = r.outcome == "succeeded"
+                say(_line(label, r, args.to))
+        bad = [r for r in wave if r.outcome not in DONE]
+        if bad:
+            failed = bad[0]
+            break
+
+    if failed is not None:
+        for r in replicas:
+            if r.outcome == "skipped":
+                r.detail = f"not attempted: the rollout stopped at {failed.url}"
+        if args.rollback_on_failure:
+            for r in reversed([r for r in replicas if r.changed]):
+                back = Replica(url=r.url, to_mode=r.from_mode or "")
+                _flip(args, back, r.from_mode, force=True)
+                if back.outcome in DONE:
+                    r.outcome, r.changed = "reverted", False
+                    r.detail = f"flipped back to {r.from_mode} after the rollout stopped"
+                else:
+                    r.outcome = "revert_failed"
+                    r.detail = short(f"flipping back to {r.from_mode}: {back.outcome}: {back.detail}")
+                r.duration_s = (r.duration_s or 0) + (back.duration_s or 0)
+                say(_line("revert", r, args.to))
+
+    print()
+    print(_table(replicas))
+    if failed is None:
+        print(f"rollout to {args.to} done: {len(replicas)} replica(s) in mode {args.to}")
+        return OK
+    left = [r.url for r in replicas if r.changed]
+    print(
+        f"rollout to {args.to} stopped at {failed.url} ({failed.outcome})"
+        + (f"; left in mode {args.to}: {', '.join(left)}" if left else "; no replica was left flipped"),
+        file=sys.stderr,
+    )
+    return FAILED
