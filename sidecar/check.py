@@ -423,10 +423,10 @@ async def _load(
         base_url=args.server_url, timeout=args.request_timeout, limits=limits
     ) as http:
         for c in args.concurrency:
-            before = rank_counts(side.status())
+            before = _fresh_counts(side, time.time())
             say(f"[{mode}] concurrency {c}: {len(texts)} completions of up to {args.max_tokens} tokens ...")
             level = await run_level(http, model, texts, c, args.max_tokens)
-            after = rank_counts(side.status())
+            after = _fresh_counts(side, time.time())
             rows = verify_evidence(before, after, len(after))
             levels.append(level)
             evidence.append({"concurrency": c, "ranks": rows})
@@ -437,6 +437,18 @@ async def _load(
                 f"compared {sum(r['compared'] for r in rows)} verify calls over {len(rows)} ranks"
             )
     return levels, evidence
+
+
+def _fresh_counts(side: SidecarClient, at: float, timeout: float = 30.0) -> dict[int, dict]:
+    """The rank counters once every rank has rewritten its record after `at` (a rank heartbeats every
+    KDTREE_HEARTBEAT_S, 5 s by default), or what there is after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = side.status()
+        beats = [(v.get("record") or {}).get("heartbeat") or 0 for v in st.get("ranks") or []]
+        if (beats and min(beats) >= at) or time.monotonic() >= deadline:
+            return rank_counts(st)
+        time.sleep(0.2)
 
 
 def _model(args) -> str:
@@ -510,9 +522,11 @@ def cmd_check(args) -> int:
         "prompts": len(texts),
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
+        "model": None,
         "levels": [],
         "evidence": {},
         "failure": None,
+        "passed": False,
     }
     try:
         with SidecarClient(args.url, args.token, args.http_timeout) as side:
@@ -543,6 +557,7 @@ def cmd_check(args) -> int:
                                 report["failure"] or f"the flip back to {start_mode} did not succeed"
                             )
     except Unreachable as e:
+        report["failure"] = str(e)
         write_report(out, report)
         return _fail_line(str(e), USAGE)
     accept = _accept_from_server(args)
