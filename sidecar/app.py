@@ -73,12 +73,19 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
         except TimeoutError:
             metrics.ready.set(0)
             return JSONResponse(
-                {"ready": False, "reasons": [f"no verdict within {settings.probe_deadline_s:g}s"]},
+                {
+                    "ready": False,
+                    "condition": "not_ready_yet",
+                    "condition_evidence": ["the sidecar's own check did not finish in time"],
+                    "reasons": [f"no verdict within {settings.probe_deadline_s:g}s"],
+                },
                 status_code=503,
             )
         metrics.ready.set(1 if a.ready else 0)
         body = {
             "ready": a.ready,
+            "condition": a.condition,
+            "condition_evidence": a.condition_evidence,
             "phase": a.phase,
             "mode": a.mode,
             "reasons": a.reasons,

@@ -45,6 +45,9 @@ class Assessment(BaseModel):
     phase: str  # what /status reports (a running transition overrides the server's own phase)
     server_phase: str  # what the server itself looks like
     ready: bool
+    # ready | not_ready_yet (starting within its budget, or a transition runs) | broken (needs someone)
+    condition: str
+    condition_evidence: list[str]
     reasons: list[str]
     mode: Mode  # the mode the server is expected to run in right now
     probe: ProbeResult | None
@@ -94,9 +97,20 @@ class Controller:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Resolve a transition that a previous sidecar left unfinished."""
+        """Resolve a transition that a previous sidecar left unfinished, or adopt a mode file written while no
+        sidecar ran (the kill switch by hand: README, "Reaching off when the sidecar is down")."""
         t = self.state.active
         if t is None:
+            try:
+                written = read_desired_mode(self.settings.state_dir)
+            except ValueError:
+                written = None  # /status names an unreadable file
+            if written is not None and written != self.state.current_mode:
+                self.store.audit("mode_file_adopted", None, logging.WARNING, from_mode=self.state.current_mode,
+                                 to_mode=written, detail="the mode file changed while no sidecar ran")  # fmt: skip
+                self.state.current_mode = written
+                self.store.save(self.state)
+                self.metrics.mode.state(written.value)
             return
         t.interrupted = True
         self.store.audit("interrupted_transition_found", t, logging.WARNING, step=t.step)
@@ -194,16 +208,53 @@ class Controller:
             phase = "switching" if t.method == "live" else "restarting"
         self.metrics.phase.state(phase)
         ready = not reasons
+        condition, evidence = self._condition(ready, container.state)
+        self.metrics.condition.state(condition)
         return Assessment(
             phase=phase,
             server_phase=server_phase,
             ready=ready,
+            condition=condition,
+            condition_evidence=evidence,
             reasons=reasons,
             mode=mode,
             probe=probe,
             container=container,
             ranks=ranks,
         )
+
+    def _condition(self, ready: bool, c: ContainerState | None) -> tuple[str, list[str]]:
+        """Whether a server that is not ready will get there by itself (not_ready_yet) or needs someone
+        (broken), with the facts behind the verdict. Unlike the phase, it does not depend on what happened
+        before the server's latest start."""
+        if ready:
+            return "ready", []
+        t = self.state.active
+        if t is not None:
+            return "not_ready_yet", [
+                f"a {t.method} transition {t.from_mode} -> {t.to_mode} is at step {t.step}"
+            ]
+        if c is not None and c.crashed:
+            return "broken", [f"the server process is {c.status} (exit code {c.exit_code})"]
+        started = c.started_at if c is not None else None
+        if started is None:
+            return "not_ready_yet", [
+                "the server's start time is unknown (no server control, or no start yet)"
+            ]
+        now, budget = time.time(), self.settings.ready_timeout_s
+        ok_at = self.prober.last_ok_at
+        if ok_at is not None and ok_at > started:
+            return "broken", [
+                f"it answered a completion {now - ok_at:.0f}s ago, {ok_at - started:.0f}s after its latest start, "
+                "and fails now"
+            ]
+        if now - started > budget:
+            return "broken", [
+                f"started {now - started:.0f}s ago and never ready (KDTREE_READY_TIMEOUT_S={budget:g})"
+            ]
+        return "not_ready_yet", [
+            f"started {now - started:.0f}s ago and not ready yet (KDTREE_READY_TIMEOUT_S={budget:g})"
+        ]
 
     def _server_phase(
         self, probe: ProbeResult | None, container: ContainerState | None, ranks: RankCheck
@@ -217,9 +268,13 @@ class Controller:
             return "starting"
         if probe.ok:
             return "ready" if ranks.ok else "degraded"
+        started = (container.started_at if container else None) or 0.0
+        served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > started
         if probe.reason == REFUSED:
-            return "loading"  # SGLang keeps its port closed until weights and CUDA graphs are in place
-        since = max(self.prober.last_refused_at or 0.0, (container.started_at if container else None) or 0.0)
+            # SGLang keeps its port closed until weights and CUDA graphs are in place; after serving, a closed
+            # port means it stopped answering.
+            return "degraded" if served_since_start and container is not None else "loading"
+        since = max(self.prober.last_refused_at or 0.0, started)
         served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > since
         answering_busy = probe.reason == TIMEOUT or (probe.reason == HTTP_STATUS and probe.status_code == 503)
         if answering_busy and not served_since_start:
@@ -247,6 +302,8 @@ class Controller:
             "phase": a.phase,
             "server_phase": a.server_phase,
             "ready": a.ready,
+            "condition": a.condition,
+            "condition_evidence": a.condition_evidence,
             "reasons": a.reasons,
             "mode": {
                 "current": self.state.current_mode,

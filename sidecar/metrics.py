@@ -25,6 +25,7 @@ PHASES = (
     "rolling_back",
 )
 METHODS = ("live", "restart")
+CONDITIONS = ("ready", "not_ready_yet", "broken")
 OUTCOMES = ("succeeded", "rolled_back", "rollback_failed", "aborted")
 
 
@@ -99,6 +100,12 @@ class Metrics:
             "kdtree_server_phase",
             "the server's phase as the sidecar sees it",
             states=list(PHASES),
+            registry=r,
+        )
+        self.condition = Enum(
+            "kdtree_condition",
+            "ready, not_ready_yet (starting within its budget, or a transition runs) or broken (needs someone)",
+            states=list(CONDITIONS),
             registry=r,
         )
         self.mode = Enum(

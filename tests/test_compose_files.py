@@ -40,9 +40,13 @@ def compose_tools() -> list[tuple[str, str]]:
 TOOLS = compose_tools()
 
 
-def env_example_with_gid(tmp_path) -> Path:
+def env_file(tmp_path, *, token: str = "t0ken", gid: str | None = None) -> Path:
+    """.env.example as a user fills it in: the admin token set (and the socket's group for docker control)."""
     env = tmp_path / "env"
-    env.write_text(ENV_EXAMPLE.read_text().replace("# KDTREE_DOCKER_GID=\n", "KDTREE_DOCKER_GID=999\n"))
+    text = ENV_EXAMPLE.read_text().replace("\nKDTREE_ADMIN_TOKEN=\n", f"\nKDTREE_ADMIN_TOKEN={token}\n")
+    if gid is not None:
+        text = text.replace("# KDTREE_DOCKER_GID=\n", f"KDTREE_DOCKER_GID={gid}\n")
+    env.write_text(text)
     return env
 
 
@@ -60,15 +64,15 @@ def compose(request):
     return request.param[1]
 
 
-def test_compose_yaml_validates_with_the_documented_defaults(compose):
-    r = config(compose, ENV_EXAMPLE, COMPOSE)  # as shipped: no KDTREE_DOCKER_GID needed
+def test_compose_yaml_validates_with_the_documented_defaults(compose, tmp_path):
+    r = config(compose, env_file(tmp_path), COMPOSE)  # no KDTREE_DOCKER_GID needed
     assert r.returncode == 0, r.stderr
     # The GPU count is a literal (compose v1) and must agree with the default tensor-parallel size.
     assert re.search(r"count: 8\b", r.stdout) and re.search(r"--tp-size\W+8\b", r.stdout), r.stdout
 
 
-def test_the_default_stack_controls_the_server_without_the_docker_socket(compose):
-    r = config(compose, ENV_EXAMPLE, COMPOSE)
+def test_the_default_stack_controls_the_server_without_the_docker_socket(compose, tmp_path):
+    r = config(compose, env_file(tmp_path), COMPOSE)
     assert r.returncode == 0, r.stderr
     assert "docker.sock" not in r.stdout and "group_add" not in r.stdout
     assert re.search(r"KDTREE_SERVER_CONTROL: process\b", r.stdout)
@@ -78,7 +82,7 @@ def test_the_default_stack_controls_the_server_without_the_docker_socket(compose
 
 
 def test_docker_override_adds_the_socket_and_its_group(compose, tmp_path):
-    r = config(compose, env_example_with_gid(tmp_path), COMPOSE, DOCKER_OVERRIDE)
+    r = config(compose, env_file(tmp_path, gid="999"), COMPOSE, DOCKER_OVERRIDE)
     assert r.returncode == 0, r.stderr
     assert "/var/run/docker.sock:/var/run/docker.sock" in r.stdout
     assert re.search(r"KDTREE_SERVER_CONTROL: docker\b", r.stdout)
@@ -86,14 +90,14 @@ def test_docker_override_adds_the_socket_and_its_group(compose, tmp_path):
     assert re.search(r"group_add:\s+- '?999'?", r.stdout), r.stdout
 
 
-def test_ci_override_validates(compose):
-    r = config(compose, ENV_EXAMPLE, COMPOSE, REPO / "tests" / "compose.ci.yaml")
+def test_ci_override_validates(compose, tmp_path):
+    r = config(compose, env_file(tmp_path), COMPOSE, REPO / "tests" / "compose.ci.yaml")
     assert r.returncode == 0, r.stderr
     assert "standin_engine.py" in r.stdout and "entrypoint.supervise" in r.stdout
 
 
-def test_missing_docker_gid_is_named_with_its_fix(compose):
-    r = config(compose, ENV_EXAMPLE, COMPOSE, DOCKER_OVERRIDE)  # KDTREE_DOCKER_GID is commented out
+def test_missing_docker_gid_is_named_with_its_fix(compose, tmp_path):
+    r = config(compose, env_file(tmp_path), COMPOSE, DOCKER_OVERRIDE)  # KDTREE_DOCKER_GID is commented out
     assert r.returncode != 0
     assert "stat -c %g /var/run/docker.sock" in r.stderr
 
@@ -105,3 +109,152 @@ def test_env_example_documents_every_variable_compose_reads():
     documented = set(re.findall(r"^#?\s*(\w+)=", ENV_EXAMPLE.read_text(), re.M))
     assert used - documented == set()
     assert {"KDTREE_TP_SIZE", "KDTREE_SPECULATIVE_ARGS", "KDTREE_MODEL"} <= documented
+
+
+def test_an_empty_admin_token_stops_compose_with_its_fix(compose, tmp_path):
+    r = config(compose, ENV_EXAMPLE, COMPOSE)  # as shipped: KDTREE_ADMIN_TOKEN= (empty)
+    assert r.returncode != 0 and "set KDTREE_ADMIN_TOKEN in .env to a secret" in r.stderr
+
+
+def test_env_example_appends_nothing():
+    """Its one-line fixes replace the line they set (sed), never append a second KDTREE_X= to .env."""
+    text = ENV_EXAMPLE.read_text()
+    assert ">> .env" not in text
+    assert 'sed -i "s/^KDTREE_ADMIN_TOKEN=.*/KDTREE_ADMIN_TOKEN=' in text
+
+
+def test_env_is_kept_out_of_git_and_the_image():
+    assert "/.env" in (REPO / ".gitignore").read_text().split()
+    ignore = (REPO / ".dockerignore").read_text().split("\n")
+    assert ignore[ignore.index("*") - 1].startswith("#") and "!.env" not in ignore  # an allow-list without it
+
+
+# ---- one source of truth per setting: the settings classes, and everything that repeats them -------------
+
+from entrypoint.launch import LauncherSettings  # noqa: E402
+from entrypoint.supervise import SupervisorSettings  # noqa: E402
+from kdtree.config import VerifySettings  # noqa: E402
+from sidecar.settings import SidecarSettings  # noqa: E402
+
+README = REPO / "README.md"
+SERVICES = {"sidecar": (SidecarSettings,), "server": (VerifySettings, LauncherSettings, SupervisorSettings)}
+# Written out in compose.yaml: the stack's wiring (ports, paths, the control it runs) or a stack variable.
+WIRED = {
+    "sidecar": {"KDTREE_SIDECAR_PORT", "KDTREE_SERVER_URL", "KDTREE_STATE_DIR", "KDTREE_SERVER_CONTROL",
+                "KDTREE_VERIFY", "KDTREE_EXPECTED_TP_SIZE", "KDTREE_ADMIN_TOKEN"},
+    "server": {"KDTREE_STATE_DIR", "KDTREE_VERIFY"},
+}  # fmt: skip
+# Settings compose does not pass, each for a reason the README gives.
+NOT_IN_COMPOSE = {"KDTREE_SIDECAR_HOST", "KDTREE_ALLOW_OPEN_ADMIN", "KDTREE_SERVER_CONTAINER"}
+# Read from the environment outside a settings class (kdtree/kernel.py).
+SERVER_ENV_ONLY = {"KDTREE_KERNEL_CONFIG": "", "KDTREE_KERNEL_LIB": ""}
+
+
+def env_names(cls) -> dict[str, object]:
+    """KDTREE_* variable -> default, for every field of a settings class."""
+    out = {}
+    for name, field in cls.model_fields.items():
+        alias = field.validation_alias
+        var = alias.choices[0] if alias is not None else "KDTREE_" + name.upper()
+        out[var] = field.default
+    return out
+
+
+def shown(default) -> str:
+    """A default as .env.example and the README write it."""
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return str(default).lower()
+    return str(getattr(default, "value", default))
+
+
+def compose_environment(service: str) -> dict[str, str]:
+    import yaml
+
+    return yaml.safe_load(COMPOSE.read_text())["services"][service]["environment"]
+
+
+def test_every_setting_passes_through_compose_from_env():
+    """Each setting of a service's classes is in its compose environment as ${VAR:-} (empty: the class default),
+    or written out as the stack's wiring, or named as not in compose."""
+    for service, classes in SERVICES.items():
+        env = compose_environment(service)
+        for cls in classes:
+            for var in env_names(cls):
+                if var in NOT_IN_COMPOSE:
+                    assert var not in env, f"{service}: {var} is listed as not in compose"
+                elif var in WIRED[service]:
+                    assert var in env, f"{service}: {var} (wired) is missing"
+                else:
+                    assert env.get(var) == f"${{{var}:-}}", (
+                        f"{service}: {var} must pass through as ${{{var}:-}}"
+                    )
+        kdtree_vars = {k for k in env if k.startswith("KDTREE_")}
+        known = set().union(*(env_names(c) for c in classes)) | (
+            set(SERVER_ENV_ONLY) if service == "server" else set()
+        )
+        assert kdtree_vars <= known, f"{service}: {kdtree_vars - known} are no setting of {classes}"
+
+
+def env_example() -> dict[str, str]:
+    """Each variable .env.example sets or shows (commented), with its value."""
+    found = {}
+    for m in re.finditer(r"^#? ?(KDTREE_\w+)=(.*)$", ENV_EXAMPLE.read_text(), re.M):
+        found.setdefault(m[1], m[2])
+    return found
+
+
+def test_env_example_shows_each_passed_setting_with_its_class_default():
+    doc = env_example()
+    for service, classes in SERVICES.items():
+        env = compose_environment(service)
+        for cls in classes:
+            for var, default in env_names(cls).items():
+                if env.get(var) == f"${{{var}:-}}":
+                    assert var in doc, f".env.example does not show {var}"
+                    assert doc[var] == shown(default), (
+                        f".env.example shows {var}={doc[var]}, the default is {default!r}"
+                    )
+
+
+def readme_rows(compose_default: bool = False) -> dict[str, str]:
+    """README table rows: variable -> its default cell (the first `...` in it), or with compose_default the
+    value of a "(compose: `...`)" note where the cell has one."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        m = re.match(r"^\| `(KDTREE_\w+)`[^|]* \| ([^|]*) \|", line)
+        if m:
+            cell = m[2].strip()
+            note = re.search(r"\(compose: `([^`]*)`\)", cell) if compose_default else None
+            first = re.match(r"`([^`]*)`", cell)
+            rows.setdefault(m[1], note[1] if note else first[1] if first else cell)
+    return rows
+
+
+def test_readme_tables_every_setting_with_its_class_default():
+    rows = readme_rows()
+    for classes in SERVICES.values():
+        for cls in classes:
+            for var, default in env_names(cls).items():
+                assert var in rows, f"README: no row for {var}"
+                if default is not None:
+                    assert rows[var] == shown(default), (
+                        f"README: {var} default {rows[var]!r}, the class says {default!r}"
+                    )
+
+
+def test_readme_and_env_example_agree_on_the_stack_variables():
+    import yaml
+
+    rows, doc = readme_rows(compose_default=True), env_example()
+    text = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
+    used = set(re.findall(r"\$\{(KDTREE_\w+)", re.sub(r"(^|\s)#.*$", "", text, flags=re.M)))
+    for var in used:
+        assert var in rows, f"README: no row for {var}, which compose reads"
+        assert var in doc, f".env.example: {var}, which compose reads, is missing"
+    for var, default in re.findall(r"\$\{(KDTREE_\w+):-([^}]+)\}", text):
+        if var.startswith("KDTREE_") and var in doc and doc[var]:
+            assert doc[var] == default, f"{var}: .env.example {doc[var]!r}, compose {default!r}"
+            assert rows[var] == default, f"{var}: README {rows[var]!r}, compose {default!r}"
+    assert yaml.safe_load(COMPOSE.read_text())  # parses

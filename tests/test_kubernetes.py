@@ -44,12 +44,10 @@ TARGETS = {
     "default+hostpath": ("", ("components/models-hostpath",)),
     "one-gpu+hostpath": ("overlays/one-gpu", ("components/models-hostpath",)),
 }
-# compose's sidecar names its server container for the Docker API; in Kubernetes it signals the process.
+# compose's sidecar names its server container for the Docker API (compose.docker.yaml); in Kubernetes it
+# signals the process.
 DOCKER_ONLY_ENV = {"KDTREE_SERVER_CONTAINER"}
-KUBERNETES_ONLY_ENV = {"KDTREE_SERVER_CONTROL"}
-# Set in the manifests ahead of its settings field (KDTREE_SERVER_CONTROL is being added to SidecarSettings):
-# accepted while the field is missing, checked like any other once it exists.
-PENDING_SETTINGS = {"KDTREE_SERVER_CONTROL"}
+KUBERNETES_ONLY_ENV: set[str] = set()
 SECRET_ENV = {"KDTREE_ADMIN_TOKEN"}
 
 
@@ -286,7 +284,7 @@ def test_env_names_are_settings(rendered, target):
     server_known = settings_env_names(VerifySettings, LauncherSettings)
     sidecar_known = settings_env_names(SidecarSettings)
     assert {n for n in env_names(server) if n.startswith("KDTREE_")} - server_known == set()
-    assert {n for n in env_names(sidecar) if n.startswith("KDTREE_")} - sidecar_known <= PENDING_SETTINGS
+    assert {n for n in env_names(sidecar) if n.startswith("KDTREE_")} - sidecar_known == set()
 
 
 def _load(cls, c: dict, monkeypatch):
@@ -342,17 +340,46 @@ def test_server_args_equal_compose_command(rendered, target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_env_equals_compose(rendered, target):
+    """What compose writes out (the stack's wiring, stack variables) the manifests set alike; what compose passes
+    through from .env (${VAR:-}: empty means the settings class's default) they may leave out, or set to the
+    same value compose would get from the .env of this setting."""
     services, env = compose_for(target)
-    compose_env = {
-        svc: {k: expand(v, env) for k, v in services[svc]["environment"].items()} for svc in services
-    }
-    server, sidecar = container(rendered[target], "server"), container(rendered[target], "sidecar")
-    assert env_values(server) == compose_env["server"]
-    assert env_names(server) == set(compose_env["server"])
+    env = {"KDTREE_ADMIN_TOKEN": "from-the-secret", **env}  # compose requires it; the pod reads the Secret
+    for name in ("server", "sidecar"):
+        compose_env = services[name]["environment"]
+        pod = env_values(container(rendered[target], name))
+        for var, raw in compose_env.items():
+            if var in DOCKER_ONLY_ENV | SECRET_ENV:
+                continue
+            value = expand(raw, env)
+            if str(raw) == f"${{{var}:-}}":  # a pass-through: optional in the pod
+                if var in pod:
+                    assert pod[var] == value or (not value and pod[var] == settings_default(var)), (name, var)
+                continue
+            assert pod.get(var) == value, f"{name}: {var}={pod.get(var)!r}, compose has {value!r}"
+        extra = (
+            {v for v in pod if v.startswith("KDTREE_")} - set(compose_env) - KUBERNETES_ONLY_ENV - SECRET_ENV
+        )
+        assert not extra, f"{name}: {extra} are not in compose.yaml's {name} environment"
+    assert env_values(container(rendered[target], "sidecar"))["KDTREE_SERVER_CONTROL"] == "process"
 
-    assert env_names(sidecar) - KUBERNETES_ONLY_ENV == set(compose_env["sidecar"]) - DOCKER_ONLY_ENV
-    expected = {k: v for k, v in compose_env["sidecar"].items() if k not in DOCKER_ONLY_ENV | SECRET_ENV}
-    assert env_values(sidecar) == expected | {"KDTREE_SERVER_CONTROL": "process"}
+
+def settings_default(var: str) -> str:
+    """The default of a KDTREE_* setting as text, from whichever settings class has it."""
+    from entrypoint.supervise import SupervisorSettings
+
+    for cls in (SidecarSettings, VerifySettings, LauncherSettings, SupervisorSettings):
+        for field_name, field in cls.model_fields.items():
+            if "KDTREE_" + field_name.upper() == var:
+                d = field.default
+                return (
+                    ""
+                    if d is None
+                    else str(d).lower()
+                    if isinstance(d, bool)
+                    else str(getattr(d, "value", d))
+                )
+    raise KeyError(var)
 
 
 @pytest.mark.parametrize("target", TARGETS)

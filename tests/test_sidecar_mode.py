@@ -594,3 +594,21 @@ async def test_post_mode_authenticates_first_then_bounds_then_validates(
     assert audit_events(tmp_path) == [] and read_desired_mode(tmp_path) == Mode.VALIDATE
     if code == 422:
         assert "yes" not in r.text and "hello" not in r.text  # the error names the field, not the input
+
+
+async def test_a_mode_file_written_while_no_sidecar_ran_is_adopted(engine, tmp_path):
+    """The kill switch by hand (README): `echo off > state/mode` and a server restart while the sidecar is down;
+    the next sidecar takes the file's mode as the current one instead of expecting the old mode."""
+    proc = engine(mode=Mode.VALIDATE)
+    settings = make_settings(tmp_path, proc.port)
+    async with sidecar(settings, server=proc) as c:
+        await wait_ready(c)
+        assert (await c.post("/mode", json={"mode": "standby"}, headers=AUTH)).status_code == 202
+        assert (await settle(c))["outcome"] == "succeeded"
+    write_desired_mode(tmp_path, Mode.OFF)
+    proc.restart(2)
+    async with sidecar(settings, server=proc) as c:
+        body = await wait_ready(c)
+        st = (await c.get("/status")).json()
+    assert body["mode"] == "off" and st["mode"]["current"] == "off"
+    assert "mode_file_adopted" in audit_events(tmp_path)

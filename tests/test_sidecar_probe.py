@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from sidecar_harness import TOKEN, make_settings, sidecar
+from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
@@ -287,3 +287,52 @@ def test_ready_timeout_is_read_under_both_names(monkeypatch):
     assert load_sidecar_settings().ready_timeout_s == 600
     monkeypatch.setenv("KDTREE_READY_TIMEOUT_S", "900")
     assert load_sidecar_settings().ready_timeout_s == 900
+
+
+# ---- condition: will a server that is not ready get there by itself? ---------------------------------------
+
+
+async def test_condition_not_ready_yet_while_loading_then_ready(engine, tmp_path):
+    proc = engine("--tp-size", "2", "--load-seconds", "1.0", wait=False)
+    async with sidecar(make_settings(tmp_path, proc.port, probe_ttl_s=0), server=proc) as c:
+        first = (await c.get("/ready")).json()
+        body = await wait_ready(c)
+    assert (
+        first["condition"] == "not_ready_yet"
+        and "not ready yet (KDTREE_READY_TIMEOUT_S=6)" in first["condition_evidence"][0]
+    )
+    assert body["condition"] == "ready" and body["condition_evidence"] == []
+
+
+async def test_condition_broken_for_a_crash(engine, tmp_path):
+    proc = engine("--load-seconds", "0.2", "--fault", "crash-on-start", wait=False)
+    proc.proc.wait(10)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        body = (await c.get("/ready")).json()
+        metrics = (await c.get("/metrics")).text
+    assert body["condition"] == "broken" and "the server process is exited" in body["condition_evidence"][0]
+    assert 'kdtree_condition{kdtree_condition="broken"} 1.0' in metrics
+
+
+async def test_condition_broken_when_a_fresh_start_never_gets_ready(engine, tmp_path):
+    """A server that hangs from its start stays `warming` as a phase; past its budget the condition says broken."""
+    proc = engine("--fault", "hang")
+    settings = make_settings(tmp_path, proc.port, ready_timeout_s=1.0, probe_deadline_s=0.5, probe_ttl_s=0)
+    async with sidecar(settings, server=proc) as c:
+        early = (await c.get("/ready")).json()
+        await asyncio.sleep(1.2)
+        late = (await c.get("/ready")).json()
+    assert early["condition"] == "not_ready_yet" and early["phase"] == "warming"
+    assert late["condition"] == "broken" and late["phase"] == "warming"
+    assert "never ready (KDTREE_READY_TIMEOUT_S=1)" in late["condition_evidence"][0]
+
+
+@pytest.mark.parametrize("fault", ["hang", "http-500"])
+async def test_condition_broken_when_it_stops_answering_after_serving(engine, tmp_path, fault):
+    proc = engine("--fault", fault, "--fault-after", "1")
+    settings = make_settings(tmp_path, proc.port, expected_tp_size=0, probe_deadline_s=0.5, probe_ttl_s=0)
+    async with sidecar(settings, server=proc) as c:
+        assert (await c.get("/ready")).status_code == 200
+        body = (await c.get("/ready")).json()
+    assert body["condition"] == "broken" and body["phase"] == "degraded", body
+    assert "and fails now" in body["condition_evidence"][0]
