@@ -269,13 +269,15 @@ def markdown(report: dict) -> str:
             f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['failed']} | {f(r['tokens_per_s'], '.1f')} | "
             f"{f(r['p50_s'])} | {f(r['p99_s'])} | {f(r['accept_length'])} |"
         )
-    lines += ["", "## Verify calls through kdtree, per rank", "",
-              "| mode | rank | served by kdtree | compared | fallbacks that grew | ok |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "## Verify calls through kdtree, per rank and load", "",
+              "| mode | concurrency | rank | served by kdtree | compared | fallbacks that grew | ok |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for mode, rows in report["evidence"].items():
         for r in rows:
             grew = ", ".join(f"{k} +{v}" for k, v in r["fallbacks_grew"].items()) or r.get("problem") or "-"
             lines.append(
-                f"| {mode} | {r['rank']} | {r['served']} | {r['compared']} | {grew} | {'yes' if r['ok'] else 'NO'} |"
+                f"| {mode} | {r.get('concurrency', '-')} | {r['rank']} | {r['served']} | {r['compared']} | {grew} | "
+                f"{'yes' if r['ok'] else 'NO'} |"
             )
     flip = report.get("flip")
     if flip:
@@ -298,8 +300,11 @@ def markdown(report: dict) -> str:
             if flip.get(k):
                 lines.append(f"{k.replace('_', ' ')} (on / {flip['from_mode']}): " + ", ".join(
                     f"concurrency {c}: {v:.3g}" for c, v in flip[k].items()))  # fmt: skip
-        if flip.get("parity"):
-            lines.append("Parity (validate, per rank): " + json.dumps(flip["parity"]))
+        for rank, p in sorted((flip.get("parity") or {}).items()):
+            lines.append(
+                f"Parity, rank {rank}: {p.get('calls_compared')} calls compared, max relative L2 "
+                f"{p.get('max_rel_l2')}, over tolerance {p.get('calls_over_tol')}, NaN/Inf {p.get('nan_inf')}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -217,7 +217,7 @@ class Stack:
         self.files = compose_files_for_cpu(tmp)
         self.env_file = tmp / "empty.env"  # a developer's .env must not leak into the test
         self.env_file.write_text("")
-        sidecar_port = free_port()
+        sidecar_port, self.server_port = free_port(), free_port()
         self.env = {
             **os.environ,
             "KDTREE_ADMIN_TOKEN": TOKEN,
@@ -225,7 +225,7 @@ class Stack:
             "KDTREE_SERVER_CONTAINER": self.server,
             "KDTREE_SIDECAR_IMAGE": SIDECAR,
             "KDTREE_SERVER_IMAGE": SERVER,
-            "KDTREE_PUBLISH_SERVER_PORT": str(free_port()),
+            "KDTREE_PUBLISH_SERVER_PORT": str(self.server_port),
             "KDTREE_PUBLISH_SIDECAR_PORT": str(sidecar_port),
             "KDTREE_TP_SIZE": "2",
             "KDTREE_VERIFY": "validate",
@@ -279,9 +279,11 @@ class Stack:
             f"timed out waiting for {what}; last /status: {last}\nserver log:\n{logs.stdout}{logs.stderr}"
         )
 
-    def post_mode(self, mode: str, token: str | None = TOKEN) -> httpx.Response:
+    def post_mode(self, mode: str, token: str | None = TOKEN, restart: bool = False) -> httpx.Response:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return self.http.post("/mode", json={"mode": mode, "reason": "e2e"}, headers=headers)
+        return self.http.post(
+            "/mode", json={"mode": mode, "reason": "e2e", "restart": restart}, headers=headers
+        )
 
     def wait_transition(self, outcome_count: int, timeout: float = 150) -> dict:
         """Until the transition count reaches outcome_count and none is active; returns the latest."""
@@ -377,24 +379,87 @@ def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
     stack.wait("ready after the manual start", lambda s: s["ready"], timeout=90)
 
 
-def test_compose_mode_on_restarts_the_server_and_ends_ready(stack):
+class Traffic:
+    """Completions sent without pause to the server's published port (what clients do during a flip), each
+    checked against the answer the same prompt got before: the stand-in's completions are deterministic."""
+
+    def __init__(self, port: int, prompts: list[str]):
+        import threading
+
+        self.url, self.prompts = f"http://127.0.0.1:{port}/v1/completions", prompts
+        self.expected = {p: self._complete(httpx.Client(timeout=30), p) for p in prompts}
+        self.sent, self.bad = 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _request(prompt: str) -> dict:
+        return {"model": "stand-in/deepseek-v3", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+
+    def _complete(self, client: httpx.Client, prompt: str):
+        r = client.post(self.url, json=self._request(prompt))
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+    def _run(self):
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                prompt = self.prompts[self.sent % len(self.prompts)]
+                self.sent += 1
+                try:
+                    text = self._complete(client, prompt)
+                except (httpx.HTTPError, KeyError, ValueError) as e:
+                    self.bad.append(f"{prompt!r}: {type(e).__name__}: {e}")
+                    continue
+                if text != self.expected[prompt]:
+                    self.bad.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_compose_mode_on_is_live_while_requests_flow(stack):
+    """validate -> on without a restart: every rank confirms within seconds, and the completions clients send
+    meanwhile all succeed with the answer they had before."""
     assert stack.post_mode("on", token=None).status_code == 401
     assert stack.post_mode("on", token="wrong").status_code == 403
     before = stack.container_started_at()
-    r = stack.post_mode("on")
-    assert r.status_code == 202, r.text
-    t = stack.wait_transition(1)
-    assert t["outcome"] == "succeeded", t
+    with Traffic(stack.server_port, ["The capital of France is", "def fib(n):", "Q: 2 + 2 = ?"]) as traffic:
+        time.sleep(1)
+        r = stack.post_mode("on")
+        assert r.status_code == 202 and r.json()["method"] == "live", r.text
+        t = stack.wait_transition(1)
+        time.sleep(1)
+    assert t["outcome"] == "succeeded" and t["method"] == "live", t
+    assert t["confirmed_s"] < 10, t  # the live-flip goal at the default heartbeat
     s = stack.status()
     assert s["ready"] and s["mode"]["current"] == "on" and s["mode"]["desired_file"] == "on"
-    assert {v["record"]["mode"] for v in s["ranks"]} == {"on"}  # the restarted server read the mode file
+    assert {v["record"]["mode"] for v in s["ranks"]} == {"on"}
+    assert stack.container_started_at() == before  # no restart
+    assert traffic.sent > 20 and traffic.bad == [], traffic.bad[:5]
+
+
+def test_compose_off_restarts_the_server_and_back(stack):
+    """The kill switch takes the restart path (nothing of kdtree's is installed in off), and so does leaving it."""
+    before = stack.container_started_at()
+    r = stack.post_mode("off")
+    assert r.status_code == 202 and r.json()["method"] == "restart", r.text
+    t = stack.wait_transition(2)
+    assert t["outcome"] == "succeeded" and t["method"] == "restart", t
     assert stack.container_started_at() != before
+    s = stack.status()
+    assert s["mode"]["current"] == "off" and {v["record"]["mode"] for v in s["ranks"]} == {"off"}
+    r = stack.post_mode("validate")
+    assert r.status_code == 202 and r.json()["method"] == "restart", r.text
+    assert stack.wait_transition(3)["outcome"] == "succeeded"
 
 
 def test_compose_failed_restart_rolls_back_to_validate(stack):
-    r = stack.post_mode("validate")
-    assert r.status_code == 202, r.text
-    assert stack.wait_transition(2)["outcome"] == "succeeded"
     # Recreate the server so that it crashes at start whenever it starts in mode `on`.
     stack.compose(
         "up",
@@ -404,9 +469,9 @@ def test_compose_failed_restart_rolls_back_to_validate(stack):
         extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start --fault-in-mode on"},
     )
     stack.wait("ready in validate", lambda s: s["ready"] and s["mode"]["current"] == "validate", timeout=90)
-    r = stack.post_mode("on")
-    assert r.status_code == 202, r.text
-    t = stack.wait_transition(3)
+    r = stack.post_mode("on", restart=True)  # where a live switch would do, the restart path on request
+    assert r.status_code == 202 and r.json()["method"] == "restart", r.text
+    t = stack.wait_transition(4)
     assert t["outcome"] == "rolled_back", t
     assert "crashed while starting in mode on" in t["failure"], t
     s = stack.wait("ready after the rollback", lambda s: s["ready"], timeout=60)
