@@ -348,9 +348,9 @@ def main(
 ) -> int:
     """Check, then serve: returns the server's exit status (serve is replaced by a double in tests)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):  # usage, without touching the GPU, torch or the state volume
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else EXIT_CONFIG
+    if argv[:1] in (["-h"], ["--help"]):  # usage, without touching the GPU, torch or the state volume
+        print(USAGE)
+        return 0
     # Recorded before the mode file is read: see entrypoint.supervise.
     sup = _supervisor().begin()
     try:

@@ -79,7 +79,12 @@ def test_no_spills_on_sm120_and_at_most_a_few_scalars_in_wide_on_sm90(build):
 
 def test_shared_memory_fits_each_target(build):
     lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))  # loads without a GPU: static cudart
-    assert lib.kdtree_abi_version() == 2
+    # The library, its header and the binding agree on the ABI (the binding refuses any other library).
+    header = int(
+        re.search(r"#define KDTREE_ABI_VERSION (\d+)", (SRC / "include" / "kdtree_verify.h").read_text())[1]
+    )
+    binding = int(re.search(r"^ABI_VERSION = (\d+)", (ROOT / "kdtree" / "kernel.py").read_text(), re.M)[1])
+    assert lib.kdtree_abi_version() == header == binding
     lib.kdtree_compiled_archs.restype = ctypes.c_char_p
     assert lib.kdtree_compiled_archs().decode().split(",") == ["90", "120"]
     wide, compact = lib.kdtree_verify_smem_bytes(1), lib.kdtree_verify_smem_bytes(2)
@@ -150,3 +155,23 @@ def test_bench_probes_compile(probe, tmp_path):
             text=True,
         )
         assert b.returncode == 0, b.stdout + b.stderr
+
+
+def test_live_mode_entry_points_refuse_bad_arguments_before_any_cuda_call(build):
+    """kdtree_mode_gate / kdtree_mode_post (src/modes.cu) check their pointers and sizes first (no GPU here)."""
+    lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))
+    p = ctypes.c_void_p
+    lib.kdtree_mode_gate.argtypes = [p, p, p, ctypes.c_int, ctypes.c_int, p, p, p, p, p]
+    lib.kdtree_mode_post.argtypes = [p, p, p, ctypes.c_int64, p, p, ctypes.c_float, p]
+    some = ctypes.cast(ctypes.create_string_buffer(64), p)
+    assert (
+        lib.kdtree_mode_gate(None, some, some, 1, 3, some, some, None, None, None) == 1
+    )  # no host mode word
+    assert (
+        lib.kdtree_mode_gate(some, some, some, 1, 1, some, some, None, None, None) == 1
+    )  # qo_indptr of 1 entry
+    assert (
+        lib.kdtree_mode_gate(some, some, some, 7, 3, some, some, None, None, None) == 1
+    )  # unknown index type
+    assert lib.kdtree_mode_post(some, some, some, 0, some, None, 0.02, None) == 1  # nothing to compare
+    assert lib.kdtree_mode_post(some, None, some, 8, some, None, 0.02, None) == 1
