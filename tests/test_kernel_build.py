@@ -167,6 +167,7 @@ def test_live_mode_entry_points_refuse_bad_arguments_before_any_cuda_call(build)
     assert (
         lib.kdtree_mode_gate(None, some, some, 1, 3, some, some, None, None, None) == 1
     )  # no host mode word
+    assert lib.kdtree_mode_gate(some, some, some, 1, 3, some, None, None, None, None) == 1  # no step count
     assert (
         lib.kdtree_mode_gate(some, some, some, 1, 1, some, some, None, None, None) == 1
     )  # qo_indptr of 1 entry
