@@ -158,21 +158,20 @@ def test_bench_probes_compile(probe, tmp_path):
 
 
 def test_live_mode_entry_points_refuse_bad_arguments_before_any_cuda_call(build):
-    """kdtree_mode_gate / kdtree_mode_post (src/modes.cu) check their pointers and sizes first (no GPU here)."""
+    """kdtree_mode_gate / kdtree_mode_post (src/modes.cu) check their pointers and sizes first (no GPU here):
+    each case below is valid but for one argument."""
     lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))
     p = ctypes.c_void_p
     lib.kdtree_mode_gate.argtypes = [p, p, p, ctypes.c_int, ctypes.c_int, p, p, p, p, p]
     lib.kdtree_mode_post.argtypes = [p, p, p, ctypes.c_int64, p, p, ctypes.c_float, p]
-    some = ctypes.cast(ctypes.create_string_buffer(64), p)
-    assert (
-        lib.kdtree_mode_gate(None, some, some, 1, 3, some, some, None, None, None) == 1
-    )  # no host mode word
-    assert lib.kdtree_mode_gate(some, some, some, 1, 3, some, None, None, None, None) == 1  # no step count
-    assert (
-        lib.kdtree_mode_gate(some, some, some, 1, 1, some, some, None, None, None) == 1
-    )  # qo_indptr of 1 entry
-    assert (
-        lib.kdtree_mode_gate(some, some, some, 7, 3, some, some, None, None, None) == 1
-    )  # unknown index type
-    assert lib.kdtree_mode_post(some, some, some, 0, some, None, 0.02, None) == 1  # nothing to compare
-    assert lib.kdtree_mode_post(some, None, some, 8, some, None, 0.02, None) == 1
+    m = ctypes.cast(ctypes.create_string_buffer(64), p)
+    gate_cases = {
+        "no host mode word": (None, m, m, 1, 3, m, m),
+        "no step count": (m, m, m, 1, 3, m, None),
+        "qo_indptr of one entry": (m, m, m, 1, 1, m, m),
+        "unknown index type": (m, m, m, 7, 3, m, m),
+    }
+    for why, args in gate_cases.items():
+        assert lib.kdtree_mode_gate(*args, None, None, None) == 1, why
+    assert lib.kdtree_mode_post(m, m, m, 0, m, None, 0.02, None) == 1  # nothing to compare
+    assert lib.kdtree_mode_post(m, None, m, 8, m, None, 0.02, None) == 1  # no output
