@@ -132,6 +132,7 @@ class DeviceState:
         self.side = torch.cuda.Stream(device) if cuda else None  # captured calls serve `on` from here
         self.step_calls = kernel.StepCalls(STEP_SLOTS) if cuda else None
         self.step: tuple[tuple[int, int, int], int] | None = None  # ((capture, qo address, entries), slot)
+        self.reserved = (0, 0)  # (validate_out elements, qo_indptr entries) sized for a capture so far
         self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (bytes, used in a capture)
         self._kept: list[torch.Tensor] = []
 
@@ -290,10 +291,17 @@ class VerifyOverride:
 
     def _reserve_for_capture(self, c: VerifyCall, state: DeviceState) -> None:
         """Size the buffers a capture of this call needs (SGLang runs each batch size eagerly before capturing
-        it); qo_indptr is int32 in eager metadata and int64 in captured metadata, so reserve 8 bytes an entry."""
-        qo = c.backend.forward_metadata.qo_indptr
-        state.buffer("validate_out", c.q.shape[0] * c.layer.tp_q_head_num * V_HEAD_DIM, torch.bfloat16, False)
-        state.buffer("qo_gated", 3 * qo.numel(), qo.dtype, False, reserve=24 * qo.numel())
+        it); qo_indptr is int32 in eager metadata and int64 in captured metadata, so reserve 8 bytes an entry.
+        Only a larger call than any before does work here: this runs on every eager call."""
+        out, n = (
+            c.q.shape[0] * c.layer.tp_q_head_num * V_HEAD_DIM,
+            c.backend.forward_metadata.qo_indptr.numel(),
+        )
+        if out <= state.reserved[0] and n <= state.reserved[1]:
+            return
+        state.buffer("validate_out", out, torch.bfloat16, False)
+        state.buffer("qo_gated", 3 * n, torch.int32, False, reserve=24 * n)
+        state.reserved = (max(out, state.reserved[0]), max(n, state.reserved[1]))
 
     def _serve(self, original, c: VerifyCall, state: DeviceState, capturing: bool, args, kwargs):
         backend, layer, fb = c.backend, c.layer, c.forward_batch
