@@ -585,13 +585,16 @@ class Controller:
                 raise StepFailed(f"{where}: " + "; ".join(a.reasons))
             steps.append(a.probe.verify_steps if a.probe else None)
             last_probe = a.probe.at if a.probe else time.time()
-            # Records are from processes started after the restart (or, live, from before it), so any error on
-            # them since the bake started is new.
+            # An error a rank reports now and did not at the bake's start is new (a live switch keeps the
+            # processes, and with them an older error, which says nothing about this flip).
             for v in a.ranks.ranks:
-                if v.record.last_error and v.record.tp_rank < s.expected_tp_size:
-                    raise StepFailed(
-                        f"{where}: rank {v.record.tp_rank} reported an error: {v.record.last_error}"
-                    )
+                rec, old = v.record, before.get(v.record.tp_rank)
+                if (
+                    rec.last_error
+                    and rec.tp_rank < s.expected_tp_size
+                    and (old is None or old.last_error != rec.last_error)
+                ):
+                    raise StepFailed(f"{where}: rank {rec.tp_rank} reported an error: {rec.last_error}")
         after = await self._records_after(last_probe)
         problems = bake_evidence(s, t.to_mode, before, after)
         if problems:

@@ -436,6 +436,9 @@ def test_compose_mode_on_is_live_while_requests_flow(stack):
         t = stack.wait_transition(1)
         time.sleep(1)
     assert t["outcome"] == "succeeded" and t["method"] == "live", t
+    print(
+        f"live flip confirmed by every rank after {t['confirmed_s']:.2f}s, done after {t['duration_s']:.2f}s"
+    )
     assert t["confirmed_s"] < 10, t  # the live-flip goal at the default heartbeat
     s = stack.status()
     assert s["ready"] and s["mode"]["current"] == "on" and s["mode"]["desired_file"] == "on"

@@ -612,3 +612,13 @@ async def test_a_mode_file_written_while_no_sidecar_ran_is_adopted(engine, tmp_p
         st = (await c.get("/status")).json()
     assert body["mode"] == "off" and st["mode"]["current"] == "off"
     assert "mode_file_adopted" in audit_events(tmp_path)
+
+
+async def test_an_error_a_rank_had_before_a_live_flip_does_not_fail_its_bake(engine, tmp_path):
+    """Live, the ranks keep their processes and a last_error they reported earlier: only a new one counts."""
+    proc = engine("--fault", "rank-error", "--parity-calls", "500", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        # The stand-in's ranks report the injected error throughout: /ready shows it, the bake must not.
+        assert (await c.post("/mode", json={"mode": "standby"}, headers=AUTH)).status_code == 202
+        t = await settle(c)
+    assert t["outcome"] == "succeeded" and t["method"] == "live", t
