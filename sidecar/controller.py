@@ -585,15 +585,12 @@ class Controller:
                 raise StepFailed(f"{where}: " + "; ".join(a.reasons))
             steps.append(a.probe.verify_steps if a.probe else None)
             last_probe = a.probe.at if a.probe else time.time()
-            # An error a rank reports now and did not at the bake's start is new (a live switch keeps the
-            # processes, and with them an older error, which says nothing about this flip).
+            # After a restart every error is the new processes'; a live switch keeps the processes, and with
+            # them an error from before it, which says nothing about this flip: only a changed one counts.
             for v in a.ranks.ranks:
                 rec, old = v.record, before.get(v.record.tp_rank)
-                if (
-                    rec.last_error
-                    and rec.tp_rank < s.expected_tp_size
-                    and (old is None or old.last_error != rec.last_error)
-                ):
+                new = t.method == "restart" or old is None or old.last_error != rec.last_error
+                if rec.last_error and rec.tp_rank < s.expected_tp_size and new:
                     raise StepFailed(f"{where}: rank {rec.tp_rank} reported an error: {rec.last_error}")
         after = await self._records_after(last_probe)
         problems = bake_evidence(s, t.to_mode, before, after)
