@@ -89,7 +89,9 @@ def visible_gpus() -> list[Gpu]:
     try:
         import torch  # the server image's torch; imported only here so CPU tests stay light
     except ImportError as e:
-        raise LaunchError(f"torch does not import here ({e})", "run the launcher in the server image") from None
+        raise LaunchError(
+            f"torch does not import here ({e})", "run the launcher in the server image"
+        ) from None
 
     count = torch.cuda.device_count()
     return [Gpu(i, torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(count)]
