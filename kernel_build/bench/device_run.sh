@@ -18,7 +18,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "tests: $((SECONDS - t0)) s (rc=$rc)"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  mma=$(kernel_build/build/mma_peak)
+  mma=$(python3 kernel_build/bench/mma_peak.py)  # by the library just built
   python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
 fi
