@@ -95,6 +95,15 @@ RUN pip install -r /tmp/requirements-server.txt
 RUN pip install --no-deps --target /opt/cuda-tools 'nvidia-cuda-cuobjdump>=13.2,<14' \
  && ln -s /opt/cuda-tools/nvidia/cu13/bin/cuobjdump /usr/local/bin/cuobjdump \
  && cuobjdump --version
+# Triton (SGLang's Triton attention backend, the benchmark's baseline) compiles its CUDA driver module and each
+# kernel's launcher with the host C compiler at first use, against Python.h: without them no Triton kernel runs.
+# (Python.h: python:*-slim images carry it; Debian's python3 needs python3-dev.) After the pip layers, which stay cached.
+RUN set -eu; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends gcc libc6-dev; \
+    python -c "import os, sysconfig; os.stat(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" 2>/dev/null \
+      || apt-get install -y --no-install-recommends python3-dev; \
+    rm -rf /var/lib/apt/lists/*
 
 # ---------------------------------------------------------------------------------------------------
 FROM server-deps AS server

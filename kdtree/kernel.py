@@ -20,7 +20,7 @@ import torch
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
-ABI_VERSION = 3  # kernel_build/include/kdtree_verify.h
+ABI_VERSION = 4  # kernel_build/include/kdtree_verify.h
 CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
 _I32, _I64 = 0, 1
 
@@ -124,6 +124,7 @@ def library() -> ctypes.CDLL:
         lib.kdtree_mode_post.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
         lib.kdtree_mode_post.argtypes += [ctypes.c_float, ctypes.c_void_p]
         lib.kdtree_capture_id.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+        lib.kdtree_mma_peak.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p]
         return lib
     raise KernelUnavailable(
         "kdtree kernel library not found; tried: "
@@ -140,6 +141,21 @@ def compiled_archs() -> list[str]:
     except KernelUnavailable:
         return []
     return [f"sm_{a}" for a in raw.split(",") if a]
+
+
+def mma_peak_tflops(warps_per_sm: int = 0) -> float:
+    """The measured rate of mma.sync m16n8k16 bf16 (fp32 accumulate), the kernel's tensor instruction, on the
+    current device in TFLOP/s: the compute ceiling of the benchmarks' roofline (src/peak.cu). warps_per_sm 0: every
+    scheduler busy with several warps; 4: one warp per scheduler. Waits for the current stream: not for graphs."""
+    if not 0 <= warps_per_sm <= 32:
+        raise ValueError(f"warps_per_sm: expected 0..32, got {warps_per_sm}")
+    out = ctypes.c_float()
+    rc = library().kdtree_mma_peak(warps_per_sm, ctypes.byref(out), torch.cuda.current_stream().cuda_stream)
+    if rc != 0:
+        raise RuntimeError(
+            f"kdtree_mma_peak failed ({rc}): a CUDA call failed on {torch.cuda.get_device_name()}"
+        )
+    return out.value
 
 
 def smem_bytes(config: str) -> int:

@@ -130,6 +130,49 @@ def test_installed_library_carries_sm90_and_sm120_code(server_image):
     assert {"sm_90", "sm_120"} <= set(eval(r.stdout.strip().splitlines()[-1]))
 
 
+TRITON_BUILD_PROBE = r"""
+from triton.runtime.build import compile_module_from_src
+src = '''
+#include <Python.h>
+static PyObject* answer(PyObject* self, PyObject* args) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kdtree_probe", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_kdtree_probe(void) { return PyModule_Create(&mod); }
+'''
+print(compile_module_from_src(src, "kdtree_probe").answer())
+"""
+
+
+def test_triton_can_build_its_runtime_modules(server_image):
+    """Triton compiles its CUDA driver module and every kernel's launcher with the host C compiler against
+    Python.h at first use (SGLang's Triton attention backend; the benchmark's baseline and timer): the same build
+    path, on a module that needs no GPU."""
+    r = docker_run(server_image, "-c", TRITON_BUILD_PROBE, entrypoint="python")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "42"
+
+
+def test_bench_command_is_in_the_image_and_needs_a_gpu(server_image):
+    """README's `docker run --gpus all --entrypoint python kdtree-server -m kdtree.bench`, here without a GPU:
+    the CPU side (the module, its command line, the GPU check) as shipped."""
+    r = docker_run(server_image, "-m", "kdtree.bench", entrypoint="python")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    assert r.stderr.splitlines() == ["kdtree.bench: no CUDA GPU is visible (run the image with --gpus all)"]
+    r = docker_run(server_image, "-m", "kdtree.bench", "--help", entrypoint="python")
+    assert r.returncode == 0, r.stderr
+    assert "--quick" in r.stdout and "--full" in r.stdout and "--out DIR" in r.stdout
+    # The shipped library carries the mma.sync measurement the benchmark's roofline uses.
+    r = docker_run(
+        server_image,
+        "-c",
+        "from kdtree import kernel; print(callable(kernel.library().kdtree_mma_peak))",
+        entrypoint="python",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_images_run_as_a_non_root_user(server_image, sidecar_image):
     for image in (server_image, sidecar_image):
         r = docker_run(image, "-c", "import os; print(os.getuid())", entrypoint="python")

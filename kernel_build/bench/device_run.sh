@@ -2,6 +2,9 @@
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
 # usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|all] [pytest args...]
+#        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
+# 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
+# $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
 # 'modes' measures what live mode switching costs per verify call (bench_modes.py: modes.md + modes.json).
 # 'profile' (and 'all') profiles one batch-1 launch with Nsight Compute when ncu is present: ncu.txt (the
 # summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
@@ -18,9 +21,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "tests: $((SECONDS - t0)) s (rc=$rc)"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  mma=$(kernel_build/build/mma_peak)
-  python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
+  # The mma.sync rate the roofline uses is measured in the same run, by the library just built.
+  python3 kernel_build/bench/bench_verify.py --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
+fi
+if [ "$what" = userbench ]; then
+  python3 -m kdtree.bench "$@" --out "$out/userbench" 2>&1 | tee "$out/userbench.log"; rc=${PIPESTATUS[0]}
+  echo "userbench: $((SECONDS - t0)) s (rc=$rc)"
 fi
 if [ "$what" = modes ] || [ "$what" = all ]; then
   python3 kernel_build/bench/bench_modes.py --out "$out/modes.md" 2>&1 | tee "$out/modes.log"

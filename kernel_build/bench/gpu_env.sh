@@ -1,12 +1,11 @@
 # Sourced on a GPU machine by device_run.sh and variants.sh: sets $out (logs: $OUT or ./device-out) and $cc
-# (the GPU's compute capability, e.g. 90), builds kernel_build/build/mma_peak (the measured mma.sync rate the
-# roofline uses), installs SGLang's Python wheels from .whl when present, and exports the PYTHONPATH the GPU
-# tests and the benchmark import from.
+# (the GPU's compute capability, e.g. 90), installs SGLang's Python wheels from .whl when present, and exports
+# the PYTHONPATH the GPU tests and the benchmark import from. (The mma.sync rate the roofline uses is measured by
+# the kernel library: kernel_build/bench/mma_peak.py.)
 out=${OUT:-$PWD/device-out}
 mkdir -p "$out" kernel_build/build
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 [ -n "$cc" ] || { echo "no GPU found (nvidia-smi reported no compute capability)" >&2; exit 1; }
-nvcc -O3 -arch=sm_"$cc" kernel_build/bench/mma_peak.cu -o kernel_build/build/mma_peak || exit 1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

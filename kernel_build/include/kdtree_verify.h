@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 3
+#define KDTREE_ABI_VERSION 4
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
@@ -108,6 +108,12 @@ int kdtree_mode_post(const unsigned* mode, const void* ours, const void* orig, i
                      kdtree_parity_totals* mirror, float rtol, void* stream);
 /* The id of the CUDA graph capture running on `stream` (a cudaStream_t), 0 when it is not capturing. */
 int kdtree_capture_id(void* stream, unsigned long long* id);
+
+/* The measured rate of mma.sync.m16n8k16 bf16 with fp32 accumulate on the current device, in TFLOP/s, into *tflops
+ * (src/peak.cu): the compute ceiling of the benchmarks' roofline. warps_per_sm 0: 4 blocks of 8 warps per
+ * multiprocessor; 1..32: one block of that many warps per multiprocessor. Runs on `stream` and waits for it: a
+ * benchmark, not for graphs. */
+int kdtree_mma_peak(int warps_per_sm, float* tflops, void* stream);
 
 /* Device address of pinned host memory (the mode word, the mirrors above). */
 int kdtree_host_device_pointer(void* host, void** device);

@@ -1,0 +1,347 @@
+"""Benchmark kdtree's tree-verify kernel on this GPU against SGLang's own Triton kernel and the roofline.
+
+    python -m kdtree.bench [--quick | --full] [--torch | --no-torch] [--out DIR]
+
+In the server image: `docker run --rm --gpus all --entrypoint python kdtree-server -m kdtree.bench`.
+
+First line: the GPU, its SM count and compute capability, the tile configuration kdtree runs there (`wide` or
+`compact`; KDTREE_KERNEL_CONFIG forces one), the library's architectures, the date and kdtree's version. Then the
+ceilings measured in the same run (device-to-device copy bandwidth; the mma.sync bf16 rate, measured by the
+kernel library), then one row per shape with the columns of kernel_build/BENCHMARKS.md. --quick (the default)
+times four shapes in about a minute on an H200; --full the whole grid of the published tables. Nothing is read
+from the network: the batches are random (kdtree.reference.make_batch).
+
+How it times (the same functions make the published tables, through kernel_build/bench/bench_verify.py):
+kdtree as SGLang runs verify, CUDA-graph replays of R calls over R distinct input sets (more data than the L2
+holds), divided by R; the baselines (SGLang 0.5.23's Triton `extend_attention_fwd`, what TritonAttnBackend runs
+for target-verify, and optionally gather + PyTorch SDPA with the tree mask) eager, by triton.testing.do_bench,
+which flushes the L2 before each call. Roofline time = max(bytes / copy bandwidth, FLOPs / mma.sync rate), bytes
+= KV read once + q + out, FLOPs = 2*H*N*(576 + 512) per key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+PROG = "kdtree.bench"
+EXIT_ENV = 2  # no GPU, no kernel library, no code for this GPU, no SGLang: one line on stderr
+NO_GPU = f"{PROG}: no CUDA GPU is visible (run the image with --gpus all)"
+
+# batch x heads x draft tokens x prefix: the grid of kernel_build/BENCHMARKS.md, and its quick subset
+GRID = [(bs, h, n, p) for bs in (1, 8, 32) for h in (8, 16) for n in (16, 64) for p in (4096, 32768, 131072)]
+QUICK = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768), (8, 8, 16, 131072)]
+# The input sets of one timed graph hold 3x the L2 where that takes at most 8 sets, sized for the H200's 50 MiB
+# L2 (the published tables); a larger L2 (RTX PRO 6000: 128 MB) gets proportionally more sets.
+L2_BYTES = 60e6
+MAX_SETS = 8
+KV_ROW_BYTES = 576 * 2  # one latent KV row, bf16
+FLOP_PER_KEY_ROW = 2 * (576 + 512)  # per (draft token x head): QK^T and PV
+
+
+class EnvironmentProblem(Exception):
+    """What this machine lacks to run the benchmark; main() prints it as one line and exits 2."""
+
+
+def input_sets(kv_bytes: int, l2_bytes: float = L2_BYTES) -> int:
+    """Distinct input sets for one graph: enough that a replay finds none of its KV in the L2."""
+    l2 = max(L2_BYTES, l2_bytes)
+    return max(1, min(math.ceil(MAX_SETS * l2 / L2_BYTES), math.ceil(3 * l2 / kv_bytes)))
+
+
+def shape_costs(bs: int, h: int, n: int, p: int) -> tuple[int, int, int]:
+    """(KV bytes read once, all bytes: KV + q + out, FLOPs) of one call."""
+    kv_bytes = bs * (p + n) * KV_ROW_BYTES
+    io_bytes = kv_bytes + bs * n * h * 576 * 2 + bs * n * h * 512 * 2
+    return kv_bytes, io_bytes, FLOP_PER_KEY_ROW * h * n * (p + n) * bs
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second."""
+    import torch
+    import triton.testing
+
+    def timed() -> float:
+        x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        return triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+
+    ms = timed()
+    torch.cuda.empty_cache()  # the 4 GiB go back to the device before the batches are made
+    return 2 * (2 << 30) / (ms * 1e-3)
+
+
+def time_ours(batches) -> float:
+    """us per call: one CUDA graph of a call per input set, replayed."""
+    import torch
+
+    from kdtree import kernel
+    from kdtree.reference import kdtree_call
+
+    outs, wss = [], []
+    for b in batches:
+        T, H = b.q.shape[:2]
+        outs.append(torch.empty(T, H * 512, dtype=torch.bfloat16, device="cuda"))
+        wss.append(
+            torch.empty(
+                kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"),
+                dtype=torch.uint8,
+                device="cuda",
+            )
+        )
+
+    def run():
+        for b, o, w in zip(batches, outs, wss, strict=True):
+            kdtree_call(b, o, w)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    reps = max(1, math.ceil(200 / len(batches)))
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(batches)))
+    return sorted(times)[len(times) // 2] * 1e3  # us
+
+
+def time_triton(b) -> float:
+    """us per call of SGLang's Triton extend kernel, eager, L2 flushed before each call."""
+    import torch
+    import triton.testing
+
+    from kdtree.reference import triton_call
+
+    T, H = b.q.shape[:2]
+    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    return triton.testing.do_bench(lambda: triton_call(b, o), warmup=5, rep=60, return_mode="median") * 1e3
+
+
+def time_torch(b) -> float:
+    """What a user would write in plain PyTorch: gather, concatenate, SDPA with the tree mask (nan: out of memory)."""
+    import torch
+    import triton.testing
+
+    B, N, P = len(b.q_lens), b.q_lens[0], b.prefix_lens[0]
+    H = b.q.shape[1]
+    idx = b.kv_indices.long().view(B, P)
+    mask = b.custom_mask.view(B, N, P + N).unsqueeze(1)
+
+    def fn():
+        k = torch.cat([b.k_buf[idx, 0], b.k_ext[:, 0].view(B, N, 576)], 1).unsqueeze(1)
+        q = b.q.view(B, N, H, 576).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, k[..., :512], attn_mask=mask, scale=b.sm_scale, enable_gqa=True
+        )
+        return o.transpose(1, 2)
+
+    try:
+        return triton.testing.do_bench(fn, warmup=3, rep=40, return_mode="median") * 1e3
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return float("nan")
+
+
+def measure(
+    shape: tuple[int, int, int, int],
+    copy_bw: float,
+    mma_tflops: float,
+    *,
+    triton: bool = True,
+    torch_sdpa: bool = True,
+    l2_bytes: float = L2_BYTES,
+) -> dict:
+    """One row of the table: kdtree, the baselines asked for (nan otherwise), and the roofline."""
+    import torch
+
+    from kdtree.reference import make_batch
+
+    bs, h, n, p = shape
+    kv_bytes, io_bytes, flops = shape_costs(bs, h, n, p)
+    batches = [make_batch(bs, h, n, p, seed=s, spare_slots=0) for s in range(input_sets(kv_bytes, l2_bytes))]
+    ours = time_ours(batches)
+    tri = time_triton(batches[0]) if triton else float("nan")
+    tch = time_torch(batches[0]) if torch_sdpa else float("nan")
+    del batches
+    torch.cuda.empty_cache()
+    roof = max(io_bytes / copy_bw, flops / (mma_tflops * 1e12)) * 1e6
+    return dict(
+        batch=bs,
+        heads=h,
+        draft=n,
+        prefix=p,
+        ours_us=ours,
+        triton_us=tri,
+        torch_us=tch,
+        speedup=tri / ours,
+        gbps=kv_bytes / (ours * 1e-6) / 1e9,
+        tflops=flops / (ours * 1e-6) / 1e12,
+        roofline_us=roof,
+        pct_roofline=100 * roof / ours,
+    )
+
+
+def progress(r: dict) -> str:
+    """The line printed as each shape finishes."""
+    return (
+        f"b{r['batch']} h{r['heads']} n{r['draft']} p{r['prefix']}: ours {r['ours_us']:.1f} us, "
+        f"triton {r['triton_us']:.0f} us, torch {r['torch_us']:.0f} us, "
+        f"x{r['speedup']:.3g}, {r['pct_roofline']:.0f}% of roofline"
+    )
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The markdown table of a run's rows (also for re-rendering a saved bench.json). Speedups keep three
+    significant digits, so a goal missed by a few percent does not round up to it."""
+    return [
+        "| batch | H | N | prefix | ours (us) | Triton (us) | PyTorch (us) | speedup vs Triton | KV GB/s | TFLOP/s | roofline (us) | % of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ] + [
+        f"| {r['batch']} | {r['heads']} | {r['draft']} | {r['prefix']} | {r['ours_us']:.1f} | {r['triton_us']:.0f} | "
+        f"{r['torch_us']:.0f} | {r['speedup']:.3g}x | {r['gbps']:.0f} | {r['tflops']:.0f} | {r['roofline_us']:.1f} | "
+        f"{r['pct_roofline']:.0f}% |"
+        for r in rows
+    ]
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"{PROG}: torch does not import here ({e}); run it in the server image"
+        ) from None
+    with warnings.catch_warnings():  # a missing driver may warn; NO_GPU says it once
+        warnings.simplefilter("ignore")
+        return torch.cuda.is_available()
+
+
+def device_info() -> dict:
+    """The GPU and what kdtree runs on it; EnvironmentProblem when there is no GPU, library or code for it."""
+    if not _cuda_visible():
+        raise EnvironmentProblem(NO_GPU)
+    import torch
+
+    import kdtree
+    from kdtree import kernel
+
+    try:
+        kernel.library()
+        _, config = kernel._device_plan(torch.cuda.current_device())
+    except (kernel.KernelUnavailable, OSError) as e:  # OSError: the library is there but does not load
+        raise EnvironmentProblem(f"{PROG}: {e}") from None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    forced = os.environ.get("KDTREE_KERNEL_CONFIG")
+    return dict(
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        capability=f"sm_{props.major}{props.minor}",
+        l2_bytes=getattr(props, "L2_cache_size", 0),
+        config={v: k for k, v in kernel.CONFIGS.items()}[config],
+        config_forced=bool(forced),
+        archs=kernel.compiled_archs(),
+        date=str(datetime.date.today()),
+        kdtree=kdtree.__version__,
+    )
+
+
+def device_line(d: dict) -> str:
+    forced = " (forced by KDTREE_KERNEL_CONFIG)" if d["config_forced"] else ""
+    return (
+        f"GPU: {d['gpu']} ({d['sms']} SMs, {d['capability']}), tile configuration {d['config']}{forced}, "
+        f"library {','.join(d['archs'])}, {d['date']}, kdtree {d['kdtree']}"
+    )
+
+
+def _require_baseline() -> None:
+    try:
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: F401
+    except Exception as e:  # any failure to import it (missing, or a broken install) means no baseline
+        raise EnvironmentProblem(
+            f"{PROG}: SGLang's Triton extend kernel does not import here ({type(e).__name__}: {e}); "
+            "run it in the server image"
+        ) from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {PROG}",
+        description="Time kdtree's tree-verify kernel on this GPU against SGLang's Triton kernel and the roofline "
+        "measured in the same run (copy bandwidth, mma.sync rate). Reads nothing from the network.",
+    )
+    grid = ap.add_mutually_exclusive_group()
+    grid.add_argument(
+        "--quick", action="store_true", help=f"{len(QUICK)} shapes, about a minute (the default)"
+    )
+    grid.add_argument("--full", action="store_true", help=f"the whole grid of {len(GRID)} shapes")
+    ap.add_argument(
+        "--torch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time gather + PyTorch SDPA (default: with --full only)",
+    )
+    ap.add_argument("--out", type=Path, metavar="DIR", help="write bench.md and bench.json into this folder")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shapes = GRID if args.full else QUICK
+    torch_sdpa = args.full if args.torch is None else args.torch
+    try:
+        dev = device_info()
+        _require_baseline()
+    except EnvironmentProblem as e:
+        print(e, file=sys.stderr, flush=True)
+        return EXIT_ENV
+    from kdtree import kernel
+
+    head = [device_line(dev)]
+    print(head[0], flush=True)
+    bw = copy_bandwidth()
+    mma = kernel.mma_peak_tflops()
+    head.append(
+        f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s; mma.sync bf16 {mma:.0f} TFLOP/s "
+        "(the kernel's instruction, measured by the kdtree library; the roofline uses both)"
+    )
+    head.append(
+        "Baselines: SGLang's Triton extend_attention_fwd"
+        + (", gather + PyTorch SDPA" if torch_sdpa else " (PyTorch SDPA not timed: --torch)")
+        + f"; {'full grid' if args.full else 'quick grid (--full: all shapes)'}"
+    )
+    print(head[1], head[2], sep="\n", flush=True)
+    rows = []
+    for shape in shapes:
+        rows.append(measure(shape, bw, mma, torch_sdpa=torch_sdpa, l2_bytes=dev["l2_bytes"]))
+        print(progress(rows[-1]), flush=True)
+    text = "\n".join([*head, "", *table(rows)])
+    print("\n" + "\n".join(table(rows)))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench.md").write_text(text + "\n")
+        record = dict(device=dev, copy_bw=bw, mma_tflops=mma, torch_sdpa=torch_sdpa, rows=rows)
+        (args.out / "bench.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.out / 'bench.md'} and {args.out / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

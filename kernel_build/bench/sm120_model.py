@@ -1,0 +1,178 @@
+"""A performance model, on paper, of kdtree's `compact` configuration on the RTX PRO 6000 Blackwell (sm_120).
+
+    python3 kernel_build/bench/sm120_model.py [--copy-tbps X] [--mma-tflops Y] [--clock-ghz Z]
+
+Prints the table of kernel_build/NOTES.md, "A performance model of the RTX PRO 6000 (sm_120)" (a test keeps the
+two equal). By default from the card's published numbers (below, each with its source); give the copy bandwidth
+and mma.sync rate that `python -m kdtree.bench` measured on your card (and its SM clock under load, nvidia-smi's
+clocks.sm) to get the model for that card.
+
+Per shape of the benchmark grid (kdtree.bench.GRID):
+- memory roofline = bytes / bandwidth, bytes = KV read once + q + out (kdtree.bench.shape_costs);
+- compute roofline = FLOPs / mma.sync rate, FLOPs = 2*H*N*(576 + 512) per key;
+- fixed cost per launch, scaled from compact's on the H200 (fixed_us below);
+- predicted = max(memory roofline, compute roofline / compact's H200 efficiency) + fixed: the steady state runs at
+  the fraction of the mma.sync rate that compact reaches on the H200 (conservative: see best_case);
+- best case = the same with compact's H200 rate per SM and clock instead, capped by sm_120's tensor pipe.
+Pure Python: no GPU, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2])
+)  # the repository root: kdtree.bench's grid and costs
+from kdtree.bench import GRID, shape_costs  # noqa: E402  (stdlib only at import)
+
+# ---- RTX PRO 6000 Blackwell (GB202, sm_120): published ----------------------------------------------------------
+# 188 of GB202's 192 SMs, 128 MB L2, 128 KB of L1/shared memory per SM at 128 B/clk, L2 ~8.7 TB/s:
+#   https://chipsandcheese.com/p/blackwell-nvidias-massive-gpu
+SM120_SMS = 188
+# Boost clock 2617 MHz (Workstation Edition; the Server Edition is specified alike, Max-Q lower):
+#   https://hmc-tech.com/gpu/nvidia-rtx-pro-6000-blackwell-vs-amd-radeon-pro-duo-polaris
+SM120_CLOCK_GHZ = 2.617
+# 96 GB GDDR7 on a 512-bit bus at 28 Gbps, 1,792 GB/s:
+#   https://itdaily.com/news/workplace/nvidia-rtx-pro-blackwell/
+SM120_COPY_TBPS = 1.792
+# Dense BF16 with FP32 accumulate, 503.8 TFLOP/s (1007.6 with sparsity), NVIDIA's RTX Blackwell PRO architecture
+# whitepaper as NVIDIA's cudnn-frontend quotes it (= 1024 FLOP/clk/SM x 188 SMs x 2.617 GHz; full rate with FP32
+# accumulate, unlike GeForce parts, which halve it):
+#   https://github.com/NVIDIA/cudnn-frontend/blob/main/benchmark/attention_training/benchmark_single_sdpa.py
+# sm_120 has no wgmma and no tcgen05, so its cuBLAS runs mma.sync too; cuBLAS bf16 measured 417 TFLOP/s on an RTX PRO
+# 6000 Server Edition (8192^3), 83% of this: https://github.com/zzc0721/torch-performance-test-data/issues/162
+SM120_MMA_TFLOPS = 503.8
+# Shared memory 100 KB per SM, 99 KB per block (opt-in); 64K 32-bit registers per SM; 1536 threads per SM (CCCL's
+# architecture traits, shipped with CUDA 13.0 as include/cccl/cuda/__device/arch_traits.h):
+#   https://github.com/NVIDIA/cccl/blob/main/libcudacxx/include/cuda/__device/arch_traits.h
+SM120_SMEM_PER_SM_KB, SM120_SMEM_PER_BLOCK_KB, SM120_REGS_PER_SM = 100, 99, 65536
+
+# ---- H200 (sm_90): measured here ---------------------------------------------------------------------------------
+H200_SMS = 132
+H200_CLOCK_GHZ = 1.755  # SM clock under this kernel's load (NOTES.md: Nsight Compute runs at 1.75-1.77 GHz)
+H200_COPY_TBPS = 4.27  # kernel_build/bench/h200-371e508.json (the 371e508 table of BENCHMARKS.md)
+H200_MMA_TFLOPS = 628.2  # the same run: mma.sync bf16, all SMs busy
+# compact forced on the H200 (KDTREE_KERNEL_CONFIG=compact; NOTES.md, Versions, "v9 with `compact` on H200"), us:
+H200_COMPACT_US = {(1, 8, 16, 32768): 78.7, (32, 8, 16, 4096): 262.0, (8, 16, 64, 32768): 3869.0}
+H200_WIDE_JSON = Path(__file__).with_name("h200-371e508.json")
+
+# ---- compact (src/tree_verify.cu, Cfg<32, 16, 3, 4, 36, true>) -------------------------------------------------
+BM, BN = 32, 16  # rows (draft token x head) and keys per tile
+# A tile's mma m16n8k16: 2 score warps x (2 n-blocks x 36 k-steps) + 4 output warps x (2 m-blocks x 16 n-blocks).
+# Warps 0, 1 (score) share schedulers 0, 1 with output warps 4, 5: those two schedulers issue 72 + 32 mma per tile,
+# so the tensor pipe caps compact at 272 / (4 x 104) of the SM's mma rate.
+TILE_MMA, BUSIEST_SCHEDULER_MMA = 2 * 72 + 4 * 32, 72 + 32
+TENSOR_CAP = TILE_MMA / (4 * BUSIEST_SCHEDULER_MMA)
+RAMP_BYTES_PER_CTA = BM * 576 * 2 + BN * 576 * 2  # Q and the first key tile: read before a CTA's first mma
+CTAS_PER_SM = 1  # 94 KB of shared memory and 6 warps at 232 registers: one CTA per SM on both cards
+
+
+def compact_h200() -> tuple[float, float]:
+    """(efficiency, fixed us) of compact on the H200: time = compute roofline / efficiency + fixed, fitted to the
+    batch-1 and the largest measured shape; the third point checks it (test_sm120_model)."""
+    (b1, t1), (big, t2) = ((s, H200_COMPACT_US[s]) for s in [(1, 8, 16, 32768), (8, 16, 64, 32768)])
+    c1, c2 = (shape_costs(*s)[2] / (H200_MMA_TFLOPS * 1e12) * 1e6 for s in (b1, big))
+    eff = (c2 - c1) / (t2 - t1)
+    return eff, t1 - c1 / eff
+
+
+def fixed_us(copy_tbps: float, clock_ghz: float = SM120_CLOCK_GHZ) -> float:
+    """compact's fixed cost per launch on sm_120. On the H200 it is ~18.5 us (compact_h200), nearly all on chip:
+    launch, dependent index loads, the pipeline filling and draining, the split merge (whose partial rows stay in
+    the L2: 50 MB there, 128 MB here). That part scales with the SM clock (1.755 -> 2.617 GHz). The ramp's DRAM
+    traffic (Q and the first key tile of every CTA of the first wave: 7.3 MB on the H200, 10.4 MB on 188 SMs)
+    scales with bandwidth instead. Every shape of the grid fills the first wave, so it is one number."""
+    _, fixed_h200 = compact_h200()
+    ramp_h200 = H200_SMS * CTAS_PER_SM * RAMP_BYTES_PER_CTA / (H200_COPY_TBPS * 1e12) * 1e6
+    ramp_sm120 = SM120_SMS * CTAS_PER_SM * RAMP_BYTES_PER_CTA / (copy_tbps * 1e12) * 1e6
+    return (fixed_h200 - ramp_h200) * H200_CLOCK_GHZ / clock_ghz + ramp_sm120
+
+
+def best_case_tflops(mma_tflops: float, clock_ghz: float = SM120_CLOCK_GHZ) -> float:
+    """compact's steady-state rate if it keeps its H200 rate per SM and clock (what it is bound by there, latency and
+    issue, is per clock the same on both SMs), capped by the tensor pipe of sm_120's two busiest schedulers."""
+    eff, _ = compact_h200()
+    per_sm_clk_h200 = eff * H200_MMA_TFLOPS * 1e12 / (H200_SMS * H200_CLOCK_GHZ * 1e9)
+    per_sm_clk_cap = TENSOR_CAP * mma_tflops * 1e12 / (SM120_SMS * clock_ghz * 1e9)
+    return min(per_sm_clk_h200, per_sm_clk_cap) * SM120_SMS * clock_ghz * 1e9 / 1e12
+
+
+def model(
+    copy_tbps: float = SM120_COPY_TBPS,
+    mma_tflops: float = SM120_MMA_TFLOPS,
+    clock_ghz: float = SM120_CLOCK_GHZ,
+) -> list[dict]:
+    eff, _ = compact_h200()
+    fixed, best = fixed_us(copy_tbps, clock_ghz), best_case_tflops(mma_tflops, clock_ghz)
+    wide = {(r["batch"], r["heads"], r["draft"], r["prefix"]): r["ours_us"] for r in _h200_wide_rows()}
+    rows = []
+    for shape in GRID:
+        _, io_bytes, flops = shape_costs(*shape)
+        memory = io_bytes / (copy_tbps * 1e12) * 1e6
+        compute = flops / (mma_tflops * 1e12) * 1e6
+        rows.append(
+            dict(
+                shape=shape,
+                memory_us=memory,
+                compute_us=compute,
+                bound="memory" if memory > compute else "compute",
+                fixed_us=fixed,
+                predicted_us=max(memory, compute / eff) + fixed,
+                best_case_us=max(memory, flops / (best * 1e12) * 1e6) + fixed,
+                h200_wide_us=wide[shape],
+            )
+        )
+    return rows
+
+
+def _h200_wide_rows() -> list[dict]:
+    return json.loads(H200_WIDE_JSON.read_text())["rows"]
+
+
+def markdown(rows: list[dict]) -> list[str]:
+    out = [
+        "| batch | H | N | prefix | memory roofline (us) | compute roofline (us) | bound at the rooflines "
+        "| fixed (us) | predicted compact (us) | best case (us) | H200 wide, measured (us) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bs, h, n, p = r["shape"]
+        out.append(
+            f"| {bs} | {h} | {n} | {p} | {r['memory_us']:.1f} | {r['compute_us']:.1f} | {r['bound']} "
+            f"| {r['fixed_us']:.1f} | {r['predicted_us']:.0f} | {r['best_case_us']:.0f} | {r['h200_wide_us']:.1f} |"
+        )
+    return out
+
+
+def summary(copy_tbps: float, mma_tflops: float, clock_ghz: float) -> list[str]:
+    eff, fixed_h200 = compact_h200()
+    best = best_case_tflops(mma_tflops, clock_ghz)
+    return [
+        f"Inputs: {SM120_SMS} SMs at {clock_ghz} GHz, copy {copy_tbps:.3f} TB/s, mma.sync bf16 "
+        f"{mma_tflops:.1f} TFLOP/s (ridge {mma_tflops / copy_tbps:.0f} FLOP/B); compact on the H200: "
+        f"{100 * eff:.1f}% of the mma.sync rate + {fixed_h200:.1f} us per launch",
+        f"Steady state: predicted at {eff * mma_tflops:.0f} TFLOP/s ({100 * eff:.1f}%), best case at "
+        f"{best:.0f} TFLOP/s ({100 * best / mma_tflops:.1f}%); fixed {fixed_us(copy_tbps, clock_ghz):.1f} us per launch",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--copy-tbps", type=float, default=SM120_COPY_TBPS, help="copy bandwidth, TB/s")
+    ap.add_argument("--mma-tflops", type=float, default=SM120_MMA_TFLOPS, help="mma.sync bf16 rate, TFLOP/s")
+    ap.add_argument("--clock-ghz", type=float, default=SM120_CLOCK_GHZ, help="SM clock under load, GHz")
+    a = ap.parse_args(argv)
+    lines = [
+        *summary(a.copy_tbps, a.mma_tflops, a.clock_ghz),
+        "",
+        *markdown(model(a.copy_tbps, a.mma_tflops, a.clock_ghz)),
+    ]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

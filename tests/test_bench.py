@@ -1,0 +1,127 @@
+"""`python -m kdtree.bench`, the benchmark users run from the server image, on the CPU side: its one-line refusals,
+its command line, and that it computes the published tables' rows (kernel_build/bench/bench_verify.py, which made
+them, now runs on its functions). The GPU side runs on the GPU machine (tests/gpu, device_run.sh userbench)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kdtree import bench, kernel  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "kernel_build" / "bench" / "h200-371e508.json"  # the table in BENCHMARKS.md at 371e508
+
+
+def run_module(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kdtree.bench", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        timeout=120,
+    )
+
+
+def test_without_a_gpu_it_exits_2_with_one_line():
+    r = run_module(CUDA_VISIBLE_DEVICES="")  # hides any GPU this machine has
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    assert r.stderr.splitlines() == ["kdtree.bench: no CUDA GPU is visible (run the image with --gpus all)"]
+
+
+def test_help_names_the_grids_and_the_output():
+    r = run_module("--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--quick", "--full", "--torch", "--out DIR"):
+        assert flag in r.stdout
+    assert run_module("--quick", "--full").returncode == 2  # one grid or the other
+
+
+def test_a_missing_library_is_named_in_one_line(monkeypatch):
+    monkeypatch.setattr(bench, "_cuda_visible", lambda: True)  # as if a GPU were there
+    monkeypatch.setenv("KDTREE_KERNEL_LIB", "/nonexistent/libkdtree_verify.so")
+    kernel.library.cache_clear()
+    try:
+        with pytest.raises(bench.EnvironmentProblem) as e:
+            bench.device_info()
+    finally:
+        kernel.library.cache_clear()
+    assert str(e.value).startswith("kdtree.bench: kdtree kernel library not found; tried: /nonexistent/")
+    assert "\n" not in str(e.value)
+
+
+def test_grids():
+    assert len(bench.GRID) == 36 and len(set(bench.GRID)) == 36
+    assert set(bench.QUICK) <= set(bench.GRID)
+    assert bench.QUICK[:2] == [(1, 8, 16, 32768), (32, 8, 16, 4096)]  # the two goals of the published tables
+
+
+def test_input_sets_keep_the_published_rule_on_the_h200_and_grow_with_the_l2():
+    h200_l2 = 50 * 2**20
+    for shape in bench.GRID:
+        kv = bench.shape_costs(*shape)[0]
+        assert bench.input_sets(kv, h200_l2) == max(
+            1, min(8, math.ceil(3 * 60e6 / kv))
+        )  # bench_verify's rule
+        big = bench.input_sets(kv, 128 * 2**20)  # RTX PRO 6000 Blackwell: 128 MB of L2
+        assert big >= bench.input_sets(kv, h200_l2)
+        assert big * kv >= 3 * 128 * 2**20 or big == math.ceil(8 * 128 * 2**20 / 60e6)
+
+
+def test_rows_and_table_reproduce_the_published_h200_table(monkeypatch):
+    """Fed the published run's times and ceilings, measure() returns that run's rows and table() prints the lines
+    of the table in kernel_build/BENCHMARKS.md: the shared code computes what bench_verify.py computed."""
+    run = json.loads(PUBLISHED.read_text().replace("NaN", '"nan"'))
+    published = {(r["batch"], r["heads"], r["draft"], r["prefix"]): r for r in run["rows"]}
+    assert set(published) == set(bench.GRID)
+    made = []
+
+    class Batch:
+        def __init__(self, *shape):
+            self.shape = shape
+
+    def make_batch(bs, h, n, p, seed, spare_slots):
+        made.append(seed)
+        return Batch(bs, h, n, p)
+
+    def published_time(key):
+        return lambda b: float(published[b.shape if isinstance(b, Batch) else b[0].shape][key])
+
+    monkeypatch.setattr("kdtree.reference.make_batch", make_batch)
+    monkeypatch.setattr(bench, "time_ours", published_time("ours_us"))
+    monkeypatch.setattr(bench, "time_triton", published_time("triton_us"))
+    monkeypatch.setattr(bench, "time_torch", published_time("torch_us"))
+    rows = [bench.measure(s, run["copy_bw"], run["mma_tflops"], l2_bytes=50 * 2**20) for s in bench.GRID]
+    for row in rows:
+        want = published[(row["batch"], row["heads"], row["draft"], row["prefix"])]
+        for key, value in row.items():
+            if isinstance(want[key], str) or math.isnan(value):  # PyTorch out of memory
+                assert math.isnan(value) and want[key] == "nan", key
+            else:
+                assert value == pytest.approx(want[key], rel=1e-12), (key, row)
+    text = (ROOT / "kernel_build" / "BENCHMARKS.md").read_text()
+    for line in bench.table(rows):
+        assert line in text, line
+    assert max(made) == 7  # the smallest shapes are timed over 8 input sets, as published
+
+
+def test_bench_verify_runs_on_the_shared_functions():
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench"))
+    try:
+        import bench_verify
+    finally:
+        sys.path.pop(0)
+    for name in ("measure", "table", "progress", "copy_bandwidth", "GRID", "QUICK"):
+        assert getattr(bench_verify, name) is getattr(bench, name), name
+    for own in ("time_ours", "time_triton", "time_torch", "L2_BYTES"):
+        assert not hasattr(bench_verify, own), f"bench_verify.py has its own {own}: one implementation only"
