@@ -32,7 +32,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -42,7 +41,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kdtree.status import own_pid_ns
+from kdtree.status import own_pid_ns, write_atomically
 
 LOG_FILE = "server.log"
 PROCESS_FILE = "server-process.json"
@@ -115,17 +114,7 @@ def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | N
 
 def write_process_record(state_dir: str | os.PathLike, record: ServerProcessRecord) -> Path:
     """Atomically replace the record (a reader never sees half of one)."""
-    path = process_path(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(record.model_dump_json())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(process_path(state_dir), record.model_dump_json())
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:

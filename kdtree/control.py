@@ -10,12 +10,12 @@ When the file is absent, the container's KDTREE_VERIFY environment value stands.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from kdtree.config import LIVE_MODES, ConfigError, Mode
+from kdtree.status import write_atomically
 
 MODE_FILE = "mode"
 
@@ -40,14 +40,7 @@ def read_desired_mode(state_dir: str | os.PathLike) -> Mode | None:
 
 
 def write_desired_mode(state_dir: str | os.PathLike, mode: Mode | str) -> Path:
-    mode = Mode(mode)
-    path = mode_path(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".mode.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(mode.value + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomically(mode_path(state_dir), Mode(mode).value + "\n")
 
 
 class ModeHolder:

@@ -75,19 +75,24 @@ def record_path(state_dir: str | os.PathLike, tp_rank: int) -> Path:
     return Path(state_dir) / f"rank-{tp_rank}.json"
 
 
-def write_record(state_dir: str | os.PathLike, record: RankRecord) -> Path:
-    """Atomically replace this rank's record."""
-    path = record_path(state_dir, record.tp_rank)
+def write_atomically(path: Path, text: str) -> Path:
+    """Replace `path` with `text` through a temporary file and a rename, so that a reader sees the old file or the
+    new one, never half of one. Every file in the state directory is written this way."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(record.model_dump_json())
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_record(state_dir: str | os.PathLike, record: RankRecord) -> Path:
+    """Atomically replace this rank's record."""
+    return write_atomically(record_path(state_dir, record.tp_rank), record.model_dump_json())
 
 
 def _pid_alive(pid: int) -> bool:

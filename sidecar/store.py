@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from kdtree.config import ConfigError, Mode
+from kdtree.status import write_atomically
 
 STATE_FILE = "sidecar-state.json"
 AUDIT_FILE = "sidecar-audit.jsonl"
@@ -80,15 +80,7 @@ class Store:
 
     def save(self, state: SidecarState) -> None:
         state.history = state.history[-self.history_limit :]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".sidecar-state.", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(state.model_dump_json(indent=1))
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(self.path, state.model_dump_json(indent=1))
 
     def audit(
         self, event: str, transition: Transition | None = None, level: int = logging.INFO, **details
