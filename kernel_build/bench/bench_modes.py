@@ -34,6 +34,7 @@ if importlib.util.find_spec("sgl_kernel") is None:
 from bench_verify import _commit  # noqa: E402  (this script's folder is on sys.path)
 from sglang_fixture import forward, graph_setup  # noqa: E402
 
+from kdtree.bench import replay_us  # noqa: E402
 from kdtree.verify import VerifyCall  # noqa: E402
 
 SHAPES = [(1, 8, 16, 32768), (32, 8, 16, 4096)]  # (batch, heads, draft tokens, prefix)
@@ -59,16 +60,7 @@ def time_graph(g, calls: int, round_s: float = 0.4) -> float:
     g.replay()
     end.record()
     end.synchronize()
-    reps = max(3, int(round_s * 1e3 / start.elapsed_time(end)))
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * calls))
-    return sorted(times)[2]
+    return replay_us(g, max(3, int(round_s * 1e3 / start.elapsed_time(end))), calls)
 
 
 def capture_step(s, step_fn) -> tuple[torch.cuda.CUDAGraph, float]:
