@@ -50,21 +50,28 @@ def anyio_backend():
     return "asyncio"
 
 
-@pytest.fixture
-def engine(tmp_path):
-    """Start stand-in SGLang engines (tests/standin_engine.py) with tmp_path as their state dir:
-    engine(*engine_args, port=None, wait=True, mode=None) -> StandinProcess; all are stopped at the end."""
+def _starter(tmp_path, cls):
+    """start(*engine_args, port=None, wait=True, mode=None) for stand-ins of `cls` with tmp_path as their state
+    dir, and the list of those started (the fixtures stop them at the end)."""
     started = []
 
-    def start(*args, port=None, wait=True, mode: Mode | None = None) -> StandinProcess:
+    def start(*args, port=None, wait=True, mode: Mode | None = None):
         if mode is not None:
             write_desired_mode(tmp_path, mode)
-        proc = StandinProcess(port or free_port(), str(tmp_path), args).start()
+        proc = cls(port or free_port(), str(tmp_path), args).start()
         started.append(proc)
         if wait:
             proc.wait_port()
         return proc
 
+    return start, started
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """Start stand-in SGLang engines (tests/standin_engine.py) with tmp_path as their state dir:
+    engine(*engine_args, port=None, wait=True, mode=None) -> StandinProcess; all are stopped at the end."""
+    start, started = _starter(tmp_path, StandinProcess)
     yield start
     for proc in started:
         proc.stop()
@@ -75,17 +82,7 @@ def supervised(tmp_path):
     """Like `engine`, but each stand-in runs under the server entrypoint's supervisor behind a stand-in
     orchestrator, and is controlled through the sidecar's process control (tests/process_harness.py):
     supervised(*engine_args, port=None, wait=True, mode=None) -> SupervisedStandin."""
-    started = []
-
-    def start(*args, port=None, wait=True, mode: Mode | None = None) -> SupervisedStandin:
-        if mode is not None:
-            write_desired_mode(tmp_path, mode)
-        proc = SupervisedStandin(port or free_port(), str(tmp_path), args).start()
-        started.append(proc)
-        if wait:
-            proc.wait_port()
-        return proc
-
+    start, started = _starter(tmp_path, SupervisedStandin)
     yield start
     for proc in started:
         proc.stop()

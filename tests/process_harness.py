@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from standin_engine import wait_port
 
 from entrypoint.supervise import read_process_record
 from sidecar.process_control import ServerProcess
@@ -109,14 +110,7 @@ class SupervisedStandin:
             self._spawn()
 
     def wait_port(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"supervised stand-in did not open port {self.port} within {timeout}s")
+        wait_port(self.port, timeout, "supervised stand-in")
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._lock:

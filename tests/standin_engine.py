@@ -93,6 +93,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_port(port: int, timeout: float, what: str, exited=lambda: None) -> None:
+    """Wait until something listens on loopback `port`; `exited()` returns a reason when what should open it is
+    gone (then fail at once with it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if (reason := exited()) is not None:
+                raise RuntimeError(f"{what} {reason}") from None
+            time.sleep(0.05)
+    raise TimeoutError(f"{what} did not open port {port} within {timeout}s")
+
+
 def log(msg: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"[{stamp} TP0] {msg}", flush=True)
@@ -428,18 +443,11 @@ class StandinProcess:
         return self
 
     def wait_port(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"stand-in exited with {self.proc.returncode}: {self.log_path.read_text()}"
-                    ) from None
-                time.sleep(0.05)
-        raise TimeoutError(f"stand-in did not open port {self.port} within {timeout}s")
+        def exited():
+            if self.proc.poll() is not None:
+                return f"exited with {self.proc.returncode}: {self.log_path.read_text()}"
+
+        wait_port(self.port, timeout, "stand-in", exited)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc and self.proc.poll() is None:

@@ -86,11 +86,10 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(tmp_path, monkeypatch):
-    pytest.importorskip("sidecar.gate")
-    from sidecar.gate import check_ranks
-    from sidecar.settings import SidecarSettings
-
+@pytest.fixture
+def ranks(tmp_path, monkeypatch):
+    """TP scheduler processes in validate (spawned, each through scheduler_prologue), writing their records to
+    tmp_path/state with a 0.3 s heartbeat: yields (state dir, processes); stops them at the end."""
     model = tmp_path / "tiny-mla"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_MLA))
@@ -107,28 +106,7 @@ def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(tmp_pat
     for p in procs:
         p.start()
     try:
-        views = wait_for(
-            lambda: len(read_records(state)) == TP and read_records(state), 240, f"{TP} rank records"
-        )
-        assert [v.record.tp_rank for v in views] == list(range(TP))
-        assert {v.record.tp_size for v in views} == {TP}
-        assert {v.record.pid for v in views} == {p.pid for p in procs}  # one record per scheduler process
-        assert all(v.record.mode == "validate" and v.record.installed and not v.stale for v in views)
-
-        def settings(tp):
-            return SidecarSettings(
-                state_dir=str(state), expected_tp_size=tp, heartbeat_stale_s=5.0, allow_open_admin=True
-            )
-
-        assert check_ranks(settings(TP), Mode.VALIDATE).ok
-        missing = check_ranks(settings(TP + 1), Mode.VALIDATE)
-        assert not missing.ok and missing.problems == [f"rank {TP}: no record in {state}"]
-
-        os.kill(procs[1].pid, signal.SIGKILL)
-        procs[1].join(10)
-        dead = check_ranks(settings(TP), Mode.VALIDATE)
-        assert not dead.ok
-        assert dead.problems == [f"rank 1: record is stale (pid {procs[1].pid} is gone)"]
+        yield state, procs
     finally:
         stop.touch()
         for p in procs:
@@ -137,10 +115,38 @@ def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(tmp_pat
                 p.kill()
 
 
+def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(ranks):
+    pytest.importorskip("sidecar.gate")
+    from sidecar.gate import check_ranks
+    from sidecar.settings import SidecarSettings
+
+    state, procs = ranks
+    views = wait_for(
+        lambda: len(read_records(state)) == TP and read_records(state), 240, f"{TP} rank records"
+    )
+    assert [v.record.tp_rank for v in views] == list(range(TP))
+    assert {v.record.tp_size for v in views} == {TP}
+    assert {v.record.pid for v in views} == {p.pid for p in procs}  # one record per scheduler process
+    assert all(v.record.mode == "validate" and v.record.installed and not v.stale for v in views)
+
+    def settings(tp):
+        return SidecarSettings(
+            state_dir=str(state), expected_tp_size=tp, heartbeat_stale_s=5.0, allow_open_admin=True
+        )
+
+    assert check_ranks(settings(TP), Mode.VALIDATE).ok
+    missing = check_ranks(settings(TP + 1), Mode.VALIDATE)
+    assert not missing.ok and missing.problems == [f"rank {TP}: no record in {state}"]
+
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].join(10)
+    dead = check_ranks(settings(TP), Mode.VALIDATE)
+    assert not dead.ok
+    assert dead.problems == [f"rank 1: record is stale (pid {procs[1].pid} is gone)"]
+
+
 @pytest.mark.anyio
-async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_rolled_back(
-    tmp_path, monkeypatch
-):
+async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_rolled_back(tmp_path, ranks):
     """Three ranks with kdtree installed by SGLang's own plugin loader, behind the real sidecar (the HTTP server
     is tests/standin_engine.py, a stand-in, writing no records): a live flip validate -> standby is confirmed
     by every rank through its own heartbeat; then, with rank 1 stopped (SIGSTOP), standby -> validate times out
@@ -148,21 +154,7 @@ async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_roll
     from sidecar_harness import AUTH, make_settings, sidecar
     from standin_engine import StandinProcess, free_port
 
-    model = tmp_path / "tiny-mla"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_MLA))
-    state = tmp_path / "state"
-    monkeypatch.setenv("KDTREE_VERIFY", "validate")
-    monkeypatch.setenv("KDTREE_STATE_DIR", str(state))
-    monkeypatch.setenv("KDTREE_HEARTBEAT_S", "0.3")
-    ctx = mp.get_context("spawn")
-    stop = tmp_path / "stop"
-    procs = [
-        ctx.Process(target=scheduler_prologue, args=(str(model), r, TP, str(stop)), daemon=True)
-        for r in range(TP)
-    ]
-    for p in procs:
-        p.start()
+    state, procs = ranks
     (tmp_path / "http").mkdir()
     http = StandinProcess(free_port(), str(tmp_path / "http"), []).start()
     http.wait_port()
@@ -207,9 +199,4 @@ async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_roll
             lambda: {v.record.mode for v in read_records(state)} == {"standby"}, 10, "every rank in standby"
         )
     finally:
-        stop.touch()
         http.stop()
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
