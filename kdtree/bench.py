@@ -77,8 +77,15 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / (ms * 1e-3)
 
 
-def time_ours(batches) -> float:
-    """us per call: one CUDA graph of a call per input set, replayed."""
+def time_ours(batches, config: str | None = None) -> float:
+    """us per call: one CUDA graph of a call per input set, replayed; `config` forces a tile configuration."""
+    from kdtree import kernel
+
+    with kernel.forced_config(config):
+        return _time_graph(batches)
+
+
+def _time_graph(batches) -> float:
     import torch
 
     from kdtree import kernel
@@ -173,9 +180,11 @@ def measure(
     *,
     triton: bool = True,
     torch_sdpa: bool = True,
+    compact: bool = False,
     l2_bytes: float = L2_BYTES,
 ) -> dict:
-    """One row of the table: kdtree, the baselines asked for (nan otherwise), and the roofline."""
+    """One row of the table: kdtree, the baselines asked for (nan otherwise), and the roofline; with `compact`,
+    also kdtree forced into the compact configuration (sm_120's) on the same inputs."""
     import torch
 
     from kdtree.reference import make_batch
@@ -184,11 +193,19 @@ def measure(
     kv_bytes, io_bytes, flops = shape_costs(bs, h, n, p)
     batches = [make_batch(bs, h, n, p, seed=s, spare_slots=0) for s in range(input_sets(kv_bytes, l2_bytes))]
     ours = time_ours(batches)
+    compact_us = time_ours(batches, "compact") if compact else None
     tri = time_triton(batches[0]) if triton else float("nan")
     tch = time_torch(batches[0]) if torch_sdpa else float("nan")
     del batches
     torch.cuda.empty_cache()
     roof = max(io_bytes / copy_bw, flops / (mma_tflops * 1e12)) * 1e6
+    extra = {}
+    if compact_us is not None:
+        extra = dict(
+            compact_us=compact_us,
+            compact_pct_roofline=100 * roof / compact_us,
+            compact_vs_ours=compact_us / ours,
+        )
     return dict(
         batch=bs,
         heads=h,
@@ -202,30 +219,46 @@ def measure(
         tflops=flops / (ours * 1e-6) / 1e12,
         roofline_us=roof,
         pct_roofline=100 * roof / ours,
+        **extra,
     )
 
 
 def progress(r: dict) -> str:
     """The line printed as each shape finishes."""
-    return (
+    line = (
         f"b{r['batch']} h{r['heads']} n{r['draft']} p{r['prefix']}: ours {r['ours_us']:.1f} us, "
         f"triton {r['triton_us']:.0f} us, torch {r['torch_us']:.0f} us, "
         f"x{r['speedup']:.3g}, {r['pct_roofline']:.0f}% of roofline"
     )
+    if "compact_us" in r:
+        line += f"; compact {r['compact_us']:.1f} us ({r['compact_vs_ours']:.2f}x), {r['compact_pct_roofline']:.0f}%"
+    return line
 
 
 def table(rows: list[dict]) -> list[str]:
     """The markdown table of a run's rows (also for re-rendering a saved bench.json). Speedups keep three
-    significant digits, so a goal missed by a few percent does not round up to it."""
-    return [
-        "| batch | H | N | prefix | ours (us) | Triton (us) | PyTorch (us) | speedup vs Triton | KV GB/s | TFLOP/s | roofline (us) | % of roofline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ] + [
-        f"| {r['batch']} | {r['heads']} | {r['draft']} | {r['prefix']} | {r['ours_us']:.1f} | {r['triton_us']:.0f} | "
-        f"{r['torch_us']:.0f} | {r['speedup']:.3g}x | {r['gbps']:.0f} | {r['tflops']:.0f} | {r['roofline_us']:.1f} | "
-        f"{r['pct_roofline']:.0f}% |"
-        for r in rows
-    ]
+    significant digits, so a goal missed by a few percent does not round up to it. Rows measured with compact
+    beside the device's configuration get three more columns."""
+    compact = any("compact_us" in r for r in rows)
+    head = "| batch | H | N | prefix | ours (us) | Triton (us) | PyTorch (us) | speedup vs Triton | KV GB/s | TFLOP/s | roofline (us) | % of roofline |"
+    if compact:
+        head += " compact (us) | compact, % of roofline | compact / ours |"
+
+    def cells(r: dict) -> str:
+        line = (
+            f"| {r['batch']} | {r['heads']} | {r['draft']} | {r['prefix']} | {r['ours_us']:.1f} | {r['triton_us']:.0f} | "
+            f"{r['torch_us']:.0f} | {r['speedup']:.3g}x | {r['gbps']:.0f} | {r['tflops']:.0f} | {r['roofline_us']:.1f} | "
+            f"{r['pct_roofline']:.0f}% |"
+        )
+        if compact:
+            line += (
+                f" {r['compact_us']:.1f} | {r['compact_pct_roofline']:.0f}% | {r['compact_vs_ours']:.2f}x |"
+                if "compact_us" in r
+                else " - | - | - |"
+            )
+        return line
+
+    return [head, "|---" * head.count(" |") + "|"] + [cells(r) for r in rows]
 
 
 def _cuda_visible() -> bool:

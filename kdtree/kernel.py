@@ -8,6 +8,7 @@ can be captured in a CUDA graph. Argument checks read metadata only (shape, dtyp
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -192,6 +193,25 @@ def _device_plan(index: int) -> tuple[int, int]:
     if rc != 0:
         raise KernelUnavailable(f"config {config}: {library().kdtree_last_error().decode()}")
     return props.multi_processor_count * per_sm.value, CONFIGS[config]
+
+
+@contextlib.contextmanager
+def forced_config(name: str | None):
+    """Within the block, tree_verify plans in tile configuration `name` ('wide' or 'compact'), as
+    KDTREE_KERNEL_CONFIG does for a whole process; None leaves the choice as it is. For benchmarks and tests that
+    compare the two configurations in one process (a captured graph keeps the configuration it was captured with)."""
+    old = os.environ.get("KDTREE_KERNEL_CONFIG")
+    if name is not None:
+        os.environ["KDTREE_KERNEL_CONFIG"] = name
+    _device_plan.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KDTREE_KERNEL_CONFIG", None)
+        else:
+            os.environ["KDTREE_KERNEL_CONFIG"] = old
+        _device_plan.cache_clear()
 
 
 def _device_index(device) -> int:

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "kernel_build"
 SM120_SMEM_LIMIT = 101376  # 99 KB: sm_120's per-block opt-in maximum
 SM90_SMEM_LIMIT = 232448  # 227 KB
-WIDE_SM90_SPILL_BYTES = 64  # spill stores or loads allowed for `wide` (Cfg<64, 32, ...>) on sm_90
+# Spill stores or loads allowed for the verify kernels on sm_90, where both configurations run at the 168-register
+# cap (sm_90 runs `compact` only as the sm_120 configuration's test vehicle); none anywhere else.
+SM90_SPILL_BYTES = 64
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None,
@@ -62,7 +64,7 @@ def _spill_bytes(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def test_no_spills_on_sm120_and_at_most_a_few_scalars_in_wide_on_sm90(build):
+def test_no_spills_on_sm120_and_at_most_a_few_scalars_on_sm90(build):
     report = _ptxas_report(build[1])
     archs = {arch for _, arch in report}
     assert {"sm_90", "sm_120"} <= archs
@@ -70,8 +72,8 @@ def test_no_spills_on_sm120_and_at_most_a_few_scalars_in_wide_on_sm90(build):
     assert len(verify) == 4  # two tile configurations x two architectures
     for (kernel, arch), text in report.items():
         stores, loads = _spill_bytes(text)
-        wide_on_sm90 = arch == "sm_90" and "tree_verify_kernel" in kernel and "Li64ELi32E" in kernel
-        limit = WIDE_SM90_SPILL_BYTES if wide_on_sm90 else 0
+        verify_on_sm90 = arch == "sm_90" and "tree_verify_kernel" in kernel
+        limit = SM90_SPILL_BYTES if verify_on_sm90 else 0
         assert stores <= limit and loads <= limit, (
             f"{kernel} on {arch} spills (allowed: {limit} bytes):\n{text}"
         )

@@ -6,7 +6,8 @@ Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
 The timing, the roofline and the table are kdtree.bench's (what `python -m kdtree.bench` runs in the server
 image); this script adds what the committed tables carry besides: cuBLAS bf16 and, for scale, what a mature
 mma.sync attention kernel reaches on the same card (PyTorch's flash backend, FlashAttention-2, on dense
-attention), the id of the sources that ran, and the tuning switches (--ours-only, --config).
+attention), the id of the sources that ran, the tuning switches (--ours-only, --config), and, where the device
+runs `wide` and no --config is given, `compact` (the sm_120 configuration) forced on the same inputs beside it.
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and the mma.sync
 bf16 rate (the instruction this kernel uses; measured by the kernel library, kernel.mma_peak_tflops, unless
 --mma-tflops gives it).
@@ -29,7 +30,7 @@ import triton.testing
 from source_id import SOURCES, source_id  # this script's folder is on sys.path
 
 from kdtree import kernel
-from kdtree.bench import GRID, QUICK, copy_bandwidth, measure, progress, table
+from kdtree.bench import GRID, QUICK, copy_bandwidth, device_info, measure, progress, table
 
 
 def cublas_tflops() -> float:
@@ -103,10 +104,19 @@ def main() -> None:
     fa_impl, fa = flash_attention_tflops()
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 0)
+    compact = not args.config and device_info()["config"] == "wide"
     rows = []
     for shape in QUICK if args.quick else GRID:
         rows.append(
-            measure(shape, bw, mma, triton=not args.ours_only, torch_sdpa=not args.ours_only, l2_bytes=l2)
+            measure(
+                shape,
+                bw,
+                mma,
+                triton=not args.ours_only,
+                torch_sdpa=not args.ours_only,
+                compact=compact,
+                l2_bytes=l2,
+            )
         )
         print(progress(rows[-1]), flush=True)
 
@@ -120,7 +130,9 @@ def main() -> None:
         + ", ".join(
             f"head dim {d} {t:.0f} TFLOP/s ({100 * t / mma:.0f}% of the mma.sync rate)" for d, t in fa.items()
         ),
-        f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}; command: {' '.join(sys.argv)}",
+        f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}"
+        + ("; compact forced in the compact columns" if compact else "")
+        + f"; command: {' '.join(sys.argv)}",
         "",
     ]
     text = "\n".join(head + table(rows))

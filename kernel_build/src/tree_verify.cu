@@ -26,7 +26,6 @@ constexpr int ROW_BYTES = QK * 2;
 // lane's row and chunk parity combined).
 __device__ __forceinline__ int swz_in_row(int c, int x) { return ((c >> 3) << 7) + (((c ^ x) & 7) << 4); }
 __device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + swz_in_row(c, r); }
-constexpr int ROW_CHUNKS = QK * 2 / 16;  // 16-byte chunks per key row (72)
 constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
 constexpr int MIN_KEYS_PER_SPLIT = 128;  // keys per split below which partial-result traffic outweighs parallelism
 constexpr int MAX_SPLITS = 128;
@@ -35,7 +34,7 @@ constexpr int MAX_SPLITS = 128;
 // softmax and hand P to NO output warps (all BM rows, DV/NO value dims each), which accumulate O += P V
 // and load the key tiles. The two roles work on different tiles at once (scores of tile t+1 while the
 // output warps multiply tile t), so the tensor pipe is fed by one role while the other waits on memory.
-template <int BM_, int BN_, int STAGES_, int NO_, int QREG_, bool PIPELINE_>
+template <int BM_, int BN_, int STAGES_, int NO_, int QREG_, bool PIPELINE_, bool Q_DIRECT_>
 struct Cfg {
   static constexpr int BM = BM_;  // packed (token, head) rows per CTA
   static constexpr int BN = BN_;  // keys per pipeline stage
@@ -44,9 +43,16 @@ struct Cfg {
   static constexpr int NO = NO_;  // output warps
   static constexpr int NT = (NS + NO) * 32;
   static constexpr int QREG = QREG_;  // k-steps of Q a score warp keeps in registers (the rest: ldmatrix)
-  // Score warps overlap tile t's softmax with tile t+1's mma: 15-20% faster for compact on the H200, but
-  // 5-20% slower for wide, whose 168-register budget leaves the scheduler no room for a third score tile.
+  // Score warps overlap tile t's softmax with tile t+1's mma. 15-20% faster for v7-v11's compact (32 rows,
+  // 6 warps at 232 registers), but 5-20% slower for wide and 16-27% for today's compact: at 168 registers
+  // the third score tile leaves the scheduler no room. No configuration uses it now (a tuning knob).
   static constexpr bool PIPELINE = PIPELINE_;
+  // Q_DIRECT: the QREG k-steps held in registers are loaded straight from global memory, and shared memory
+  // holds only the k-steps read by ldmatrix (32 KB for 64 rows with QREG 20, instead of 72 KB): what lets
+  // 64-row tiles fit sm_120's 99 KB.
+  static constexpr bool Q_DIRECT = Q_DIRECT_;
+  static constexpr int Q_FROM = Q_DIRECT ? QREG : 0;  // the first k-step of Q in shared memory
+  static constexpr int Q_ROW_BYTES = (QK / 16 - Q_FROM) * 32;  // whole 128-byte groups (asserted below)
   static constexpr int RB = BM / 16;
   static constexpr int NB_QK = BN / 8;
   static constexpr int DV_W = DV / NO;  // value dims per output warp
@@ -54,9 +60,9 @@ struct Cfg {
   static constexpr int CW = DV_W / 8;  // latent 16-byte chunks per key row an output warp loads (its dims)
   static constexpr int LAT_PER_LANE = BN * CW / 32;
   static constexpr int ROPE_PER_WARP = BN * ROPE_CHUNKS / NO;
-  static constexpr int ROPE_PER_LANE = ROPE_PER_WARP / 32;
+  static constexpr int ROPE_PER_LANE = (ROPE_PER_WARP + 31) / 32;  // with fewer than 32 a warp, lanes idle
   static constexpr int P_ROW_BYTES = BN * 2 + 16;
-  static constexpr int SMEM_Q = BM * ROW_BYTES;
+  static constexpr int SMEM_Q = BM * Q_ROW_BYTES;
   static constexpr int SMEM_K = STAGES * BN * ROW_BYTES;
   static constexpr int SMEM_P = 2 * BM * P_ROW_BYTES;  // double-buffered: P of tile t+1 while PV reads t
   static constexpr int SMEM_STATS = 4 * BM * 4 + 16;  // alpha x 2 buffers; final row sum and max; Epilogue
@@ -72,19 +78,34 @@ struct Cfg {
   // Staged partial rows (fp32, +8 floats per row: the eight rows of one fragment store hit distinct
   // banks) reuse Q and the key stages; the row statistics after them stay intact.
   static constexpr int STAGED_ROW = DV + 8;
-  static_assert(BM * STAGED_ROW * 4 <= SMEM_Q + SMEM_K, "staged partial rows fit below P and the statistics");
+  // When all BM rows do not fit, they are staged and stored in rounds of BM / STAGE_ROUNDS rows, and a
+  // request split in two goes through the combine (a pair's merge reads the other CTA's rows all at once).
+  static constexpr int STAGE_ROUNDS = BM * STAGED_ROW * 4 <= SMEM_Q + SMEM_K ? 1 : 2;
+  static constexpr bool PAIR = STAGE_ROUNDS == 1;
+  static_assert(BM / STAGE_ROUNDS * STAGED_ROW * 4 <= SMEM_Q + SMEM_K && RB % STAGE_ROUNDS == 0,
+                "staged partial rows fit below P and the statistics");
   static_assert(32 % BN == 0 && BN % 16 == 0, "one pool slot per lane and tile");
   static_assert(DV_W % 64 == 0 && 32 % CW == 0 && (BN * CW) % 32 == 0, "output warp split (whole 128-byte groups)");
-  static_assert(ROPE_PER_WARP % 32 == 0, "rope chunks spread evenly");
-  static_assert(QREG <= QK / 16, "Q k-steps");
+  static_assert(BN * ROPE_CHUNKS % NO == 0 && (ROPE_PER_WARP % 32 == 0 || ROPE_PER_WARP < 32),
+                "rope chunks spread evenly");
+  static_assert(QREG <= QK / 16 && (QK / 16 - Q_FROM) % 4 == 0, "Q k-steps; Q's shared rows in 128-byte groups");
 };
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
 // sm_90 / sm_100: 12 warps (168 registers each), 191 KB shared, tile by tile.
-using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG, false>;
-// sm_120: 6 warps, Q wholly in registers, fits 99 KB, scores pipelined across tiles.
-using Compact = Cfg<32, 16, 3, 4, 36, true>;
+using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG, false, false>;
+#ifndef KDTREE_COMPACT_QREG  // tuning knobs: compact's Q k-steps in registers (a multiple of 4), key stages
+#define KDTREE_COMPACT_QREG 20
+#endif
+#ifndef KDTREE_COMPACT_STAGES
+#define KDTREE_COMPACT_STAGES 3
+#endif
+#ifndef KDTREE_COMPACT_PIPELINE
+#define KDTREE_COMPACT_PIPELINE false
+#endif
+// sm_120: wide's 64 rows and 12 warps in 99 KB: 16-key tiles, and only the ldmatrix part of Q in shared memory.
+using Compact = Cfg<64, 16, KDTREE_COMPACT_STAGES, 8, KDTREE_COMPACT_QREG, KDTREE_COMPACT_PIPELINE, true>;
 static_assert(Compact::SMEM <= 101376, "sm_120 allows 99 KB of shared memory per block");
 static_assert(Wide::SMEM <= 232448, "sm_90 / sm_100 allow 227 KB of shared memory per block");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
@@ -200,28 +221,46 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   // The warp's 16 Q rows, consecutive lanes on consecutive chunks of a row; rows past this request's rows
   // are zero-filled. One row address per row, stepped from the first: a division by H per chunk made Q
   // land ~4 us after the first key tile at launch.
+  // Only k-steps Q_FROM.. (Q_ROW_BYTES of each row) go to shared memory.
   int tok = (w.m0 + sw * 16) / p.H, head = (w.m0 + sw * 16) % p.H;
 #pragma unroll 4  // fully unrolled, it moved the output warps' loop allocation
   for (int i = 0; i < 16; ++i) {
     const int r = sw * 16 + i;
     const bool ok = w.m0 + r < w.rows;
-    const __nv_bfloat16* row = ok ? p.q + (w.qs + tok) * p.q_st + head * p.q_sh : p.q;
+    const __nv_bfloat16* row = ok ? p.q + (w.qs + tok) * p.q_st + head * p.q_sh + C::Q_FROM * 16 : p.q;
 #pragma unroll
-    for (int col = lane; col < ROW_CHUNKS; col += 32) cp_async16(sm.q + swz(r, col), ok ? row + col * 8 : p.q, ok);
+    for (int c = lane; c < C::Q_ROW_BYTES / 16; c += 32)
+      cp_async16(sm.q + r * C::Q_ROW_BYTES + swz_in_row(c, r), ok ? row + c * 8 : p.q, ok);
     if (++head == p.H) head = 0, ++tok;
   }
   cp_async_commit();
+  uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
+  if constexpr (C::Q_DIRECT) {  // the register part of Q as mma A fragments, straight from global memory
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = w.m0 + sw * 16 + (lane >> 2) + 8 * h;
+      const bool ok = gr < w.rows;
+      const uint32_t* row =
+          reinterpret_cast<const uint32_t*>(p.q + (ok ? (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh : 0)) + (lane & 3);
+#pragma unroll
+      for (int ks = 0; ks < C::QREG; ++ks) {
+        qf[ks][h] = ok ? __ldg(row + ks * 8) : 0u;
+        qf[ks][2 + h] = ok ? __ldg(row + ks * 8 + 4) : 0u;
+      }
+    }
+  }
   cp_async_wait<0>();
   __syncwarp();
   if (sw == 0 && lane == 0) stamp(kQLanded);
   // Lane l reads row sw*16 + (l & 15), chunk 2*ks + (l >> 4) of Q. With 2*ks even, the chunk's low bit
   // (l >> 4) goes into the xor key q_x with the row (the same holds for the K and V addresses below).
-  const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * ROW_BYTES);
+  const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * C::Q_ROW_BYTES);
   const int q_x = ((lane >> 4) ^ lane) & 7;
-  auto q_at = [&](int ks) { return q_row + swz_in_row(2 * ks, q_x); };
-  uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
+  auto q_at = [&](int ks) { return q_row + swz_in_row(2 * (ks - C::Q_FROM), q_x); };
+  if constexpr (!C::Q_DIRECT) {
 #pragma unroll
-  for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_at(ks));
+    for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_at(ks));
+  }
 
   const int r0 = sw * 16 + (lane >> 2);
   int qi[2];
@@ -433,35 +472,38 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
 #pragma unroll
       for (int i = 0; i < C::LAT_PER_LANE + C::ROPE_PER_LANE; ++i) {
         int r, col;
+        bool mine = true;
         if (i < C::LAT_PER_LANE) {
           const int idx = lane + 32 * i;
           r = idx / C::CW, col = ow * C::CW + idx % C::CW;
         } else {
-          const int g = ow * C::ROPE_PER_WARP + lane + 32 * (i - C::LAT_PER_LANE);
+          const int k = lane + 32 * (i - C::LAT_PER_LANE), g = ow * C::ROPE_PER_WARP + k % C::ROPE_PER_WARP;
           r = g / ROPE_CHUNKS, col = DV / 8 + g % ROPE_CHUNKS;
+          mine = C::ROPE_PER_WARP % 32 == 0 || k < C::ROPE_PER_WARP;
         }
+        // Every lane takes part in the shuffle; only the copy is predicated.
         const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));
-        cp_async16(stage + swz(r, col), p.k_buf + static_cast<uint64_t>(sl) * st + col * 8, true);
+        if (mine) cp_async16(stage + swz(r, col), p.k_buf + static_cast<uint64_t>(sl) * st + col * 8, true);
       }
       return;
     }
-    auto copy = [&](int r, int col) {  // chunk `col` of key row r
+    auto copy = [&](int r, int col, bool mine) {  // chunk `col` of key row r
       const int64_t sl = __shfl_sync(0xffffffffu, slot, r);
       const int kp = k0 + r;
       const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
       const __nv_bfloat16* src = p.k_buf;
       if (ok) src = kp < w.P ? p.k_buf + sl * p.k_buf_st : p.k_ext + (w.qs + kp - w.P) * p.k_ext_st;
-      cp_async16(stage + swz(r, col), ok ? src + col * 8 : src, ok);
+      if (mine) cp_async16(stage + swz(r, col), ok ? src + col * 8 : src, ok);
     };
 #pragma unroll
     for (int i = 0; i < C::LAT_PER_LANE; ++i) {
       const int idx = lane + 32 * i;
-      copy(idx / C::CW, ow * C::CW + idx % C::CW);
+      copy(idx / C::CW, ow * C::CW + idx % C::CW, true);
     }
 #pragma unroll
     for (int i = 0; i < C::ROPE_PER_LANE; ++i) {
-      const int g = ow * C::ROPE_PER_WARP + lane + 32 * i;
-      copy(g / ROPE_CHUNKS, DV / 8 + g % ROPE_CHUNKS);
+      const int k = lane + 32 * i, g = ow * C::ROPE_PER_WARP + k % C::ROPE_PER_WARP;
+      copy(g / ROPE_CHUNKS, DV / 8 + g % ROPE_CHUNKS, C::ROPE_PER_WARP % 32 == 0 || k < C::ROPE_PER_WARP);
     }
   };
 
@@ -663,57 +705,62 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 
   // Normalise and store (no split), or write the split's partial O and log-sum-exp for the combine. The
   // partial rows (fp32) go through shared memory, free now that every key tile is consumed, so that each
-  // global store is 512 contiguous bytes of one row instead of 32-byte pieces of eight rows.
+  // global store is 512 contiguous bytes of one row instead of 32-byte pieces of eight rows; in
+  // STAGE_ROUNDS rounds of rows when all of them do not fit at once.
   const int d0 = ow * C::DV_W;
   float* staged = reinterpret_cast<float*>(smem_raw);
+  constexpr int ROUND_RB = C::RB / C::STAGE_ROUNDS, ROUND_ROWS = ROUND_RB * 16;
 #pragma unroll
-  for (int rb = 0; rb < C::RB; ++rb)
+  for (int round = 0; round < C::STAGE_ROUNDS; ++round) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = rb * 16 + (lane >> 2) + 8 * h;
-      const int gr = w.m0 + r;
-      const float l = sm.l_fin[r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
-      if (epi.mode == Epilogue::kStore) {
-        if (gr < w.rows) {
-          __nv_bfloat16* dst = p.out + (w.qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0 + 2 * (lane & 3);
+    for (int rb = round * ROUND_RB; rb < (round + 1) * ROUND_RB; ++rb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = rb * 16 + (lane >> 2) + 8 * h;
+        const int gr = w.m0 + r;
+        const float l = sm.l_fin[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
+        if (epi.mode == Epilogue::kStore) {
+          if (gr < w.rows) {
+            __nv_bfloat16* dst = p.out + (w.qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0 + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < C::NB_PV; ++j)
+              *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
+                  __floats2bfloat162_rn(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+          }
+        } else {
 #pragma unroll
           for (int j = 0; j < C::NB_PV; ++j)
-            *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
-                __floats2bfloat162_rn(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+            *reinterpret_cast<float2*>(staged + (r - round * ROUND_ROWS) * C::STAGED_ROW + d0 + j * 8 + 2 * (lane & 3)) =
+                make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
         }
-      } else {
-#pragma unroll
-        for (int j = 0; j < C::NB_PV; ++j)
-          *reinterpret_cast<float2*>(staged + r * C::STAGED_ROW + d0 + j * 8 + 2 * (lane & 3)) =
-              make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+      }
+    if (ow == 0 && lane == 0) stamp(kStaged);
+    if (epi.mode == Epilogue::kStore) continue;
+    if constexpr (C::PAIR) {
+      if (epi.mode == Epilogue::kPair) {
+        cluster_sync();  // both CTAs' partial rows staged (and both CTAs running)
+        if (ow == 0 && lane == 0) stamp(kPeerReady);
+        merge_pair<C>(p.out, p.o_st, p.o_sh, p.H, w.qs, w.m0, w.rows, epi.r_lo, ow, lane, staged, sm.l_fin, sm.m_fin);
+        if (ow == 0 && lane == 0) stamp(kMerged);
+        cluster_sync();  // the other CTA is done reading this one's shared memory
+        if (ow == 0 && lane == 0) stamp(kEpilogueDone);
+        return;
       }
     }
-  if (ow == 0 && lane == 0) stamp(kStaged);
-  if (epi.mode == Epilogue::kStore) {
-    if (ow == 0 && lane == 0) stamp(kEpilogueDone);
-    return;
-  }
-  if (epi.mode == Epilogue::kPair) {
-    cluster_sync();  // both CTAs' partial rows staged (and both CTAs running)
-    if (ow == 0 && lane == 0) stamp(kPeerReady);
-    merge_pair<C>(p.out, p.o_st, p.o_sh, p.H, w.qs, w.m0, w.rows, epi.r_lo, ow, lane, staged, sm.l_fin, sm.m_fin);
-    if (ow == 0 && lane == 0) stamp(kMerged);
-    cluster_sync();  // the other CTA is done reading this one's shared memory
-    if (ow == 0 && lane == 0) stamp(kEpilogueDone);
-    return;
-  }
-  bar_sync(C::BAR_EPILOGUE, C::NO * 32);
-  const int64_t row0 = epi.row0;
-  for (int r = ow; r < C::BM; r += C::NO) {
-    const float4* src = reinterpret_cast<const float4*>(staged + r * C::STAGED_ROW);
-    float4* dst = reinterpret_cast<float4*>(p.part_o + (row0 + r) * DV);
+    bar_sync(C::BAR_EPILOGUE, C::NO * 32);
+    const int64_t row0 = epi.row0;
+    for (int r = round * ROUND_ROWS + ow; r < (round + 1) * ROUND_ROWS; r += C::NO) {
+      const float4* src = reinterpret_cast<const float4*>(staged + (r - round * ROUND_ROWS) * C::STAGED_ROW);
+      float4* dst = reinterpret_cast<float4*>(p.part_o + (row0 + r) * DV);
 #pragma unroll
-    for (int c = lane; c < DV / 4; c += 32) dst[c] = src[c];
-    if (lane == 0) {
-      const float l = sm.l_fin[r];
-      p.part_lse[row0 + r] = l > 0.f ? sm.m_fin[r] + log2f(l) : -INFINITY;
+      for (int c = lane; c < DV / 4; c += 32) dst[c] = src[c];
+      if (lane == 0) {
+        const float l = sm.l_fin[r];
+        p.part_lse[row0 + r] = l > 0.f ? sm.m_fin[r] + log2f(l) : -INFINITY;
+      }
     }
+    if (round + 1 < C::STAGE_ROUNDS) bar_sync(C::BAR_EPILOGUE, C::NO * 32);  // read before the next round's rows
   }
   if (ow == 0 && lane == 0) stamp(kEpilogueDone);
 }
@@ -814,7 +861,7 @@ static Plan plan(int batch, int H, int max_q_len, int cta_slots, int pair_slots)
   // Split each request's keys so the grid fills the device's resident CTA slots in one wave
   // (rounding up would leave a second, nearly empty wave).
   pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, cta_slots / base)));
-  pl.pair = pl.splits == 2 && base <= pair_slots;
+  pl.pair = C::PAIR && pl.splits == 2 && base <= pair_slots;
   pl.ws_bytes = pl.splits == 1 ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
   return pl;
 }
@@ -840,6 +887,7 @@ static int prepare(int* pair_slots) {
   if (prepared_device != dev) {
     cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+    pairs = 0;  // a config that stages its rows in rounds does not pair (Cfg::PAIR)
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(2);
     cfg.blockDim = dim3(C::NT);
@@ -847,7 +895,7 @@ static int prepare(int* pair_slots) {
     cudaLaunchAttribute cluster = pair_cluster();
     cfg.attrs = &cluster;
     cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C>, &cfg) != cudaSuccess) {
+    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C>, &cfg) != cudaSuccess) {
       pairs = 0;  // no clusters here: two splits go through the combine, as more do
       cudaGetLastError();
     }

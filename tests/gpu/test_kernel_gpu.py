@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,23 +10,6 @@ from kdtree import kernel  # noqa: E402
 from kdtree.reference import kdtree_call, make_batch, reference, rel_l2, triton_call  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-@contextlib.contextmanager
-def kernel_config(name: str | None):
-    """Run the wide (sm_90/sm_100) or the compact (sm_120) tile configuration on this GPU."""
-    old = os.environ.get("KDTREE_KERNEL_CONFIG")
-    if name:
-        os.environ["KDTREE_KERNEL_CONFIG"] = name
-    kernel._device_plan.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("KDTREE_KERNEL_CONFIG", None)
-        else:
-            os.environ["KDTREE_KERNEL_CONFIG"] = old
-        kernel._device_plan.cache_clear()
 
 
 def run_ours(b, out=None, v_ext="batch"):
@@ -78,7 +58,7 @@ def test_matches_fp64_and_triton(case, config):
     batch, heads, q_len, prefix, tree = case
     b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"{case}{config}")))
     ref = reference(b)
-    with kernel_config(config):
+    with kernel.forced_config(config):
         ours = run_ours(b)
     err = rel_l2(ours, ref)
     tri = rel_l2(run_triton(b), ref)
@@ -139,7 +119,7 @@ def test_output_scales_exactly_with_the_values(config, case, exp):
     rows in a narrower format must scale them (NOTES.md: the v12 fp16 tries, the v9 fp16 partials)."""
     batch, heads, q_len, prefix, tree = case
     b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=41)
-    with kernel_config(config):
+    with kernel.forced_config(config):
         plain = run_ours(b)
         for name, e in (("q", -exp), ("k_ext", exp), ("v_ext", exp), ("k_buf", exp)):
             getattr(b, name).mul_(2.0**e)  # exact in bf16: a power of two
