@@ -41,29 +41,32 @@ def test_h8_n16_shapes_are_the_memory_bound_ones_on_this_card_not_on_the_h200():
     for row in m.model():
         _, h, n, _ = row["shape"]
         assert (row["bound"] == "memory") == (h * n == 128), row
-        if row["bound"] == "memory":  # the H200's ridge, 628 / 4.27 = 147 FLOP/B, has them compute-bound
+        if row["bound"] == "memory":  # the H200's ridge, 630 / 4.24 = 149 FLOP/B, has them compute-bound
             _, io_bytes, flops = shape_costs(*row["shape"])
             assert flops / (m.H200_MMA_TFLOPS * 1e12) > io_bytes / (m.H200_COPY_TBPS * 1e12)
 
 
 def test_prediction_is_the_steady_state_at_compacts_h200_efficiency_plus_the_fixed_cost():
     eff, fixed_h200 = m.compact_h200()
-    assert 0.2 < eff < 0.3 and 10 < fixed_h200 < 25
+    assert 0.3 < eff < 0.5 and 10 < fixed_h200 < 25
     for row in m.model():
         steady = max(row["memory_us"], row["compute_us"] / eff)
         assert row["predicted_us"] == pytest.approx(steady + row["fixed_us"])
         assert (
             row["fixed_us"] + max(row["memory_us"], row["compute_us"])
-            < row["best_case_us"]
+            <= row["best_case_us"]
             <= row["predicted_us"]
         )
 
 
-def test_the_h200_calibration_predicts_the_shape_it_was_not_fitted_to():
+def test_the_h200_calibration_predicts_the_shapes_it_was_not_fitted_to():
+    # Fitted to two shapes; the run measured compact on all 36. The fixed cost weighs most at 4k, where the
+    # split plans differ most between shapes.
     eff, fixed = m.compact_h200()
-    shape = (32, 8, 16, 4096)
-    predicted = shape_costs(*shape)[2] / (m.H200_MMA_TFLOPS * 1e12) * 1e6 / eff + fixed
-    assert predicted == pytest.approx(m.H200_COMPACT_US[shape], rel=0.02)
+    assert len(m.H200_COMPACT_US) == 36
+    for shape, measured in m.H200_COMPACT_US.items():
+        predicted = shape_costs(*shape)[2] / (m.H200_MMA_TFLOPS * 1e12) * 1e6 / eff + fixed
+        assert predicted == pytest.approx(measured, rel=0.03 if shape[3] >= 32768 else 0.15), shape
 
 
 def test_fixed_cost_scales_with_the_clock_and_the_ramp_with_bandwidth():
@@ -72,7 +75,7 @@ def test_fixed_cost_scales_with_the_clock_and_the_ramp_with_bandwidth():
     assert m.fixed_us(m.SM120_COPY_TBPS / 2) > base  # less bandwidth: a longer ramp
     # With the H200's own clock and bandwidth, the ramp of 188 CTAs instead of 132: a little above the H200's cost.
     _, fixed_h200 = m.compact_h200()
-    assert fixed_h200 < m.fixed_us(m.H200_COPY_TBPS, m.H200_CLOCK_GHZ) < fixed_h200 + 1
+    assert fixed_h200 < m.fixed_us(m.H200_COPY_TBPS, m.H200_CLOCK_GHZ) < fixed_h200 + 2
 
 
 def test_notes_carry_the_table_the_script_prints():

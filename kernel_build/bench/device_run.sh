@@ -2,6 +2,8 @@
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
 # usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|all] [pytest args...]
+# 'tests' runs the GPU suite in the device's tile configuration, then (below sm_120, where that is wide) again with
+# KDTREE_KERNEL_CONFIG=compact.
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
@@ -19,6 +21,12 @@ rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}
   echo "tests: $((SECONDS - t0)) s (rc=$rc)"
+  if [ "$cc" -lt 120 ]; then  # here auto is wide: the whole suite again in sm_120's configuration
+    KDTREE_KERNEL_CONFIG=compact python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 \
+      | tee "$out/gpu-tests-compact.log"; rc_c=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] && rc=$rc_c
+    echo "tests, compact forced: $((SECONDS - t0)) s (rc=$rc_c)"
+  fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # The mma.sync rate the roofline uses is measured in the same run, by the library just built.

@@ -54,21 +54,25 @@ SM120_SMEM_PER_SM_KB, SM120_SMEM_PER_BLOCK_KB, SM120_REGS_PER_SM = 100, 99, 6553
 # ---- H200 (sm_90): measured here ---------------------------------------------------------------------------------
 H200_SMS = 132
 H200_CLOCK_GHZ = 1.755  # SM clock under this kernel's load (NOTES.md: Nsight Compute runs at 1.75-1.77 GHz)
-H200_COPY_TBPS = 4.27  # kernel_build/bench/h200-371e508.json (the 371e508 table of BENCHMARKS.md)
-H200_MMA_TFLOPS = 628.2  # the same run: mma.sync bf16, all SMs busy
-# compact forced on the H200 (KDTREE_KERNEL_CONFIG=compact; NOTES.md, Versions, "v9 with `compact` on H200"), us:
-H200_COMPACT_US = {(1, 8, 16, 32768): 78.7, (32, 8, 16, 4096): 262.0, (8, 16, 64, 32768): 3869.0}
-H200_WIDE_JSON = Path(__file__).with_name("h200-371e508.json")
+# One H200 run measured the ceilings, wide and compact forced (the compact columns) on the whole grid: the table
+# of BENCHMARKS.md at 71a2061 (`bench_verify.py`), raw numbers in this file.
+H200_RUN_JSON = Path(__file__).with_name("h200-71a2061.json")
+_RUN = json.loads(H200_RUN_JSON.read_text())
+H200_COPY_TBPS = _RUN["copy_bw"] / 1e12
+H200_MMA_TFLOPS = _RUN["mma_tflops"]  # mma.sync bf16, all SMs busy
+_SHAPES = {(r["batch"], r["heads"], r["draft"], r["prefix"]): r for r in _RUN["rows"]}
+H200_WIDE_US = {s: r["ours_us"] for s, r in _SHAPES.items()}
+H200_COMPACT_US = {s: r["compact_us"] for s, r in _SHAPES.items()}
 
-# ---- compact (src/tree_verify.cu, Cfg<32, 16, 3, 4, 36, true>) -------------------------------------------------
-BM, BN = 32, 16  # rows (draft token x head) and keys per tile
-# A tile's mma m16n8k16: 2 score warps x (2 n-blocks x 36 k-steps) + 4 output warps x (2 m-blocks x 16 n-blocks).
-# Warps 0, 1 (score) share schedulers 0, 1 with output warps 4, 5: those two schedulers issue 72 + 32 mma per tile,
-# so the tensor pipe caps compact at 272 / (4 x 104) of the SM's mma rate.
-TILE_MMA, BUSIEST_SCHEDULER_MMA = 2 * 72 + 4 * 32, 72 + 32
+# ---- compact (src/tree_verify.cu, Cfg<64, 16, 3, 8, 20, false, true>) -------------------------------------------
+BM, BN = 64, 16  # rows (draft token x head) and keys per tile
+# A tile's mma m16n8k16: 4 score warps x (2 n-blocks x 36 k-steps) + 8 output warps x (4 m-blocks x 8 n-blocks).
+# Each of the four schedulers holds one score warp and two output warps: 72 + 2 x 32 mma per tile, a quarter of
+# the tile's, so the tensor pipe does not cap compact below the SM's mma rate.
+TILE_MMA, BUSIEST_SCHEDULER_MMA = 4 * 72 + 8 * 32, 72 + 2 * 32
 TENSOR_CAP = TILE_MMA / (4 * BUSIEST_SCHEDULER_MMA)
 RAMP_BYTES_PER_CTA = BM * 576 * 2 + BN * 576 * 2  # Q and the first key tile: read before a CTA's first mma
-CTAS_PER_SM = 1  # 94 KB of shared memory and 6 warps at 232 registers: one CTA per SM on both cards
+CTAS_PER_SM = 1  # 93 KB of shared memory and 12 warps at 168 registers: one CTA per SM on both cards
 
 
 def compact_h200() -> tuple[float, float]:
@@ -81,10 +85,10 @@ def compact_h200() -> tuple[float, float]:
 
 
 def fixed_us(copy_tbps: float, clock_ghz: float = SM120_CLOCK_GHZ) -> float:
-    """compact's fixed cost per launch on sm_120. On the H200 it is ~18.5 us (compact_h200), nearly all on chip:
+    """compact's fixed cost per launch on sm_120. On the H200 it is ~20.5 us (compact_h200), nearly all on chip:
     launch, dependent index loads, the pipeline filling and draining, the split merge (whose partial rows stay in
     the L2: 50 MB there, 128 MB here). That part scales with the SM clock (1.755 -> 2.617 GHz). The ramp's DRAM
-    traffic (Q and the first key tile of every CTA of the first wave: 7.3 MB on the H200, 10.4 MB on 188 SMs)
+    traffic (Q and the first key tile of every CTA of the first wave: 12.2 MB on the H200, 17.3 MB on 188 SMs)
     scales with bandwidth instead. Every shape of the grid fills the first wave, so it is one number."""
     _, fixed_h200 = compact_h200()
     ramp_h200 = H200_SMS * CTAS_PER_SM * RAMP_BYTES_PER_CTA / (H200_COPY_TBPS * 1e12) * 1e6
@@ -108,7 +112,7 @@ def model(
 ) -> list[dict]:
     eff, _ = compact_h200()
     fixed, best = fixed_us(copy_tbps, clock_ghz), best_case_tflops(mma_tflops, clock_ghz)
-    wide = {(r["batch"], r["heads"], r["draft"], r["prefix"]): r["ours_us"] for r in _h200_wide_rows()}
+    wide = H200_WIDE_US
     rows = []
     for shape in GRID:
         _, io_bytes, flops = shape_costs(*shape)
@@ -127,10 +131,6 @@ def model(
             )
         )
     return rows
-
-
-def _h200_wide_rows() -> list[dict]:
-    return json.loads(H200_WIDE_JSON.read_text())["rows"]
 
 
 def markdown(rows: list[dict]) -> list[str]:

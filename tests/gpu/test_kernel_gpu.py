@@ -37,17 +37,17 @@ CASES = [
     (1, 8, 16, 32768, True),
     (1, 16, 64, 8192, True),
     (1, 1, 16, 1000, True),
-    (1, 128, 16, 2048, True),  # compact (32-row tiles) on an H200: 64 row tiles, two splits
+    (1, 128, 16, 2048, True),  # 32 row tiles of 64: four splits
     (4, 8, 16, 0, True),  # no prefix
     (3, 16, 1, 777, True),  # one draft token
     (2, 8, 16, 3000, False),  # DFlash chain: mask None
-    # ragged prefixes; compact on an H200: two splits
+    # ragged prefixes
     (8, 8, 32, [5, 300, 1024, 4097, 0, 77, 2048, 9000], True),
     (64, 8, 16, 513, True),
     (2, 8, 200, 1500, True),  # draft tokens past one tile of rows
     (1, 4, 1024, 64, True),  # the largest tree
-    # 66 row tiles of wide on a 132-SM H200: two splits (a cluster of two CTAs merges them on chip), some
-    # requests too short for the second one
+    # 66 row tiles on a 132-SM H200: two splits (wide: a cluster of two CTAs merges them on chip; compact: the
+    # combine, its partial rows staged in two rounds), some requests too short for the second one
     (33, 8, 16, [5, 4096, 0, 130, 2000, 700] * 5 + [77, 3000, 1], True),
 ]
 
