@@ -90,6 +90,10 @@ struct Cfg {
                 "rope chunks spread evenly");
   static_assert(QREG <= QK / 16 && (QK / 16 - Q_FROM) % 4 == 0, "Q k-steps; Q's shared rows in 128-byte groups");
 };
+#ifndef KDTREE_RESCALE_SLACK  // tuning knob: how far (log2 units) a row's max may pass its reference unrescaled
+#define KDTREE_RESCALE_SLACK 8.f
+#endif
+constexpr float RESCALE_SLACK = KDTREE_RESCALE_SLACK;
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
@@ -355,10 +359,14 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
         tm[h] = fmaxf(tm[h], tx[h]);
         tx[h] = __shfl_xor_sync(0xffffffffu, tm[h], 2);
       } else if (step == 3) {
-        const float m_new = fmaxf(m_run[h], fmaxf(tm[h], tx[h]));
-        m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far: keep zeros, no NaN
-        alpha[h] = exp2f(m_run[h] - m_use[h]);
-        m_run[h] = m_new;
+        // The exponent's reference m_run moves only when a tile's max passes it by more than RESCALE_SLACK
+        // (log2 units), as in FlashAttention-4: P stays <= 2^SLACK (bf16 keeps its relative precision at any
+        // scale; l and O are fp32) and the output warps' rescale is skipped on almost every tile.
+        const float m_tile = fmaxf(tm[h], tx[h]);
+        const bool move = m_tile > m_run[h] + RESCALE_SLACK;  // true at the first visible key: m_run is -inf
+        alpha[h] = move ? exp2f(m_run[h] - m_tile) : 1.f;
+        if (move) m_run[h] = m_tile;
+        m_use[h] = m_run[h] == -INFINITY ? 0.f : m_run[h];  // no visible key so far: keep zeros, no NaN
       } else if (step < 4 + C::NB_QK) {
         const int j = step - 4;
         sc[j][2 * h] = exp2f(fmaf(sc[j][2 * h], p.scale_log2, -m_use[h]));
@@ -770,7 +778,11 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 // many splits many partial rows are in flight at once; group 0 adds the groups up and stores.
 // Launched as a programmatic dependent of the main kernel: its blocks are scheduled as main-kernel CTAs
 // retire and wait (griddepcontrol.wait) for the whole main grid before reading a partial result.
-constexpr int COMBINE_MANY_SPLITS = 16;  // from here on, 4 groups per row; below, one
+#ifndef KDTREE_COMBINE_GROUPS  // a tuning knob: 8 took ~0.5 us off batch 1 / 32k (65 splits) against 4
+#define KDTREE_COMBINE_GROUPS 8
+#endif
+// From 16 splits on, COMBINE_GROUPS groups per row (more partial rows in flight); below, one.
+constexpr int COMBINE_MANY_SPLITS = 16, COMBINE_GROUPS = KDTREE_COMBINE_GROUPS;
 template <class C, int G>
 __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   __shared__ float4 part[G > 1 ? G - 1 : 1][128];
@@ -953,14 +965,14 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(pl.m_tiles * C::BM, a->batch);
     const bool many = pl.splits >= COMBINE_MANY_SPLITS;
-    cfg.blockDim = dim3(many ? 512 : 128);
+    cfg.blockDim = dim3(many ? 128 * COMBINE_GROUPS : 128);
     cfg.stream = stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    e = many ? cudaLaunchKernelEx(&cfg, combine_kernel<C, 4>, p) : cudaLaunchKernelEx(&cfg, combine_kernel<C, 1>, p);
+    e = many ? cudaLaunchKernelEx(&cfg, combine_kernel<C, COMBINE_GROUPS>, p) : cudaLaunchKernelEx(&cfg, combine_kernel<C, 1>, p);
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   }
   return KDTREE_OK;
