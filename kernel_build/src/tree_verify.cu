@@ -778,11 +778,9 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 // many splits many partial rows are in flight at once; group 0 adds the groups up and stores.
 // Launched as a programmatic dependent of the main kernel: its blocks are scheduled as main-kernel CTAs
 // retire and wait (griddepcontrol.wait) for the whole main grid before reading a partial result.
-#ifndef KDTREE_COMBINE_GROUPS  // a tuning knob: 8 took ~0.5 us off batch 1 / 32k (65 splits) against 4
-#define KDTREE_COMBINE_GROUPS 8
-#endif
-// From 16 splits on, COMBINE_GROUPS groups per row (more partial rows in flight); below, one.
-constexpr int COMBINE_MANY_SPLITS = 16, COMBINE_GROUPS = KDTREE_COMBINE_GROUPS;
+// Groups per row: one below 16 splits, 4 from 16, 8 from 32, so that each group sums at least 4 splits. 8 groups
+// took ~0.5 us off batch 1 / 32k (65 splits) and added 1.4 us at b1/h8/n64/4k (16 splits).
+constexpr int COMBINE_SPLITS_4 = 16, COMBINE_SPLITS_8 = 32;
 template <class C, int G>
 __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   __shared__ float4 part[G > 1 ? G - 1 : 1][128];
@@ -964,15 +962,17 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   if (pl.splits > 1 && !pl.pair) {  // a pair merged on chip
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(pl.m_tiles * C::BM, a->batch);
-    const bool many = pl.splits >= COMBINE_MANY_SPLITS;
-    cfg.blockDim = dim3(many ? 128 * COMBINE_GROUPS : 128);
+    const int groups = pl.splits >= COMBINE_SPLITS_8 ? 8 : pl.splits >= COMBINE_SPLITS_4 ? 4 : 1;
+    cfg.blockDim = dim3(128 * groups);
     cfg.stream = stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    e = many ? cudaLaunchKernelEx(&cfg, combine_kernel<C, COMBINE_GROUPS>, p) : cudaLaunchKernelEx(&cfg, combine_kernel<C, 1>, p);
+    e = groups == 8   ? cudaLaunchKernelEx(&cfg, combine_kernel<C, 8>, p)
+        : groups == 4 ? cudaLaunchKernelEx(&cfg, combine_kernel<C, 4>, p)
+                      : cudaLaunchKernelEx(&cfg, combine_kernel<C, 1>, p);
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   }
   return KDTREE_OK;
