@@ -55,8 +55,8 @@ SM120_SMEM_PER_SM_KB, SM120_SMEM_PER_BLOCK_KB, SM120_REGS_PER_SM = 100, 99, 6553
 H200_SMS = 132
 H200_CLOCK_GHZ = 1.755  # SM clock under this kernel's load (NOTES.md: Nsight Compute runs at 1.75-1.77 GHz)
 # One H200 run measured the ceilings, wide and compact forced (the compact columns) on the whole grid: the table
-# of BENCHMARKS.md at 71a2061 (`bench_verify.py`), raw numbers in this file.
-H200_RUN_JSON = Path(__file__).with_name("h200-71a2061.json")
+# of BENCHMARKS.md at 9a05dd8 (`bench_verify.py`), raw numbers in this file.
+H200_RUN_JSON = Path(__file__).with_name("h200-9a05dd8.json")
 _RUN = json.loads(H200_RUN_JSON.read_text())
 H200_COPY_TBPS = _RUN["copy_bw"] / 1e12
 H200_MMA_TFLOPS = _RUN["mma_tflops"]  # mma.sync bf16, all SMs busy
@@ -85,7 +85,7 @@ def compact_h200() -> tuple[float, float]:
 
 
 def fixed_us(copy_tbps: float, clock_ghz: float = SM120_CLOCK_GHZ) -> float:
-    """compact's fixed cost per launch on sm_120. On the H200 it is ~20.5 us (compact_h200), nearly all on chip:
+    """compact's fixed cost per launch on sm_120. On the H200 it is ~17 us (compact_h200), nearly all on chip:
     launch, dependent index loads, the pipeline filling and draining, the split merge (whose partial rows stay in
     the L2: 50 MB there, 128 MB here). That part scales with the SM clock (1.755 -> 2.617 GHz). The ramp's DRAM
     traffic (Q and the first key tile of every CTA of the first wave: 12.2 MB on the H200, 17.3 MB on 188 SMs)
