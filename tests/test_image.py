@@ -53,6 +53,13 @@ def docker_run(image: str, *args: str, entrypoint: str | None = None, volumes=()
     return subprocess.run([*cmd, image, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def python_in_image(image: str, code: str) -> str:
+    """Run `python -c code` in the image; it must succeed. The last line it printed."""
+    r = docker_run(image, "-c", code, entrypoint="python")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def server_image():
     require_image(SERVER)
@@ -82,9 +89,7 @@ def models():
 
 
 def test_server_image_has_sglang_0_5_23(server_image):
-    r = docker_run(server_image, "-c", "import sglang; print(sglang.__version__)", entrypoint="python")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "0.5.23"
+    assert python_in_image(server_image, "import sglang; print(sglang.__version__)") == "0.5.23"
 
 
 def test_sglang_loader_discovers_and_runs_the_kdtree_plugin(server_image):
@@ -120,14 +125,8 @@ def test_installed_library_carries_sm90_and_sm120_code(server_image):
     for arch in ("sm_90", "sm_120"):
         assert f"tree_verify.{arch}.cubin" in r.stdout, r.stdout
     # What the launcher and the runtime read: the library's own list (kdtree.kernel.compiled_archs).
-    r = docker_run(
-        server_image,
-        "-c",
-        "from kdtree.kernel import compiled_archs; print(compiled_archs())",
-        entrypoint="python",
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert {"sm_90", "sm_120"} <= set(eval(r.stdout.strip().splitlines()[-1]))
+    archs = python_in_image(server_image, "from kdtree.kernel import compiled_archs; print(compiled_archs())")
+    assert {"sm_90", "sm_120"} <= set(eval(archs))
 
 
 TRITON_BUILD_PROBE = r"""
@@ -147,9 +146,7 @@ def test_triton_can_build_its_runtime_modules(server_image):
     """Triton compiles its CUDA driver module and every kernel's launcher with the host C compiler against
     Python.h at first use (SGLang's Triton attention backend; the benchmark's baseline and timer): the same build
     path, on a module that needs no GPU."""
-    r = docker_run(server_image, "-c", TRITON_BUILD_PROBE, entrypoint="python")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "42"
+    assert python_in_image(server_image, TRITON_BUILD_PROBE) == "42"
 
 
 def test_bench_command_is_in_the_image_and_needs_a_gpu(server_image):
@@ -163,14 +160,8 @@ def test_bench_command_is_in_the_image_and_needs_a_gpu(server_image):
     assert r.returncode == 0, r.stderr
     assert "--quick" in r.stdout and "--full" in r.stdout and "--out DIR" in r.stdout
     # The shipped library carries the mma.sync measurement the benchmark's roofline uses.
-    r = docker_run(
-        server_image,
-        "-c",
-        "from kdtree import kernel; print(callable(kernel.library().kdtree_mma_peak))",
-        entrypoint="python",
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == "True"
+    code = "from kdtree import kernel; print(callable(kernel.library().kdtree_mma_peak))"
+    assert python_in_image(server_image, code) == "True"
 
 
 def test_images_run_as_a_non_root_user(server_image, sidecar_image):
