@@ -1,17 +1,12 @@
-"""The stand-in engine under the server entrypoint's real supervisor, behind a stand-in orchestrator.
+"""Commands under a stand-in orchestrator (`Orchestrated`, a restart policy), controlled through the sidecar's real
+process control; and the stand-in engine under the server entrypoint's real supervisor (`SupervisedStandin`).
 
 SupervisedStandin runs `python -m entrypoint.supervise python tests/standin_engine.py ...`: the supervising
 code the server image's launcher runs SGLang with (entrypoint/supervise.py), around tests/standin_engine.py,
 a stand-in that is NOT SGLang (it keeps SGLang's startup log and HTTP contract and writes the per-rank
 records). So the state file (server-process.json) and the log (server.log) the sidecar reads are produced
-by the real entrypoint code. The launcher's configuration checks are not run: they need a GPU.
-
-It plays the orchestrator too, like a restart policy: when the supervisor exits it is started again, after
-restart_delay_s when it was stopped on request (the sidecar's SIGTERM) and after crash_restart_delay_s
-when it ended by itself (Docker's backoff, stretched so a test sees the crash). The sidecar controls it
-through its `control`, a sidecar.process_control.ServerProcess: the same process control `python -m
-sidecar` uses with KDTREE_SERVER_CONTROL=process. It has StandinProcess's attributes (port, proc,
-starts, restart_failures, logs/inspect/restart), so the same tests drive either.
+by the real entrypoint code. The launcher's configuration checks are not run: they need a GPU. The real
+server on a GPU runs the same way with the launcher itself (tests/gpu/real_server.py).
 """
 
 from __future__ import annotations
@@ -33,36 +28,42 @@ REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "standin_engine.py"
 
 
-class SupervisedStandin:
+class Orchestrated:
+    """A command under a stand-in orchestrator, as a container under its restart policy: when the command exits it
+    is started again, after restart_delay_s when it was stopped on request (the sidecar's SIGTERM) and after
+    crash_restart_delay_s when it ended by itself (Docker's backoff, stretched so a test sees the crash). Its output
+    goes to `console` (what `docker logs` would show). The sidecar controls it through `control`, a
+    sidecar.process_control.ServerProcess over `state_dir`: the process control `python -m sidecar` uses with
+    KDTREE_SERVER_CONTROL=process. Subclasses say what runs (`command()`)."""
+
+    name = "orchestrated command"
+
     def __init__(
         self,
-        port: int,
         state_dir: str,
-        args=(),
         *,
+        env: dict | None = None,
+        console: Path | None = None,
         restart_wait_s: float = 3.0,
         restart_delay_s: float = 0.05,
         crash_restart_delay_s: float = 2.0,
-        env: dict | None = None,
     ):
-        self.name = "stand-in (process control)"
-        self.port, self.state_dir, self.args = port, str(state_dir), list(args)
+        self.state_dir = str(state_dir)
         self.control = ServerProcess(state_dir, restart_wait_s=restart_wait_s, poll_s=0.05)
         self.restart_wait_s = restart_wait_s
         self.restart_delay_s, self.crash_restart_delay_s = restart_delay_s, crash_restart_delay_s
-        self.env = {
-            **os.environ,
-            **(env or {}),
-            "KDTREE_STATE_DIR": self.state_dir,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.console = Path(state_dir) / f"console-{port}.log"  # what `docker logs` would show
+        self.env = {**os.environ, **(env or {}), "KDTREE_STATE_DIR": self.state_dir}
+        self.console = console or Path(state_dir) / "console.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self._hold_until = 0.0
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.cwd = REPO
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
     @property
     def restart_failures(self) -> int:
@@ -74,21 +75,19 @@ class SupervisedStandin:
         KDTREE_RESTART_WAIT_S for each of them (as a slow or stopped restart policy would), then does."""
         self._hold_until = time.monotonic() + n * self.restart_wait_s + 1.5
 
-    def start(self) -> SupervisedStandin:
+    def start(self):
         self._spawn()
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
         return self
 
     def _spawn(self) -> None:
-        cmd = [sys.executable, "-m", "entrypoint.supervise", sys.executable, str(STANDIN)]
-        cmd += ["--port", str(self.port), "--state-dir", self.state_dir, *self.args]
         with self._lock:
             if self._closing.is_set():
                 return
             with self.console.open("ab") as out:
                 self.proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO
+                    self.command(), stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
                 )
             self.starts += 1
 
@@ -108,9 +107,6 @@ class SupervisedStandin:
             if self._closing.wait(delay):
                 return
             self._spawn()
-
-    def wait_port(self, timeout: float = 10.0) -> None:
-        wait_port(self.port, timeout, "supervised stand-in")
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._lock:
@@ -136,3 +132,24 @@ class SupervisedStandin:
 
     def restart(self, stop_timeout_s: int) -> None:
         self.control.restart(stop_timeout_s)
+
+
+class SupervisedStandin(Orchestrated):
+    """tests/standin_engine.py under the server entrypoint's supervisor (python -m entrypoint.supervise), orchestrated.
+    It has StandinProcess's attributes (port, proc, starts, restart_failures, logs/inspect/restart), so the same tests
+    drive either."""
+
+    name = "stand-in (process control)"
+
+    def __init__(self, port: int, state_dir: str, args=(), *, env: dict | None = None, **timing):
+        pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        super().__init__(state_dir, env={**(env or {}), "PYTHONPATH": pythonpath},
+                         console=Path(state_dir) / f"console-{port}.log", **timing)  # fmt: skip
+        self.port, self.args = port, list(args)
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "entrypoint.supervise", sys.executable, str(STANDIN)]
+        return cmd + ["--port", str(self.port), "--state-dir", self.state_dir, *self.args]
+
+    def wait_port(self, timeout: float = 10.0) -> None:
+        wait_port(self.port, timeout, "supervised stand-in")
