@@ -55,10 +55,12 @@ class Evidence:
         installed: Callable[[], bool],
         rank_source: Callable[[], tuple[int, int] | None] = scheduler_tp_rank,
         follow: Callable[[Mode | None], bool] | None = None,
+        layers: Callable[[], int] | None = None,
     ):
         self.state_dir = state_dir
         self._snapshot = snapshot
         self._installed = installed
+        self._layers = layers or (lambda: int(installed()))  # kdtree wrappers on forward_extend
         self._rank_source = rank_source
         self._follow = follow  # applies the desired mode (ModeHolder.follow); True when the mode changed
         self.mode_file_error: str | None = None
@@ -84,6 +86,7 @@ class Evidence:
         rec.live_modes = snap.get("live_modes", [])
         rec.mode_pending = snap.get("mode_pending")
         rec.installed = self._installed()
+        rec.override_layers = self._layers()
         rec.started_at = self.started_at
         rec.gpu = snap.get("gpu")
         rec.compute_capability = snap.get("compute_capability")
@@ -93,6 +96,7 @@ class Evidence:
         rec.fallbacks = snap["fallbacks"]
         if snap.get("parity"):
             rec.parity = Parity(**snap["parity"])
+        rec.verify_inputs = snap.get("verify_inputs", {})
         rec.last_error = snap.get("last_error") or self.mode_file_error or self.write_error
         return rec
 

@@ -8,7 +8,7 @@
 
 Whichever path comes first installs; the other then finds the install and does nothing, so
 `forward_extend` is wrapped once. The installing process prints one line:
-`[kdtree] installed verify override (mode=..., pid=..., tp_rank=...)`. SGLang publishes a scheduler's
+`[kdtree] installed verify override (mode=..., pid=..., tp_rank=..., via=entry-point|import-hook)`. SGLang publishes a scheduler's
 tp rank only after plugins load, so the line usually says `tp_rank=?`; the status record carries the
 rank as soon as it is known (see kdtree.evidence).
 """
@@ -101,7 +101,11 @@ def _activate() -> None:
 
     _override = VerifyOverride(settings)
     _evidence = Evidence(
-        settings.state_dir, snapshot=_override.snapshot, installed=is_installed, follow=_override.mode.follow
+        settings.state_dir,
+        snapshot=_override.snapshot,
+        installed=is_installed,
+        follow=_override.mode.follow,
+        layers=installed_layers,
     )
 
 
@@ -109,7 +113,8 @@ def _announce() -> None:
     rank = _evidence.resolve_rank()
     tp_rank = "?" if rank is None else rank[0]
     print(
-        f"[kdtree] installed verify override (mode={_override.mode.mode.value}, pid={os.getpid()}, tp_rank={tp_rank})",
+        f"[kdtree] installed verify override (mode={_override.mode.mode.value}, pid={os.getpid()}, "
+        f"tp_rank={tp_rank}, via={_installed_by})",
         flush=True,
     )
     _evidence.beat()  # a record now if the rank is already known; the heartbeat keeps it fresh
@@ -134,11 +139,16 @@ def _cell(cell):
         return None
 
 
-def is_installed() -> bool:
-    """True when SGLang's forward_extend runs through the override now (no import, no CUDA)."""
+def installed_layers() -> int:
+    """kdtree wrappers in SGLang's forward_extend now: 1 once installed, 0 before (no import, no CUDA)."""
     module = sys.modules.get(TARGET_MODULE)
     cls = getattr(module, TARGET_CLASS, None)
-    return cls is not None and override_layers(cls.__dict__.get(TARGET_METHOD)) > 0
+    return 0 if cls is None else override_layers(cls.__dict__.get(TARGET_METHOD))
+
+
+def is_installed() -> bool:
+    """True when SGLang's forward_extend runs through the override now (no import, no CUDA)."""
+    return installed_layers() > 0
 
 
 def installed_by() -> str | None:

@@ -42,6 +42,9 @@ class RankRecord(BaseModel):
     live_modes: list[str] = Field(default_factory=list)
     mode_pending: str | None = None  # the sidecar's desired mode when this rank cannot switch to it live
     installed: bool = False
+    override_layers: int = (
+        0  # kdtree wrappers in forward_extend's chain in this process: 1 when installed, never 2
+    )
     gpu: str | None = None
     compute_capability: str | None = None
     compiled_archs: list[str] = Field(default_factory=list)
@@ -49,6 +52,8 @@ class RankRecord(BaseModel):
     served_original: int = 0  # target-verify calls answered by SGLang's Triton path
     fallbacks: dict[str, int] = Field(default_factory=dict)  # reason -> count
     parity: Parity = Field(default_factory=Parity)
+    # the first eager and the first captured verify call this rank handled, as metadata (kdtree.verify.describe_call)
+    verify_inputs: dict[str, dict] = Field(default_factory=dict)
     last_error: str | None = None
     started_at: float = Field(default_factory=time.time)
     heartbeat: float = Field(default_factory=time.time)

@@ -26,6 +26,7 @@ captures, not replays of a captured graph. The kernel counts the calls it serves
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -111,8 +112,49 @@ def fallback_reason(c: VerifyCall) -> str | None:
     return None
 
 
+def describe_call(c: VerifyCall, capturing: bool) -> dict:
+    """What a verify call hands kdtree, as metadata only (dtypes, shapes, strides, Python values: no device read),
+    for the rank record (`verify_inputs`): the contract that kdtree.kernel and the GPU tests assume, as the real
+    runner keeps it (tests/gpu/test_engine_gpu.py compares it with tests/gpu/sglang_fixture.py's)."""
+    md, layer = c.backend.forward_metadata, c.layer
+    kbuf = c.backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+
+    def t(x, numel=False):
+        if x is None:
+            return None
+        return [str(x.dtype).removeprefix("torch."), x.numel() if numel else list(x.shape)]
+
+    d = {
+        "heads": layer.tp_q_head_num,
+        "scaling": float(layer.scaling),
+        "max_extend_len": md.max_extend_len,
+        "batch": md.qo_indptr.numel() - 1,
+        "q": t(c.q),
+        "k": t(c.k),
+        "v": t(c.v),
+        "qo_indptr": t(md.qo_indptr, True),
+        "kv_indptr": t(md.kv_indptr, True),
+        "kv_indices": t(md.kv_indices, True),
+        "custom_mask": t(md.custom_mask, True),
+        "mask_indptr": t(md.mask_indptr, True),
+        "kv_pool": [str(kbuf.dtype).removeprefix("torch."), list(kbuf.shape[1:]), kbuf.stride(0)],
+        "page_size": getattr(c.backend, "page_size", None),
+    }
+    seq = getattr(c.forward_batch, "seq_lens_cpu", None)
+    if not capturing and md.custom_mask is not None and seq is not None:  # a host tensor: no device read
+        n = md.max_extend_len
+        d["full_mask_numel"] = sum(n * (int(p) + n) for p in seq.tolist())  # SGLang's FULL layout
+    return d
+
+
 def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
+
+
+def _sglang_capture_mode() -> bool:
+    """SGLang's graph runner is capturing, or warming up eagerly on the graph's buffers before it (no import)."""
+    mode = sys.modules.get("sglang.srt.model_executor.runner_utils.capture_mode")
+    return bool(mode is not None and mode.get_is_capture_mode())
 
 
 class DeviceState:
@@ -175,6 +217,8 @@ class VerifyOverride:
         self._devices: dict[int, DeviceState] = {}
         self._mode_word = None  # kernel.ModeWord, made with the first device state
         self._step: tuple[Any, Mode] | None = None  # (forward batch, its mode): one mode per eager step
+        # "eager", "warmup" (SGLang's eager runs before a capture), "captured": the first such call, described
+        self.inputs_seen: dict[str, dict] = {}
 
     # ---- the hook -------------------------------------------------------------------------------
     def __call__(self, original, *args, **kwargs):
@@ -201,6 +245,9 @@ class VerifyOverride:
         if reason is not None:
             self._count(reason)
             return original(*args, **kwargs)
+        if len(self.inputs_seen) < 3:
+            kind = "captured" if capturing else "warmup" if _sglang_capture_mode() else "eager"
+            self.inputs_seen.setdefault(kind, describe_call(c, capturing))
         if capturing:
             return self._captured(original, c, state, args, kwargs)
         self._reserve_for_capture(c, state)
@@ -290,9 +337,11 @@ class VerifyOverride:
             backend.forward_metadata, fb._attn_output = md, shared
 
     def _reserve_for_capture(self, c: VerifyCall, state: DeviceState) -> None:
-        """Size the buffers a capture of this call needs (SGLang runs each batch size eagerly before capturing
-        it); qo_indptr is int32 in eager metadata and int64 in captured metadata, so reserve 8 bytes an entry.
-        Only a larger call than any before does work here: this runs on every eager call."""
+        """Size the buffers a capture of this call needs, in every live mode (SGLang runs each batch size eagerly
+        before capturing it, and a server started in standby runs nothing of kdtree's on those calls, so the
+        workspace is sized here too, not only where a call is served or compared); qo_indptr is int32 in eager
+        metadata and int64 in captured metadata, so reserve 8 bytes an entry. Only a larger call than any before
+        does work here: this runs on every eager call."""
         out, n = (
             c.q.shape[0] * c.layer.tp_q_head_num * V_HEAD_DIM,
             c.backend.forward_metadata.qo_indptr.numel(),
@@ -301,6 +350,7 @@ class VerifyOverride:
             return
         state.buffer("validate_out", out, torch.bfloat16, False)
         state.buffer("qo_gated", 3 * n, torch.int32, False, reserve=24 * n)
+        self._workspace(c, state, False)
         state.reserved = (max(out, state.reserved[0]), max(n, state.reserved[1]))
 
     def _serve(self, original, c: VerifyCall, state: DeviceState, capturing: bool, args, kwargs):
@@ -449,6 +499,7 @@ class VerifyOverride:
                 "gpu": self.gpu,
                 "compute_capability": self.compute_capability,
                 "compiled_archs": list(self.compiled_archs),
+                "verify_inputs": dict(self.inputs_seen),
             }
         state = self.device_state()
         if state is not None:

@@ -29,7 +29,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT_DIR = ROOT / "entrypoint"
 INSTALL_LINE = re.compile(
-    r"^\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=(\?|\d+)\)$", re.M
+    r"^\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=(\?|\d+), via=(entry-point|import-hook)\)$",
+    re.M,
 )
 
 # Prints, as JSON on the last line: who installed, how many kdtree wrappers forward_extend carries.
@@ -109,7 +110,7 @@ def test_entry_point_is_loaded_by_sglang_load_plugins_in_a_spawned_child(tmp_pat
     assert got["by"] == "entry-point" and not got["sitecustomize"]
     assert got["layers"] == 1
     lines = INSTALL_LINE.findall(got["stdout"])
-    assert lines == [("validate", str(proc.pid), "?")]
+    assert lines == [("validate", str(proc.pid), "?", "entry-point")]
 
 
 # ---- sitecustomize -------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_sitecustomize_wraps_forward_extend_when_the_triton_backend_is_imported(
     proc = _python(IMPORT_BACKEND + REPORT, _env(tmp_path, mode="on", sitecustomize=True), tmp_path)
     got = _report(proc)
     assert got["by"] == "import-hook" and got["layers"] == 1
-    assert [m[0] for m in INSTALL_LINE.findall(proc.stdout)] == ["on"]
+    assert [(m[0], m[3]) for m in INSTALL_LINE.findall(proc.stdout)] == [("on", "import-hook")]
 
 
 @pytest.mark.parametrize("order", ["plugins-then-backend", "backend-then-plugins"])
@@ -154,7 +155,7 @@ def test_entry_point_and_sitecustomize_together_wrap_once(tmp_path, order):
     got = _report(proc)
     assert got["layers"] == 1
     assert got["by"] == ("entry-point" if order == "plugins-then-backend" else "import-hook")
-    assert len(INSTALL_LINE.findall(proc.stdout)) == 1, proc.stdout
+    assert [m[3] for m in INSTALL_LINE.findall(proc.stdout)] == [got["by"]], proc.stdout
 
 
 @pytest.mark.parametrize("path", ["entry-point", "sitecustomize"])

@@ -12,7 +12,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-SCALE = 192**-0.5  # DeepSeek-V3's softmax scale: qk_nope + qk_rope = 192, not 576
+SCALE = (
+    192**-0.5
+)  # DeepSeek-V3's softmax scale: qk_nope + qk_rope = 192, not 576 (times yarn's mscale**2 in a model)
+
+# What SGLang 0.5.23's TritonAttnBackend hands forward_extend for target-verify, as kdtree.verify.describe_call
+# records it (dtypes of the metadata and of q/k/v, and the pool's row layout): the contract kdtree.kernel checks.
+# This fixture builds calls that match (test_hook_gpu), and the real server's rank records must show the same
+# (test_engine_gpu): a test fails when SGLang changes it.
+EXPECTED_EAGER = {
+    "qo_indptr": "int32",  # built fresh per step
+    "kv_indptr": "int32",
+    "kv_indices": "int64",
+    "mask_indptr": "int64",
+    "custom_mask": "bool",  # FULL layout, fresh per step
+    "q": "bfloat16",
+    "k": "bfloat16",
+    "v": "bfloat16",
+}
+EXPECTED_CAPTURED = {
+    **EXPECTED_EAGER,
+    "qo_indptr": "int64",
+    "custom_mask": "uint8",
+}  # the graph's static buffers
+EXPECTED_POOL = [
+    "bfloat16",
+    [1, 576],
+    576,
+]  # MLATokenToKVPool: one latent head a slot, v = its first 512 dims
 
 
 @dataclass
@@ -35,6 +62,26 @@ class Setup:
     @property
     def kv(self):
         return self.runner.token_to_kv_pool.get_key_buffer(0)
+
+
+def expected_scaling(model_dir) -> float:
+    """The softmax scale of a DeepSeek-V3 checkpoint's attention: qk_head_dim**-0.5 times mscale**2 with yarn rope,
+    mscale = 0.1 * mscale_all_dim * ln(factor) + 1 (DeepSeek-V3's modelling code), from its config.json."""
+    import json
+    import math
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    scale = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
+    rope = cfg.get("rope_scaling") or {}
+    if rope.get("factor", 1) > 1 and rope.get("mscale_all_dim"):
+        scale *= (0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1) ** 2
+    return scale
+
+
+def described_dtypes(description: dict) -> dict:
+    """The dtypes of a describe_call description, in EXPECTED_EAGER's form."""
+    return {k: (description[k] or [None])[0] for k in EXPECTED_EAGER}
 
 
 def random_trees(count, n, gen):

@@ -397,3 +397,47 @@ def test_a_rank_started_in_off_never_switches_live(torch, installed, monkeypatch
         (view,) = read_records(tmp_path)
         assert view.record.mode == "off" and view.record.mode_pending == "on" and view.record.live_modes == []
         assert ov.mode.mode.value == "off"
+
+
+def test_a_graph_captured_in_standby_serves_on_after_a_live_flip(torch, installed, needs_kernel, monkeypatch):
+    """A server started in standby runs nothing of kdtree's on the eager warm-ups before each capture, yet its graphs
+    must hold the on path: the warm-ups size every buffer a capture needs, so the captured call is kdtree's (no
+    buffer_grow_in_capture) and a flip to on serves from the graph (the real server showed 32 of 32 captures
+    falling back before this was fixed)."""
+    s = graph_setup(torch, 8, (70, 150, 3), 8)
+    with no_hook(installed):
+        g_orig, out_orig = capture(torch, s, lambda: forward(s))
+    with own_override(installed, "standby", monkeypatch) as ov:
+        g, out = capture(torch, s, lambda: forward(s))  # eager warm-up in standby, then the capture
+        assert ov.snapshot()["fallbacks"] == {}, ov.snapshot()["fallbacks"]
+        ov.mode.set("on")
+        change_inputs_in_place(torch, s, 1)
+        g_orig.replay()
+        before = snapshot(torch, ov)["served_kdtree"]
+        g.replay()
+        assert snapshot(torch, ov)["served_kdtree"] == before + 1
+        assert rel_l2(out, out_orig) <= REL_L2_TOL
+
+
+def test_the_fixture_builds_the_calls_sglangs_runner_makes(torch, installed, needs_kernel, monkeypatch):
+    """The eager and captured calls this suite builds are described (kdtree.verify.describe_call) exactly as
+    sglang_fixture.EXPECTED_* say; test_engine_gpu checks the real server's against the same descriptions."""
+    from sglang_fixture import EXPECTED_CAPTURED, EXPECTED_EAGER, EXPECTED_POOL, SCALE, described_dtypes
+
+    s = graph_setup(torch, 8, (33, 90), 8)
+    with own_override(installed, "validate", monkeypatch) as ov:
+        capture(torch, s, lambda: forward(s))  # on the graph's static metadata, as SGLang's runner captures
+    captured = ov.snapshot()["verify_inputs"]["captured"]
+    assert described_dtypes(captured) == EXPECTED_CAPTURED, captured
+    s = build(torch, 8, (33, 90), 8)
+    with own_override(installed, "validate", monkeypatch) as ov:
+        eager(s)
+    seen = ov.snapshot()["verify_inputs"]["eager"]
+    assert described_dtypes(seen) == EXPECTED_EAGER, seen
+    assert seen["custom_mask"][1] == seen["full_mask_numel"]  # FULL layout
+    for d in (captured, seen):
+        assert (
+            d["kv_pool"] == EXPECTED_POOL
+            and d["scaling"] == pytest.approx(SCALE)
+            and d["max_extend_len"] == 8
+        )
