@@ -6,14 +6,19 @@ import re
 
 from pydantic import BaseModel
 
-# SGLang 0.5.23 prints these, in this order, on a healthy start (weights, CUDA graphs, HTTP up).
+# SGLang 0.5.23 prints these, in this order, on a healthy start (weights, CUDA graphs, HTTP up); each is a regular
+# expression. Its graph lines name what is captured: "Capture target verify CUDA graph begin. backend=full, ..."
+# (speculative decoding), then the draft model's ("Capture draft decode CUDA graph begin. ..."); older versions
+# printed "Capture cuda graph begin". tests/gpu/test_engine_gpu.py checks the list against a real server's log,
+# tests/test_sidecar_probe.py against an excerpt of it (tests/data/sglang-0.5.23-startup.log).
 LOG_MARKERS = (
-    ("loading_weights", "Load weight begin"),
-    ("weights_loaded", "Load weight end"),
-    ("capturing_cuda_graphs", "Capture cuda graph begin"),
-    ("cuda_graphs_captured", "Capture cuda graph end"),
-    ("fired_up", "The server is fired up and ready to roll!"),
+    ("loading_weights", r"Load weight begin\b"),
+    ("weights_loaded", r"Load weight end\b"),
+    ("capturing_cuda_graphs", r"(?i:Capture [\w ]*cuda graph begin)"),
+    ("cuda_graphs_captured", r"(?i:Capture [\w ]*cuda graph end)"),
+    ("fired_up", r"The server is fired up and ready to roll!"),
 )
+_MARKERS = tuple((name, re.compile(pattern)) for name, pattern in LOG_MARKERS)
 
 _ERROR_LINE = re.compile(
     r"Traceback \(most recent call last\)|\b\w*(Error|Exception)\b|\bERROR\b|\bFATAL\b|out of memory|"
@@ -30,12 +35,12 @@ class LogMarker(BaseModel):
 
 
 def latest_marker(log: str) -> LogMarker | None:
-    """The last startup marker in the log, with the line that carried it."""
+    """The last startup marker in the log (`text`: what matched), with the line that carried it."""
     latest = None
     for line in log.splitlines():
-        for name, text in LOG_MARKERS:
-            if text in line:
-                latest = LogMarker(name=name, text=text, line=line.strip()[:300])
+        for name, pattern in _MARKERS:
+            if m := pattern.search(line):
+                latest = LogMarker(name=name, text=m.group(0), line=line.strip()[:300])
     return latest
 
 

@@ -214,7 +214,7 @@ class Engine:
         log(
             "Load weight end. type=DeepseekV3ForCausalLM, dtype=torch.bfloat16, avail mem=60.10 GB, mem usage=79.10 GB."
         )
-        log("Capture cuda graph begin. This can take up to several minutes. avail mem=20.00 GB")
+        log("Capture target verify CUDA graph begin. backend=full, num_tokens_per_req=8, avail mem=20.00 GB")
         if self.fault == "crash-on-start" and (a.fault_in_mode is None or a.fault_in_mode == self.mode.value):
             time.sleep(a.load_seconds / 4)
             print(
@@ -229,7 +229,8 @@ class Engine:
             sys.exit(a.exit_code)
         time.sleep(a.load_seconds / 2)
         log(
-            f"Capture cuda graph end. Time elapsed: {a.load_seconds:.2f} s. mem usage=3.10 GB. avail mem=16.90 GB."
+            f"Capture target verify CUDA graph end. bs=[1, 2, 4, 8], elapsed={a.load_seconds:.2f} s, "
+            "mem usage=3.10 GB, avail mem=16.90 GB."
         )
 
     # ---- completions --------------------------------------------------------------------------

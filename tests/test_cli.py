@@ -48,7 +48,7 @@ def test_wait_follows_the_startup_and_exits_0_when_ready(stack):
     r = kdtreectl(url, "wait", "--timeout", "30", "--interval", "0.1")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert any(line.startswith("loading | Capture cuda graph begin") for line in lines), lines
+    assert any(line.startswith("loading | Capture target verify CUDA graph begin") for line in lines), lines
     assert any(line.startswith("warming |") for line in lines), lines
     assert lines[-1].startswith("ready after") and lines[-1].endswith("in mode off")
 

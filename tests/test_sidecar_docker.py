@@ -81,7 +81,7 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):
 
 SGLANG_START = (
     'echo "[2026-11-29 10:00:00 TP0] Load weight begin. avail mem=139.20 GB"; '
-    'echo "[2026-11-29 10:00:09 TP0] Capture cuda graph begin. This can take up to several minutes."; '
+    'echo "[2026-11-29 10:00:09 TP0] Capture target verify CUDA graph begin. backend=full, num_tokens_per_req=8, avail mem=20.00 GB"; '
 )
 
 
