@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|all] [pytest args...]
-# 'tests' runs the GPU suite in the device's tile configuration, then (below sm_120, where that is wide) again with
-# KDTREE_KERNEL_CONFIG=compact.
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|all] [args...]
+# 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
+# sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
+# 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
+# benchmark (bench_engine.py: engine.md + engine.json; its args after the mode); both first install kdtree with the
+# library just built into the wheels' site folder (/tmp/site), as the server image installs it.
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
@@ -18,11 +21,30 @@ cmake -S kernel_build -B kernel_build/build -DCMAKE_CUDA_ARCHITECTURES="${cc}-re
   && cmake --build kernel_build/build -j8 >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 echo "build: $((SECONDS - t0)) s"
 rc=0
+install_site() {  # kdtree as a package (entry point included) with the library, beside SGLang's wheels
+  mkdir -p kdtree/lib && cp kernel_build/build/libkdtree_verify.so kdtree/lib/
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --upgrade --target /tmp/site . \
+    >"$out/install-site.log" 2>&1 || { tail -20 "$out/install-site.log"; exit 1; }
+  export KDTREE_ENGINE_SITE=/tmp/site
+  echo "kdtree installed into /tmp/site: $((SECONDS - t0)) s"
+}
+if [ "$what" = engine-tests ] || [ "$what" = all ]; then
+  install_site
+  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_engine_gpu.py "$@" 2>&1 | tee "$out/engine-tests.log"
+  rc=${PIPESTATUS[0]}
+  echo "engine tests: $((SECONDS - t0)) s (rc=$rc)"
+fi
+if [ "$what" = engine ] || [ "$what" = all ]; then
+  install_site
+  python3 kernel_build/bench/bench_engine.py --out "$out/engine.md" "$@" 2>&1 | tee "$out/engine.log"
+  rc=${PIPESTATUS[0]}
+  echo "engine benchmark: $((SECONDS - t0)) s (rc=$rc)"
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}
+  python3 -m pytest -p no:cacheprovider -q -rs -m "not engine" tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}
   echo "tests: $((SECONDS - t0)) s (rc=$rc)"
   if [ "$cc" -lt 120 ]; then  # here auto is wide: the whole suite again in sm_120's configuration
-    KDTREE_KERNEL_CONFIG=compact python3 -m pytest -p no:cacheprovider -q -rs tests/gpu "$@" 2>&1 \
+    KDTREE_KERNEL_CONFIG=compact python3 -m pytest -p no:cacheprovider -q -rs -m "not engine" tests/gpu "$@" 2>&1 \
       | tee "$out/gpu-tests-compact.log"; rc_c=${PIPESTATUS[0]}
     [ "$rc" = 0 ] && rc=$rc_c
     echo "tests, compact forced: $((SECONDS - t0)) s (rc=$rc_c)"

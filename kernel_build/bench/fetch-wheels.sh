@@ -7,7 +7,7 @@
 # Copy DIR to the GPU machine as .whl in the repo root: kernel_build/bench/device_run.sh installs it into
 # /tmp/site. SGLang's compiled packages (sgl_kernel etc.) are not fetched: tests/gpu/sglang_stubs.py stands
 # in for them; the attention path (extend_attention_fwd, TritonAttnBackend, MLATokenToKVPool) never calls them.
-# About 54 MiB.
+# About 61 MiB: with the checkout, just under the 64 MiB one GPU-machine call may carry.
 set -euo pipefail
 dir=${1:?usage: $0 DIR}
 mkdir -p "$dir"
@@ -19,6 +19,9 @@ pkgs=(
   executing asttokens pure_eval pexpect ptyprocess ipython_pygments_lexers
   uvicorn fastapi annotated-doc h11 click opentelemetry-api importlib-metadata zipp
   pytest pluggy iniconfig pytest-timeout pydantic-settings python-dotenv  # the test runner and kdtree.config
+  tenacity  # the sidecar, run against the real server by tests/gpu/test_engine_gpu.py
+  # what sglang.launch_server's HTTP server imports (not SGLang's attention path): the real server's GPU tests
+  jsonschema jsonschema-specifications referencing rpds-py soundfile cffi pycparser zstandard python-multipart
 )
 for p in "${pkgs[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -6,8 +6,11 @@ out=${OUT:-$PWD/device-out}
 mkdir -p "$out" kernel_build/build
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 [ -n "$cc" ] || { echo "no GPU found (nvidia-smi reported no compute capability)" >&2; exit 1; }
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+if [ -d .whl ]; then  # once per machine: several scripts of one call may source this, even at the same time
+  if [ ! -f /tmp/site/.from-whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.from-whl
+  fi
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:$PWD/tests/gpu:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -1,0 +1,319 @@
+"""GPU: kdtree inside the real SGLang 0.5.23 server, started as production starts it, and the real sidecar in front.
+
+Every server here is `python -m entrypoint.launch` running `python -m sglang.launch_server` (scheduler process,
+CUDA-graph runner, tree speculation) on a tiny DeepSeek-V3-architecture model with random weights (8 layers, MLA
+576/512, 8 heads: tests/gpu/real_server.py, tests/gpu/tiny_model.py), Triton attention, CUDA graphs captured for
+batch sizes 1-4 (larger batches run eagerly), KDTREE_STATE_DIR of its own. They all start at once when the module
+starts (a start takes about a minute; in parallel the starts overlap):
+
+  NGRAM (8 draft tokens):           off (the reference), validate, on, standby
+  NEXTN (topk 4, 3 steps, 8 tokens): off (the reference), validate, on, standby
+
+half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
+import hook) with the entry point switched off. Greedy decoding only (temperature > 0 reaches a sampling kernel
+that is not stood in for here). Run: bash kernel_build/bench/device_run.sh engine-tests.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from real_server import CAPTURED_BS, RealServer, ServerSpec, divergence, unavailable
+from tiny_model import prompt_of, write_model
+
+from kdtree.config import Mode
+
+pytestmark = [pytest.mark.gpu, pytest.mark.engine]
+
+DRAFT_TOKENS = 8
+MAX_REL_L2 = 2e-2  # the gate's default (KDTREE_GATE_MAX_REL_ERR): what validate must show on real traffic
+SPECS = {
+    s.name: s
+    for s in (
+        ServerSpec("ngram-off", "NGRAM", Mode.OFF),
+        ServerSpec("ngram-validate", "NGRAM", Mode.VALIDATE, own_library=True),
+        ServerSpec("ngram-on", "NGRAM", Mode.ON, install="sitecustomize"),
+        ServerSpec("ngram-standby", "NGRAM", Mode.STANDBY),
+        ServerSpec("nextn-off", "NEXTN", Mode.OFF, install="sitecustomize"),
+        ServerSpec("nextn-validate", "NEXTN", Mode.VALIDATE, install="sitecustomize"),
+        ServerSpec("nextn-on", "NEXTN", Mode.ON),
+        ServerSpec("nextn-standby", "NEXTN", Mode.STANDBY, install="sitecustomize"),
+    )
+}
+PROMPTS = [prompt_of(n, seed) for seed, n in enumerate((12, 40, 97, 180, 333, 64, 250, 21))]
+CAPTURE_BEGIN = re.compile(r"Capture target verify CUDA graph begin")
+
+
+class Fleet:
+    """The servers the selected tests use, started together; `fleet[name]` waits for that one (its failure, once)."""
+
+    def __init__(self, root: Path, names: set[str]):
+        self.root = root
+        self.model = write_model(root / "model-8l", layers=8, nextn=True)
+        self.servers = {
+            n: RealServer(s, root / n, self.model).start() for n, s in SPECS.items() if n in names
+        }
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(self.servers))
+        self._ready = {n: self._pool.submit(s.wait_ready) for n, s in self.servers.items()}
+        self.started = time.monotonic()
+
+    def __getitem__(self, name: str) -> RealServer:
+        self._ready[name].result()  # re-raises the start's failure, with the server's output
+        return self.servers[name]
+
+    def stop(self) -> None:
+        for s in self.servers.values():
+            s.stop(timeout=30)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def servers_used(items) -> set[str]:
+    """The servers the selected tests of this module use (`-k nextn` starts the NEXTN ones only)."""
+    names = set()
+    for item in items:
+        if item.module.__name__ != __name__:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if "name" in params:
+            names |= {params["name"], f"{SPECS[params['name']].algorithm.lower()}-off"}
+        elif "algo" in params:
+            names |= {f"{params['algo']}-{mode}" for mode in ("off", "validate", "on")}
+        else:
+            names.add("ngram-validate")  # the markers and the sidecar
+    return names
+
+
+@pytest.fixture(scope="module")
+def fleet(request, tmp_path_factory):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    f = Fleet(tmp_path_factory.mktemp("engine"), servers_used(request.session.items))
+    yield f
+    f.stop()
+
+
+def verify_counts(server: RealServer) -> tuple[int, int, int, dict]:
+    """(served_kdtree, calls_compared, served_original, fallbacks) of the server's one rank, after a fresh heartbeat."""
+    time.sleep(1.5)  # KDTREE_HEARTBEAT_S=1: the record has caught up with the requests just answered
+    r = server.record(0)
+    return r.served_kdtree, r.parity.calls_compared, r.served_original, dict(r.fallbacks)
+
+
+def assert_same_tokens(got, want, prompts, server, reference, max_tokens):
+    """Token-for-token equality; a difference names the request, the first diverging position and both servers'
+    top-2 logprobs there (a near-tie is bf16 rounding order, a wide margin a wrong result)."""
+    diff = divergence(got, want, server, reference, prompts, max_tokens)
+    assert diff is None, f"{server.spec.name} against {reference.spec.name}: {diff}"
+
+
+# ---- installation ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_kdtree_installs_once_in_every_sglang_process(fleet, name):
+    server = fleet[name]
+    lines = server.install_lines()
+    pids = [pid for _, pid, _, _ in lines]
+    assert lines and len(pids) == len(set(pids)), f"an install line twice for one process: {lines}"
+    via = "entry-point" if server.spec.install == "plugin" else "import-hook"
+    assert {v for *_, v in lines} == {via}, lines
+    assert {m for m, *_ in lines} == {server.spec.mode.value}
+    rank = server.record(0)
+    assert rank.pid in pids, (rank.pid, lines)
+    if (
+        via == "entry-point"
+    ):  # load_plugins() runs in the launcher too (the import hook acts only where the backend is)
+        assert server.process_record()["server_pid"] in pids, lines  # the sglang.launch_server process
+    assert rank.installed and rank.override_layers == 1
+    assert rank.mode == server.spec.mode.value and rank.tp_size == 1
+
+
+# ---- validate and on, against the reference -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["ngram", "nextn"])
+def test_validate_compares_every_verify_step_within_tolerance(fleet, algo):
+    server = fleet[f"{algo}-validate"]
+    before = verify_counts(server)
+    for batch in (PROMPTS[:1], PROMPTS[:3], PROMPTS):  # captured sizes, then 8 > 4: eager
+        server.token_ids(batch, max_tokens=24)
+    served, compared, original, fallbacks = verify_counts(server)
+    assert compared > before[1] + 10, f"calls_compared {before[1]} -> {compared}"
+    assert served == 0 and fallbacks == {}, (served, fallbacks)
+    p = server.record(0).parity
+    assert p.nan_inf == 0 and p.calls_over_tol == 0 and p.max_rel_l2 <= MAX_REL_L2, p
+    assert {"eager", "captured"} <= set(server.record(0).verify_inputs)
+
+
+@pytest.mark.parametrize("algo", ["ngram", "nextn"])
+def test_on_serves_every_verify_step_and_matches_off_token_for_token(fleet, algo):
+    on, off = fleet[f"{algo}-on"], fleet[f"{algo}-off"]
+    before = verify_counts(on)
+    for batch in ([PROMPTS[0]], [PROMPTS[4]], PROMPTS[:3], PROMPTS):  # captured (1, 3), then eager (8)
+        assert len(batch) <= max(CAPTURED_BS) or len(batch) == len(PROMPTS)
+        assert_same_tokens(on.token_ids(batch, 32), off.token_ids(batch, 32), batch, on, off, 32)
+    served, compared, original, fallbacks = verify_counts(on)
+    assert served > before[0] + 10, f"served_kdtree {before[0]} -> {served}"
+    assert original == 0 and fallbacks == {}, (original, fallbacks)
+    off_rec = off.record(0)
+    assert off_rec.served_kdtree == 0 and off_rec.parity.calls_compared == 0  # off runs nothing of kdtree's
+
+
+# ---- live flips inside the running server ----------------------------------------------------------------------
+
+FLIPS = {  # from each live start through the other two live modes and back
+    Mode.VALIDATE: (Mode.ON, Mode.STANDBY, Mode.VALIDATE),
+    Mode.ON: (Mode.VALIDATE, Mode.STANDBY, Mode.ON),
+    Mode.STANDBY: (Mode.ON, Mode.VALIDATE, Mode.STANDBY),
+}
+
+
+@pytest.mark.parametrize("name", [n for n, s in SPECS.items() if s.mode is not Mode.OFF])
+def test_live_flips_serve_every_mode_from_the_graphs_captured_at_start(fleet, name):
+    server = fleet[name]
+    reference = fleet[f"{server.spec.algorithm.lower()}-off"]
+    batch = PROMPTS[1:3]  # batch 2: verify steps replay captured graphs
+    want = reference.token_ids(batch, 24)
+    captures = len(CAPTURE_BEGIN.findall(server.server_log()))
+    assert captures == 1, f"{captures} target-verify captures in this start's log"
+    for mode in FLIPS[server.spec.mode]:
+        confirmed = server.switch(mode)
+        before = verify_counts(server)
+        got = server.token_ids(batch, 24)
+        after = verify_counts(server)
+        assert_same_tokens(got, want, batch, server, reference, 24)
+        grew = {"on": after[0] - before[0], "validate": after[1] - before[1]}
+        if mode is Mode.ON:
+            assert grew["on"] > 0 and grew["validate"] == 0, (mode, before, after)
+        elif mode is Mode.VALIDATE:
+            assert grew["validate"] > 0 and grew["on"] == 0, (mode, before, after)
+        else:
+            assert grew == {"on": 0, "validate": 0}, (mode, before, after)
+        assert after[3] == {}, f"fallbacks after the flip to {mode}: {after[3]}"
+        assert confirmed < 5, f"the rank took {confirmed:.1f}s to confirm {mode}"
+    assert len(CAPTURE_BEGIN.findall(server.server_log())) == captures  # no graph was captured again
+
+
+# ---- the metadata kdtree receives in the real runner -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["ngram", "nextn"])
+def test_verify_metadata_in_the_real_runner_is_what_the_unit_tests_assume(fleet, algo):
+    """The real runner's verify calls, as the rank record describes them (kdtree.verify.describe_call), against the
+    contract that kdtree.kernel checks and tests/gpu/sglang_fixture.py builds (test_hook_gpu checks the fixture
+    against the same EXPECTED_* descriptions)."""
+    from sglang_fixture import (
+        EXPECTED_CAPTURED,
+        EXPECTED_EAGER,
+        EXPECTED_POOL,
+        described_dtypes,
+        expected_scaling,
+    )
+
+    seen = fleet[f"{algo}-validate"].record(0).verify_inputs
+    for kind, expected in (("eager", EXPECTED_EAGER), ("captured", EXPECTED_CAPTURED)):
+        got = seen[kind]
+        assert described_dtypes(got) == expected, f"{kind}: {got}"
+        assert got["kv_pool"] == EXPECTED_POOL and got["page_size"] == 1, got
+        assert got["heads"] == 8 and got["max_extend_len"] == DRAFT_TOKENS, got
+        assert math.isclose(got["scaling"], expected_scaling(fleet.model), rel_tol=1e-6), got["scaling"]
+        assert got["q"][1][-1] == 576 and got["k"][1][-2:] == [1, 576] and got["v"][1][-2:] == [1, 512], got
+    eager = seen["eager"]
+    assert (
+        eager["custom_mask"][1] == eager["full_mask_numel"]
+    )  # SGLang's FULL layout: n x (prefix + n) a request
+    assert seen["captured"]["custom_mask"][1] >= max(CAPTURED_BS) * DRAFT_TOKENS * DRAFT_TOKENS
+
+
+# ---- the real sidecar in front ---------------------------------------------------------------------------------
+
+
+def test_log_markers_the_sidecar_reads_are_the_ones_sglang_prints(fleet):
+    from sidecar.evidence import LOG_MARKERS, latest_marker
+
+    log = fleet["ngram-validate"].server_log()
+    at = -1
+    for name, pattern in LOG_MARKERS:
+        m = re.compile(pattern).search(log, at + 1)
+        assert m, f"marker {name} ({pattern!r}) is not in the real server's log"
+        at = m.start()
+    assert latest_marker(log).name == "fired_up"
+    # The marker lines, for tests/data/sglang-0.5.23-startup.log (the CPU test of the list): into $OUT on the device.
+    excerpt = [line for line in log.splitlines() if latest_marker(line)]
+    (Path(os.environ.get("OUT", fleet.root)) / "sglang-0.5.23-startup.log").write_text(
+        "\n".join(excerpt) + "\n"
+    )
+
+
+def test_sidecar_gates_flips_bakes_checks_and_rolls_back_on_the_real_server(fleet, tmp_path):
+    """The sidecar, process control, against ngram-validate: /ready on a real completion with verify steps, the gate
+    on real parity, `kdtreectl check --flip`, a live flip to on baked on real counters, then a restart flip with the
+    kernel library gone: the launcher refuses, the sidecar rolls back, the server serves on again."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sidecar_harness import TOKEN, kdtreectl, make_settings, serve
+
+    server = fleet["ngram-validate"]
+    settings = make_settings(server.state_dir, server.port, expected_tp_size=1, heartbeat_stale_s=10.0,
+                             probe_deadline_s=60.0, probe_ttl_s=0.0, ready_timeout_s=420.0, ready_poll_min_s=1.0,
+                             ready_poll_max_s=3.0, bake_probes=2, bake_interval_s=1.0, restart_stop_timeout_s=30,
+                             gate_min_calls=200, live_flip_timeout_s=30.0)  # fmt: skip
+    import httpx
+
+    with serve(settings, server) as url:
+        ready = httpx.get(f"{url}/ready", timeout=90).json()
+        assert ready["ready"] and ready["condition"] == "ready", ready
+        status = httpx.get(f"{url}/status", timeout=90).json()
+        assert status["probe"]["ok"] and status["probe"]["verify_steps"] > 0, status["probe"]
+        assert status["log"]["latest_marker"]["name"] == "fired_up"
+
+        check = kdtreectl(url, "check", "--flip", "--server-url", server.url, "--concurrency", "1,4",
+                          "--prompts", "6", "--max-tokens", "32", "--out", str(tmp_path / "check"),
+                          token=TOKEN, timeout=600)  # fmt: skip
+        assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
+        report = json.loads((tmp_path / "check" / "report.json").read_text())
+        assert report["passed"] and report["flip"]["transition"]["outcome"] == "succeeded", report
+        # One request at a time, off and on decode the same batches: identical. At concurrency 4 the batches are
+        # formed by arrival and can differ between the two runs, so the count is reported, not required.
+        assert not [d for d in report["flip"]["differences"] if d["concurrency"] == 1], report["flip"]
+        print(f"kdtreectl check --flip: identical {report['flip']['identical']}/{report['flip']['compared']}")
+
+        before = server.record(0).served_kdtree
+        flip = kdtreectl(url, "mode", "on", "--wait", "--timeout", "300", token=TOKEN, timeout=360)
+        assert flip.returncode == 0 and "mode is now on (live" in flip.stdout, flip.stdout + flip.stderr
+        assert server.record(0).served_kdtree > before  # the bake's probes were served by kdtree
+
+        lib = server.library  # this server's own copy (KDTREE_KERNEL_LIB)
+        lib.rename(lib.with_name("moved-away.so"))  # the next start finds no kernel library
+        accepted = kdtreectl(url, "mode", "validate", "--restart", token=TOKEN)
+        assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+        deadline = time.monotonic() + 300
+        while (t := (httpx.get(f"{url}/status", timeout=90).json().get("active_transition") or {})).get(
+            "step"
+        ) != "rolling_back":
+            assert time.monotonic() < deadline, f"the failed restart flip was not rolled back: {t}"
+            time.sleep(1)
+        lib.with_name("moved-away.so").rename(lib)  # the rollback's start finds it again
+        assert "crashed while starting in mode validate" in (t.get("failure") or ""), t
+        deadline = time.monotonic() + 420
+        while not (
+            done := [
+                x for x in httpx.get(f"{url}/status", timeout=90).json()["transitions"] if x["id"] == t["id"]
+            ]
+        ):
+            assert time.monotonic() < deadline, "the rollback did not finish"
+            time.sleep(2)
+        assert done[0]["outcome"] == "rolled_back", done[0]
+        final = httpx.get(f"{url}/ready", timeout=90).json()
+        assert final["ready"] and final["mode"] == "on", final
+        assert server.record(0).mode == "on" and server.record(0).fallbacks == {}
+        refused = "kdtree launcher: error: KDTREE_VERIFY=validate but the kdtree kernel library is missing"
+        assert refused in server.server_log(), "the failed start's refusal is not in the server log"
