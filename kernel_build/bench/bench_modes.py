@@ -13,6 +13,9 @@ that for every batch size's graph, and SGLang captures the whole model, not atte
 
 Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
     python kernel_build/bench/bench_modes.py --out modes.md
+    python kernel_build/bench/bench_modes.py --shapes 1,8,8,512 4,8,8,512    # other (batch, H, N, prefix) shapes
+Each shape's notes also give `on` against `off` (SGLang's Triton path alone): the verify call's whole cost in each,
+which is where a short prefix shows whether kdtree's path is cheaper than the call it replaces.
 """
 
 from __future__ import annotations
@@ -153,14 +156,25 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        bs, h, n, p = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected batch,heads,draft,prefix, e.g. 1,8,16,32768"
+        ) from None
+    return bs, h, n, p
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--state-dir", default="/tmp/kdtree-bench-modes")
+    ap.add_argument("--shapes", nargs="+", type=_shape, default=SHAPES, help="batch,heads,draft,prefix ...")
     args = ap.parse_args()
     ov, cls, original = install(args.state_dir)
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes:
         rows.append(measure(shape, ov, cls, original))
         torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
@@ -174,7 +188,8 @@ def main() -> None:
         f"{r['capture_s'] * 1e3:.0f} ms; static buffers it adds per device: "
         + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in r["static_buffer_bytes"].items())
         + f"; device memory allocated by its capture: {r['graph_alloc_delta_bytes'] / 2**20:.2f} MiB; "
-        f"off measured again after the rest: {r['single']['off_again']:.1f} us/call"
+        f"off measured again after the rest: {r['single']['off_again']:.1f} us/call; on (every-mode graph) / off: "
+        f"{r['every_mode']['on'] / r['single']['off']:.2f}x, on alone / off: {r['single']['on'] / r['single']['off']:.2f}x"
         for r in rows
     ]
     text = "\n".join(head + table(rows) + notes)
