@@ -1,9 +1,9 @@
 """kdtreectl: talk to the kdtree sidecar (status, wait for readiness, switch the verify mode, check the stack on
 its own hardware), or to the sidecars of several replicas at once (rollout).
 
-Exit codes: 0 done/ready/held, 1 refused, rolled back or a check failed, 2 bad input (check: also a stack
-that is not ready or not reachable), 3 server crashed, 4 timed out, 5 another transition is running,
-6 not authorized, 7 sidecar unreachable or not a sidecar.
+Exit codes: 0 done/ready/held, 1 refused, rolled back or a check failed, 2 bad input (check: also a server
+that is not reachable or a stack that is not ready), 3 server crashed, 4 timed out, 5 another transition is
+running, 6 not authorized, 7 sidecar unreachable or not a sidecar (every command).
 """
 
 from __future__ import annotations
