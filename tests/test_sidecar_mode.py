@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
-import httpx
 import pytest
 from process_harness import SupervisedStandin
-from sidecar_harness import AUTH, make_settings, sidecar, wait_ready
+from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import Mode
@@ -40,21 +38,6 @@ def engine(request, engine, supervised):
 
 def process_controlled(proc) -> bool:
     return isinstance(proc, SupervisedStandin)
-
-
-async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:
-    """Wait for the running transition to finish; returns it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = (await c.get("/status")).json()
-        if st["active_transition"] is None:
-            return st["transitions"][-1]
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"transition still running: {st['active_transition']}")
-
-
-def audit_events(state_dir) -> list[str]:
-    return [e["event"] for e in Store(state_dir, 50).audit_tail(1000)]
 
 
 # ---- auth -----------------------------------------------------------------------------------------------
