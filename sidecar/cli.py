@@ -252,9 +252,10 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 MODE_HELP = """\
 Switch the verify mode through the sidecar's POST /mode: the gate first (to on: validate-mode evidence on every
-rank; to validate or standby: the server answers; to off: never gated, the kill switch), then the flip and a
-bake, rolled back on failure. Between validate, on and standby the ranks switch live (seconds, no restart);
-to or from off, or with --restart, the server restarts (minutes on a large model).
+rank; to validate: the server answers; to standby, the live remedy, and to off, the kill switch: never gated),
+then the flip and a bake, rolled back on failure; off preempts a transition that is running. Between validate,
+on and standby the ranks switch live (seconds, no restart); to or from off, or with --restart, the server
+restarts (minutes on a large model).
 
 --dry-run changes nothing and still needs the token: POST /mode is one admin endpoint, authenticated before
 its body is read, so that nobody without the token makes the sidecar parse anything or evaluate the gate on

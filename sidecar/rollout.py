@@ -42,7 +42,7 @@ back skips the gate, and each sidecar's audit log records it). Every sidecar is 
 does not answer, or is in a transition already, stops the rollout before anything is flipped.
 
 One line per replica as its outcome is known, then a table. Outcomes: succeeded, already (in the mode),
-refused (gate), rolled_back / rollback_failed / aborted (by its sidecar), timeout, unreachable, busy,
+refused (gate), rolled_back / rollback_failed / aborted / preempted (by its sidecar), timeout, unreachable, busy,
 unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
 with --dry-run: allowed, refused, already.
 Exit codes: 0 every replica is in the mode (or, with --dry-run, would be allowed), 1 it stopped on a failure
