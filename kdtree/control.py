@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 from kdtree.config import LIVE_MODES, ConfigError, Mode
-from kdtree.status import write_atomically
+from kdtree.status import read_bounded, write_atomically
 
 MODE_FILE = "mode"
+MODE_MAX = 64  # bytes: the file holds one mode name
 
 
 def mode_path(state_dir: str | os.PathLike) -> Path:
@@ -25,11 +26,15 @@ def mode_path(state_dir: str | os.PathLike) -> Path:
 
 
 def read_desired_mode(state_dir: str | os.PathLike) -> Mode | None:
+    """The mode in the mode file; None when there is none; ConfigError naming the fix when it holds anything but
+    a mode (or is no regular file, or too large)."""
     path = mode_path(state_dir)
     try:
-        text = path.read_text().strip()
+        text = read_bounded(path, MODE_MAX).decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix or delete the file") from None
     try:
         return Mode(text)
     except ValueError:

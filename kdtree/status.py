@@ -1,25 +1,39 @@
-"""Per-rank status records: the one format the SGLang ranks write and the sidecar reads.
+"""Per-rank status records: the one format the SGLang ranks write and the sidecar reads; and how every file in
+the state directory is written (atomically) and read (bounded, regular files only).
 
 Each tensor-parallel rank owns one JSON file in KDTREE_STATE_DIR, replaced atomically
 (write to a temporary file, then rename), so a reader never sees half a record.
+Non-finite parity values (a relative error of +inf where the reference is all zeros, NaN from a broken
+output) are written as the JSON strings "Infinity", "-Infinity" and "NaN", so the file stays standard JSON;
+the reader takes those and JSON's non-standard NaN/Infinity literals alike.
 """
 
 from __future__ import annotations
 
-import json
+import errno
+import math
 import os
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
+from typing import BinaryIO
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
 
 SCHEMA = 1
+RECORD_MAX = 16 * 1024  # bytes: a rank record is about 1 KiB; a larger file is refused unread
+
+
+class StateFileError(ValueError):
+    """A state-directory file that is no regular file, or larger than its kind can be; the message names it."""
 
 
 class Parity(BaseModel):
     """Validate-mode comparison of kdtree's output against the original, accumulated on the device."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
 
     calls_compared: int = 0
     max_abs_err: float = 0.0
@@ -30,6 +44,8 @@ class Parity(BaseModel):
 
 
 class RankRecord(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
     schema_version: int = SCHEMA
     pid: int
     pid_ns: str = ""  # /proc/self/ns/pid of the writer: pids are only comparable inside one namespace
@@ -37,7 +53,7 @@ class RankRecord(BaseModel):
     tp_rank: int = 0
     tp_size: int = 1
     mode: str  # the mode this rank serves now
-    mode_applied_at: float = 0.0  # when it switched to it (its start, until a live switch)
+    mode_applied_at: FiniteFloat = 0.0  # when it switched to it (its start, until a live switch)
     # the modes it switches to without a restart ([]: it started in off)
     live_modes: list[str] = Field(default_factory=list)
     mode_pending: str | None = None  # the sidecar's desired mode when this rank cannot switch to it live
@@ -55,8 +71,9 @@ class RankRecord(BaseModel):
     # the first eager and the first captured verify call this rank handled, as metadata (kdtree.verify.describe_call)
     verify_inputs: dict[str, dict] = Field(default_factory=dict)
     last_error: str | None = None
-    started_at: float = Field(default_factory=time.time)
-    heartbeat: float = Field(default_factory=time.time)
+    # Times are finite: a NaN heartbeat would never look old.
+    started_at: FiniteFloat = Field(default_factory=time.time)
+    heartbeat: FiniteFloat = Field(default_factory=time.time)
 
 
 class RankView(BaseModel):
@@ -67,6 +84,18 @@ class RankView(BaseModel):
     stale: bool
     stale_reason: str | None = None
     age_s: float
+
+
+def json_safe(value):
+    """`value` (dicts, lists, scalars) with each non-finite float as the string the records write for it
+    ("Infinity", "-Infinity", "NaN"): JSON has no NaN, and a reader that follows the standard refuses it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def own_pid_ns() -> str:
@@ -95,6 +124,52 @@ def write_atomically(path: Path, text: str) -> Path:
     return path
 
 
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading if it is a regular file; StateFileError for a FIFO, a device, a directory or a
+    symbolic link (opened without following it and without blocking, so a FIFO is never waited on);
+    FileNotFoundError when it is absent. Every file the sidecar reads in the state directory goes through here."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateFileError(f"{path} is a symbolic link, not a regular file") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "no regular file"
+        raise StateFileError(f"{path} is {kind}, not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
+    """The whole of regular file `path`, refused (StateFileError) unread when it is larger than `limit` bytes."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise StateFileError(f"{path} is {max(size, len(data))} bytes, more than the {limit} it can be")
+    return data
+
+
+def tail_of(f: BinaryIO, n: int, cap: int) -> list[bytes]:
+    """The last n lines of an open file, reading at most about `cap` bytes from its end."""
+    end = f.seek(0, os.SEEK_END)
+    pos, data = end, b""
+    while pos > 0 and data.count(b"\n") <= n and end - pos < cap:
+        step = min(65536, pos)
+        pos -= step
+        f.seek(pos)
+        data = f.read(step) + data
+    lines = data.split(b"\n")
+    if pos > 0:
+        lines = lines[1:]  # the first one may have started before what was read
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines[-n:] if n > 0 else []
+
+
 def write_record(state_dir: str | os.PathLike, record: RankRecord) -> Path:
     """Atomically replace this rank's record."""
     return write_atomically(record_path(state_dir, record.tp_rank), record.model_dump_json())
@@ -110,20 +185,48 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def read_record(path: str | os.PathLike) -> RankRecord:
+    """One rank record; ValueError naming what is wrong (not a regular file, too large, not a record, a schema
+    this reader does not know)."""
+    data = read_bounded(path, RECORD_MAX)
+    try:
+        version = _Schema.model_validate_json(data).schema_version
+    except ValidationError as e:
+        raise ValueError(f"not a rank record: {_first_error(e)}") from None
+    if version != SCHEMA:
+        raise ValueError(
+            f"schema_version {version}; this sidecar reads {SCHEMA}: upgrade the sidecar image to the server's"
+        )
+    try:
+        return RankRecord.model_validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"not a rank record: {_first_error(e)}") from None
+
+
+class _Schema(BaseModel):
+    schema_version: int = SCHEMA
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ()))
+    return f"{err['msg']}" + (f" at {where}" if where else "")
+
+
 def read_records(
     state_dir: str | os.PathLike, max_age_s: float = 30.0, now: float | None = None
 ) -> list[RankView]:
     """Every rank record in state_dir, sorted by rank, each marked stale when its writer is gone.
 
     Stale means: the heartbeat is older than max_age_s, or the writer shares our pid namespace and
-    its pid no longer exists. A record that cannot be parsed is reported stale, never dropped.
+    its pid no longer exists. A record that cannot be read is reported stale ("unreadable: why"), never dropped.
     """
     now = time.time() if now is None else now
     views: list[RankView] = []
     my_ns = own_pid_ns()
     for path in sorted(Path(state_dir).glob("rank-*.json")):
         try:
-            rec = RankRecord.model_validate(json.loads(path.read_text()))
+            rec = read_record(path)
         except (OSError, ValueError) as e:
             rank = path.stem.removeprefix("rank-")
             rec = RankRecord(
@@ -134,7 +237,7 @@ def read_records(
                 last_error=f"unreadable record: {e}",
             )
             views.append(
-                RankView(record=rec, path=str(path), stale=True, stale_reason="unreadable", age_s=now)
+                RankView(record=rec, path=str(path), stale=True, stale_reason=f"unreadable: {e}", age_s=now)
             )
             continue
         age = now - rec.heartbeat

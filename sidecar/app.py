@@ -15,6 +15,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from kdtree.status import json_safe
+
 from .controller import Controller, ModeRequest
 from .docker_control import ServerContainer, ServerControl
 from .metrics import Metrics
@@ -22,6 +24,14 @@ from .process_control import ServerProcess
 from .settings import SidecarSettings, load_sidecar_settings
 
 MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread
+
+
+class ApiJSON(JSONResponse):
+    """Every body of the API: JSON has no NaN or Infinity, so a non-finite float (a rank's parity) goes out as the
+    string a rank record writes for it ("Infinity", "-Infinity", "NaN")."""
+
+    def render(self, content) -> bytes:
+        return super().render(json_safe(content))
 
 
 def server_control(settings: SidecarSettings) -> ServerControl | None:
@@ -37,7 +47,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
     settings = settings or load_sidecar_settings()
     if server is None:
         server = server_control(settings)
-    metrics = Metrics(settings.state_dir, settings.heartbeat_stale_s)
+    metrics = Metrics()
     controller = Controller(settings, server, metrics)
 
     @asynccontextmanager
@@ -64,15 +74,15 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
 
     @app.get("/live")
     async def live() -> dict:
-        return {"live": True}
+        return {"live": True}  # the loop answers: nothing here reads the state volume or waits on anything
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready() -> ApiJSON:
         try:
             a = await asyncio.wait_for(controller.assess(), settings.probe_deadline_s)
         except TimeoutError:
             metrics.ready.set(0)
-            return JSONResponse(
+            return ApiJSON(
                 {
                     "ready": False,
                     "condition": "not_ready_yet",
@@ -91,22 +101,23 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
             "reasons": a.reasons,
             "probe_latency_s": a.probe.latency_s if a.probe else None,
         }
-        return JSONResponse(body, status_code=200 if a.ready else 503)
+        return ApiJSON(body, status_code=200 if a.ready else 503)
 
     @app.get("/status")
-    async def status() -> dict:
-        return await controller.status()
+    async def status() -> ApiJSON:  # a Response, not `dict`: FastAPI would serialize a NaN as null
+        return ApiJSON(await controller.status())
 
     # The body is read here, not by FastAPI: authentication (the dependency) comes first, then the size limit,
     # then parsing, so an unauthenticated or oversized request is answered without reading its body.
     @app.post("/mode", dependencies=[Depends(require_admin)])
-    async def mode(request: Request) -> JSONResponse:
+    async def mode(request: Request) -> ApiJSON:
         req = await _mode_request(request)
         code, body = await controller.request_mode(req)
-        return JSONResponse(jsonable_encoder(body), status_code=code)
+        return ApiJSON(jsonable_encoder(body), status_code=code)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        metrics.rank_views = await controller.rank_views()  # read on the state volume's thread
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

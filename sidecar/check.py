@@ -29,7 +29,12 @@ from kdtree.config import Mode
 
 from .client import SidecarClient, Unreachable, criterion_line, short
 
-OK, FAILED, USAGE = 0, 1, 2
+OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 7  # as kdtreectl's (sidecar.cli)
+
+
+class ServerUnreachable(Exception):
+    """The SGLang server (--server-url) gave no usable answer."""
+
 
 # ---- the built-in prompt set (no download): short instructions, mid-size tasks, and one long document -------
 
@@ -339,8 +344,8 @@ what the model says, and what it gains.
    differs); tokens/s and latency ratios, the parity statistics, the flip's method and duration; then back to
    the starting mode unless --stay.
 Output: progress and a table here; report.json and report.md in --out.
-Exit codes: 0 everything checked holds, 1 a check failed (the reason in one line), 2 bad input or a stack
-that is not reachable or not ready.
+Exit codes: 0 everything checked holds, 1 a check failed (the reason in one line), 2 bad input, a server that
+is not reachable or a stack that is not ready, 7 the sidecar unreachable or not a sidecar.
 """
 
 
@@ -461,7 +466,7 @@ def _model(args) -> str:
         body = httpx.get(f"{args.server_url.rstrip('/')}/v1/models", timeout=args.http_timeout).json()
         return str(body["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise Unreachable(f"GET {args.server_url}/v1/models gave no model: {short(e, 200)}") from None
+        raise ServerUnreachable(f"GET {args.server_url}/v1/models gave no model: {short(e, 200)}") from None
 
 
 def _accept_from_server(args) -> float | None:
@@ -561,10 +566,10 @@ def cmd_check(args) -> int:
                             report["failure"] = (
                                 report["failure"] or f"the flip back to {start_mode} did not succeed"
                             )
-    except Unreachable as e:
+    except (Unreachable, ServerUnreachable) as e:  # the sidecar: 7, like every command; the server: 2
         report["failure"] = str(e)
         write_report(out, report)
-        return _fail_line(str(e), USAGE)
+        return _fail_line(str(e), UNREACHABLE if isinstance(e, Unreachable) else USAGE)
     accept = _accept_from_server(args)
     for mode, (levels, evidence) in runs.items():
         report["evidence"][mode] = [

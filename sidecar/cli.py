@@ -1,9 +1,9 @@
 """kdtreectl: talk to the kdtree sidecar (status, wait for readiness, switch the verify mode, check the stack on
 its own hardware), or to the sidecars of several replicas at once (rollout).
 
-Exit codes: 0 done/ready/held, 1 refused, rolled back or a check failed, 2 bad input (check: also a stack
-that is not ready or not reachable), 3 server crashed, 4 timed out, 5 another transition is running,
-6 not authorized, 7 sidecar unreachable or not a sidecar.
+Exit codes: 0 done/ready/held, 1 refused, rolled back or a check failed, 2 bad input (check: also a server
+that is not reachable or a stack that is not ready), 3 server crashed, 4 timed out, 5 another transition is
+running, 6 not authorized, 7 sidecar unreachable or not a sidecar (every command).
 """
 
 from __future__ import annotations
@@ -252,9 +252,10 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 MODE_HELP = """\
 Switch the verify mode through the sidecar's POST /mode: the gate first (to on: validate-mode evidence on every
-rank; to validate or standby: the server answers; to off: never gated, the kill switch), then the flip and a
-bake, rolled back on failure. Between validate, on and standby the ranks switch live (seconds, no restart);
-to or from off, or with --restart, the server restarts (minutes on a large model).
+rank; to validate: the server answers; to standby, the live remedy, and to off, the kill switch: never gated),
+then the flip and a bake, rolled back on failure; off preempts a transition that is running. Between validate,
+on and standby the ranks switch live (seconds, no restart); to or from off, or with --restart, the server
+restarts (minutes on a large model).
 
 --dry-run changes nothing and still needs the token: POST /mode is one admin endpoint, authenticated before
 its body is read, so that nobody without the token makes the sidecar parse anything or evaluate the gate on

@@ -14,6 +14,18 @@ class Unreachable(Exception):
     """The sidecar did not answer, or answered with something that is not its JSON."""
 
 
+# What a sidecar's POST /mode answer carries, by status: anything else (another server's 404, a proxy's 502,
+# JSON without these fields) is no sidecar's answer.
+MODE_ANSWER_FIELDS = {
+    200: ("from_mode", "to_mode"),  # a dry run, or nothing to do
+    202: ("from_mode", "to_mode", "transition"),
+    412: ("from_mode", "to_mode", "criteria"),
+    503: ("from_mode", "to_mode", "error"),
+    409: ("error", "transition"),
+    **{code: ("detail",) for code in (400, 401, 403, 413, 422)},
+}
+
+
 def fmt_elapsed(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s" if m else f"{s}s"
@@ -75,10 +87,18 @@ class SidecarClient:
     def post_mode(
         self, mode: str, *, dry_run=False, force=False, restart=False, reason=""
     ) -> tuple[int, dict]:
-        """POST /mode: (HTTP status, body); a 401/403 body carries `detail`."""
+        """POST /mode: (HTTP status, body) of a sidecar's answer (MODE_ANSWER_FIELDS); Unreachable for anything
+        else. A 401/403 body carries `detail`."""
         request = {"mode": mode, "dry_run": dry_run, "force": force, "restart": restart, "reason": reason}
         resp = self._send("POST", "/mode", json=request)
-        return resp.status_code, self._json(resp, "POST /mode")
+        body = self._json(resp, "POST /mode")
+        fields = MODE_ANSWER_FIELDS.get(resp.status_code)
+        if fields is None or any(f not in body for f in fields):
+            raise Unreachable(
+                f"POST /mode at {self.url} answered HTTP {resp.status_code} with JSON no sidecar sends "
+                f"({short(body, 120)}): is this a kdtree sidecar?"
+            )
+        return resp.status_code, body
 
     def follow(
         self, tid: str, timeout: float, interval: float, progress: Callable[[dict], None] | None = None

@@ -8,8 +8,26 @@ A flip runs as one background task, one at a time, by one of two methods:
 The bake is N consecutive good probes, every rank in the new mode, no rank error, and evidence that kdtree did
 the new mode's work on every rank: verify calls served (on) or compared (validate), no new fallback.
 Any failure rolls back to the previous mode: live when the flip was live (by restart if that fails too), else
-by restart. Each step is persisted before it is taken, so a sidecar that stops mid-way resolves the transition
-on its next start.
+by restart (none when the server was not restarted yet: the mode file back is the whole rollback). Each step is
+persisted before it is taken, so a sidecar that stops mid-way resolves the transition on its next start.
+
+A transition runs iff its task runs: the task is the claim, so none outlives it, whatever ends it.
+
+The state volume can fail under it. A failed write during a forward flip (the state file, the mode file, an
+audit entry) ends it like any failed step. The rollback and the outcome write what they can: an outcome the
+volume does not take stays in memory (/status shows it; the next request is not refused), and the volume's
+problem makes /ready and /status `broken`, with its fix, until a write succeeds again. When the rollback cannot
+put the mode file back either, the ranks may keep serving the mode no bake approved: /ready says so, naming
+both modes, for as long as the file disagrees with the mode the sidecar expects.
+
+The kill switch: `off` is never gated and is accepted whenever no transition is running; a request for off
+while one runs preempts it (unless it already heads to off). The running task is cancelled where it waits,
+its transition is finished as `preempted` (history, audit log), and the off transition starts from the mode
+the preempted one started from. What the preempted task had set in motion is not taken back: a server restart
+under way (a call into Docker or the process control, on a thread) runs to its end, and the off transition
+waits for it before it restarts the server itself, so the server comes up in off whatever step the preempted
+transition was at; ranks it had switched live are restarted into off with the rest. `standby` (Triton
+serves, kdtree idle: the live remedy) is never gated either, and does not preempt.
 """
 
 from __future__ import annotations
@@ -22,15 +40,25 @@ from pydantic import BaseModel, Field, StrictBool
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
 from kdtree.config import LIVE_MODES, Mode
-from kdtree.control import read_desired_mode, write_desired_mode
+from kdtree.control import mode_path, read_desired_mode, write_desired_mode
+from kdtree.status import RankRecord, RankView
 
 from .docker_control import ContainerMissing, ContainerState, DockerError, ServerControl
 from .evidence import LogMarker, crash_excerpt, latest_marker
-from .gate import Criterion, RankCheck, bake_evidence, check_ranks, gate_to_on, live_records
+from .gate import (
+    Criterion,
+    RankCheck,
+    bake_evidence,
+    check_ranks,
+    gate_to_on,
+    live_records,
+    read_rank_views,
+)
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
+from .volume import StateVolume, VolumeWriteFailed
 
 log = logging.getLogger("kdtree.sidecar")
 
@@ -41,10 +69,37 @@ class ContainerView(BaseModel):
     missing: bool = False  # Docker answered: there is no such container
 
 
+class VolumeSnapshot(BaseModel):
+    """What the sidecar reads from the state volume for one assessment (on the volume's thread)."""
+
+    views: list[RankView]
+    mode_file: Mode | None = None  # None: no mode file
+    mode_file_error: str | None = None
+
+
+def read_snapshot(settings: SidecarSettings) -> VolumeSnapshot:
+    """The rank records and the mode file (blocking reads: StateVolume.read runs it on its thread)."""
+    try:
+        mode, error = read_desired_mode(settings.state_dir), None
+    except (OSError, ValueError) as e:
+        mode, error = None, str(e)
+    return VolumeSnapshot(views=read_rank_views(settings), mode_file=mode, mode_file_error=error)
+
+
+def _mode_file_text(snap: VolumeSnapshot | None) -> str | None:
+    """The mode file as /status shows it."""
+    if snap is None:
+        return "unread: the state volume did not answer"
+    if snap.mode_file_error:
+        return f"unreadable: {snap.mode_file_error}"
+    return snap.mode_file.value if snap.mode_file else None
+
+
 class Assessment(BaseModel):
     phase: str  # what /status reports (a running transition overrides the server's own phase)
     server_phase: str  # what the server itself looks like
-    ready: bool
+    ready: bool  # server_ready, and nothing wrong with the state volume or the mode file
+    server_ready: bool  # the probe, the server's process and every rank as expected
     # ready | not_ready_yet (starting within its budget, or a transition runs) | broken (needs someone)
     condition: str
     condition_evidence: list[str]
@@ -53,6 +108,7 @@ class Assessment(BaseModel):
     probe: ProbeResult | None
     container: ContainerView
     ranks: RankCheck
+    mode_file: str | None  # what the mode file says, for /status
 
 
 REASON_MAX = 500  # characters of `reason` a request may carry (it goes into the audit log and the logs)
@@ -79,7 +135,9 @@ class Controller:
         self.settings = settings
         self.server = server
         self.metrics = metrics
-        self.store = Store(settings.state_dir, settings.history_limit)
+        # Reads give up a little before the deadline, like the probe, so /ready still has their verdict.
+        self.volume = StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
+        self.store = Store(settings.state_dir, settings.history_limit, self.volume)
         self.state: SidecarState = self.store.load(read_desired_mode(settings.state_dir) or settings.verify)
         self.prober = Prober(
             settings.server_url,
@@ -90,8 +148,13 @@ class Controller:
         )
         self.prober.on_result = self._observe_probe
         self.container_flight: SingleFlight[ContainerView] = SingleFlight(self._inspect)
-        self._claimed = False  # a transition is being evaluated or run; checked and set without awaiting
-        self._task: asyncio.Task | None = None
+        self.log_flight: SingleFlight[str] = SingleFlight(self._logs)
+        self._task: asyncio.Task | None = None  # the running request or transition: the claim
+        self._requested: Mode | None = None  # what the running request asked for
+        self._cancel_reason = ""
+        self._restart_call: asyncio.Future | None = None  # the server restart under way, on a thread
+        self._born = time.monotonic()
+        self._retried_at = 0.0  # when a save was last retried while the volume had a problem
         metrics.mode.state(self.state.current_mode.value)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -109,38 +172,84 @@ class Controller:
                 self.store.audit("mode_file_adopted", None, logging.WARNING, from_mode=self.state.current_mode,
                                  to_mode=written, detail="the mode file changed while no sidecar ran")  # fmt: skip
                 self.state.current_mode = written
-                self.store.save(self.state)
+                self._save(fatal=False)
                 self.metrics.mode.state(written.value)
             return
         t.interrupted = True
         self.store.audit("interrupted_transition_found", t, logging.WARNING, step=t.step)
         if t.step in ("accepted", "writing_mode"):
             # The server was not restarted: putting the mode file back is the whole resolution.
-            write_desired_mode(self.settings.state_dir, t.from_mode)
             t.failure = t.failure or f"the sidecar stopped at step {t.step}, before the server was restarted"
-            self._finish(t, "aborted")
+            await self._abort(t)
             return
         if self.server is None or (await self._inspect()).missing:
             # No server container (a stack coming back up): it will start from the restored mode file.
-            write_desired_mode(self.settings.state_dir, t.from_mode)
             t.failure = t.failure or (
                 f"the sidecar stopped at step {t.step}; the server container is gone, and the mode file is "
                 f"back at {t.from_mode.value} for its next start"
             )
-            self._finish(t, "aborted")
+            await self._abort(t)
             return
         t.failure = t.failure or f"the sidecar stopped at step {t.step}; the server's mode is unverified"
-        self._claimed = True
-        self._task = asyncio.create_task(self._rollback_and_finish(t))
+        self._start_task(self._rollback_and_finish(t))
+
+    async def _abort(self, t: Transition) -> None:
+        """Finish an interrupted transition by putting the mode file back: aborted, or rollback_failed when the
+        file cannot be written back."""
+        not_back = await self._restore_mode_file(t)
+        if not_back:
+            t.rollback_failure = not_back
+        self._finish(t, "rollback_failed" if not_back else "aborted")
 
     async def stop(self) -> None:
         """Stop a running transition; its persisted state makes the next start resolve it."""
-        if self._task and not self._task.done():
+        if self.running():
+            self._cancel_reason = "the sidecar is stopping"
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait([self._task])
+        self.volume.close()
+
+    def running(self) -> bool:
+        """A request is being decided or a transition runs: the claim is the task itself."""
+        return self._task is not None and not self._task.done()
+
+    def _start_task(self, coro) -> None:
+        self._task = asyncio.create_task(coro)
+        self._task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """Nothing a task ends with goes unreported, and no transition outlives its task."""
+        if task.cancelled():
+            return  # stopped (its persisted step resolves it at the next start) or preempted (finished there)
+        e = task.exception()
+        if e is None:
+            return
+        log.error("the mode transition task failed: %s: %s", type(e).__name__, e, exc_info=e)
+        t = self.state.active
+        if t is not None and task is self._task:
+            t.rollback_failure = t.rollback_failure or f"the sidecar failed: {type(e).__name__}: {e}"
+            self._finish(t, "rollback_failed")
+
+    def _save(self, *, fatal: bool) -> None:
+        """Persist the state. fatal (a forward flip): a failed save ends the flip (VolumeWriteFailed). Else (a
+        rollback, an outcome, the start) the state stays in memory, and the volume's problem says why."""
+        try:
+            self.store.save(self.state)
+        except VolumeWriteFailed:
+            if fatal:
+                raise
+
+    async def _snapshot(self) -> VolumeSnapshot | None:
+        """The rank records and the mode file; None when the volume did not answer within the deadline."""
+        return await self.volume.read("snapshot", lambda: read_snapshot(self.settings))
+
+    async def rank_views(self) -> list[RankView]:
+        snap = await self._snapshot()
+        return snap.views if snap else []
+
+    async def _live_records(self) -> dict[int, RankRecord]:
+        snap = await self._snapshot()
+        return live_records(self.settings, snap.views) if snap else {}
 
     # ---- observation -----------------------------------------------------------------------------
 
@@ -178,13 +287,21 @@ class Controller:
         max_age = s.probe_ttl_s if max_age is None else max_age
         modes = {mode} if mode else self.expected_modes()
         mode = mode or self.expected_mode()
-        probe, container = await asyncio.gather(
+        self._retry_save()
+        probe, container, snap = await asyncio.gather(
             self.prober.get(max_age),
             self.container_flight.get(max(max_age, 1.0), wait=s.probe_deadline_s),
+            self._snapshot(),
         )
         container = container or ContainerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
-        if s.expected_tp_size:
-            ranks = check_ranks(s, modes, started_after)
+        if snap is None:
+            unread = (
+                f"the state volume ({s.state_dir}) did not answer within {self.volume.deadline_s:.3g}s: "
+                "the rank records and the mode file are unread (a hung mount?)"
+            )
+            ranks = RankCheck(ok=False, problems=[unread], ranks=[])
+        elif s.expected_tp_size:
+            ranks = check_ranks(s, snap.views, modes, started_after)
         else:
             ranks = RankCheck(ok=True, problems=[], ranks=[])
         server_phase = self._server_phase(probe, container.state, ranks)
@@ -199,6 +316,9 @@ class Controller:
                 f"OOMKilled {container.state.oom_killed})"
             )
         reasons += ranks.problems
+        server_ready = not reasons
+        state_problems = self._state_problems(snap)
+        reasons += state_problems
         t = self.state.active
         if t is None:
             phase = server_phase
@@ -208,12 +328,13 @@ class Controller:
             phase = "switching" if t.method == "live" else "restarting"
         self.metrics.phase.state(phase)
         ready = not reasons
-        condition, evidence = self._condition(ready, container.state)
+        condition, evidence = self._condition(ready, container, probe, state_problems)
         self.metrics.condition.state(condition)
         return Assessment(
             phase=phase,
             server_phase=server_phase,
             ready=ready,
+            server_ready=server_ready,
             condition=condition,
             condition_evidence=evidence,
             reasons=reasons,
@@ -221,33 +342,92 @@ class Controller:
             probe=probe,
             container=container,
             ranks=ranks,
+            mode_file=_mode_file_text(snap),
         )
 
-    def _condition(self, ready: bool, c: ContainerState | None) -> tuple[str, list[str]]:
+    def _retry_save(self) -> None:
+        """While the volume has a problem, try the state again (at most once a second): the first write it takes
+        clears the problem and persists what was kept in memory."""
+        if self.volume.problem is None or time.monotonic() - self._retried_at < 1.0:
+            return
+        self._retried_at = time.monotonic()
+        try:
+            self.store.save(self.state, retry=True)
+        except VolumeWriteFailed:
+            pass
+
+    def _state_problems(self, snap: VolumeSnapshot | None) -> list[str]:
+        """What is wrong on the sidecar's side of the volume: a failed write, or (no transition running) a mode
+        file that disagrees with the mode the sidecar expects, which the ranks follow all the same."""
+        problems = [self.volume.problem.reason] if self.volume.problem else []
+        if snap is None or self.state.active is not None:
+            return problems
+        expected = self.state.current_mode
+        if snap.mode_file_error:
+            problems.append(
+                f"the mode file is unreadable ({snap.mode_file_error}): the ranks keep the mode they have; "
+                f"POST /mode {expected} rewrites it"
+            )
+        elif snap.mode_file is not None and snap.mode_file != expected:
+            problems.append(
+                f"the mode file says {snap.mode_file} and the sidecar expects {expected}: the ranks follow the "
+                f"file, so they may serve {snap.mode_file}, which no bake approved; POST /mode {expected} "
+                "(or off) rewrites it"
+            )
+        return problems
+
+    def _condition(
+        self, ready: bool, container: ContainerView, probe: ProbeResult | None, state_problems: list[str]
+    ) -> tuple[str, list[str]]:
         """Whether a server that is not ready will get there by itself (not_ready_yet) or needs someone
         (broken), with the facts behind the verdict. Unlike the phase, it does not depend on what happened
         before the server's latest start."""
         if ready:
             return "ready", []
+        if state_problems:
+            return "broken", state_problems
         t = self.state.active
         if t is not None:
             return "not_ready_yet", [
                 f"a {t.method} transition {t.from_mode} -> {t.to_mode} is at step {t.step}"
             ]
+        s, c = self.settings, container.state
         if c is not None and c.crashed:
             return "broken", [f"the server process is {c.status} (exit code {c.exit_code})"]
+        if container.missing:
+            up, grace = time.monotonic() - self._born, s.start_grace_s
+            if up > grace:
+                return "broken", [
+                    f"no server has started in the {up:.0f}s since the sidecar started "
+                    f"(KDTREE_START_GRACE_S={grace:g}): the server container is not running, or does not "
+                    f"share the state volume {s.state_dir} with the sidecar",
+                    str(container.error),
+                ]
+            return "not_ready_yet", [
+                f"no server has started yet, {up:.0f}s after the sidecar (KDTREE_START_GRACE_S={grace:g})"
+            ]
         started = c.started_at if c is not None else None
         if started is None:
             return "not_ready_yet", [
                 "the server's start time is unknown (no server control, or no start yet)"
             ]
-        now, budget = time.time(), self.settings.ready_timeout_s
+        now, budget = time.time(), s.ready_timeout_s
         ok_at = self.prober.last_ok_at
         if ok_at is not None and ok_at > started:
             return "broken", [
                 f"it answered a completion {now - ok_at:.0f}s ago, {ok_at - started:.0f}s after its latest start, "
                 "and fails now"
             ]
+        answering = self.prober.answering_since
+        if answering is not None and answering < started:  # an answer from before this start
+            answering = self.prober.answering_since = None
+        if answering is not None and probe is not None and not probe.ok:
+            if now - answering > s.answering_budget_s:
+                return "broken", [
+                    f"it has answered HTTP for {now - answering:.0f}s since its latest start and failed every "
+                    f"probe (KDTREE_ANSWERING_BUDGET_S={s.answering_budget_s:g}); the latest: {probe.reason}: "
+                    f"{probe.detail}"
+                ]
         if now - started > budget:
             return "broken", [
                 f"started {now - started:.0f}s ago and never ready (KDTREE_READY_TIMEOUT_S={budget:g})"
@@ -281,6 +461,11 @@ class Controller:
             return "warming"  # the port is open, the first completions are not through yet
         return "degraded"
 
+    async def _logs(self) -> str:
+        c = self.container_flight.cached
+        since = c.state.started_at if c is not None and c.state is not None else None
+        return await asyncio.to_thread(self.server.logs, self.settings.log_tail_lines, since)
+
     async def status(self) -> dict:
         a = await self.assess()
         marker: LogMarker | None = None
@@ -289,15 +474,17 @@ class Controller:
         c = a.container.state
         if self.server is not None and c is not None:
             try:
-                text = await asyncio.wait_for(
-                    asyncio.to_thread(self.server.logs, self.settings.log_tail_lines, c.started_at),
-                    self.settings.probe_deadline_s,
-                )
-                marker = latest_marker(text)
-                if c.crashed or a.phase == "crashed":
-                    excerpt = crash_excerpt(text)
-            except (DockerError, TimeoutError) as e:
-                log_error = str(e) or "reading the logs timed out"
+                # One read at a time (a hung volume under process control holds one thread), bounded.
+                text = await self.log_flight.get(0, wait=self.settings.probe_deadline_s)
+                if text is None:
+                    log_error = f"reading the logs took longer than {self.settings.probe_deadline_s:g}s"
+                else:
+                    marker = latest_marker(text)
+                    if c.crashed or a.phase == "crashed":
+                        excerpt = crash_excerpt(text)
+            except DockerError as e:
+                log_error = str(e)
+        problem = self.volume.problem
         return {
             "phase": a.phase,
             "server_phase": a.server_phase,
@@ -308,7 +495,11 @@ class Controller:
             "mode": {
                 "current": self.state.current_mode,
                 "expected_now": a.mode,
-                "desired_file": self._desired_file(),
+                "desired_file": a.mode_file,
+            },
+            "state_volume": {
+                "path": self.settings.state_dir,
+                "problem": {**problem.model_dump(), "fix": problem.fix} if problem else None,
             },
             "container": a.container.model_dump(),
             "log": {
@@ -324,36 +515,74 @@ class Controller:
             "transitions": [t.model_dump() for t in self.state.history[-10:]],
         }
 
-    def _desired_file(self) -> str | None:
-        try:
-            m = read_desired_mode(self.settings.state_dir)
-        except ValueError as e:
-            return f"unreadable: {e}"
-        return m.value if m else None
-
     # ---- the mode switch ---------------------------------------------------------------------------
 
     async def request_mode(self, req: ModeRequest) -> tuple[int, dict]:
         """Evaluate and, when allowed, start a transition. Returns (HTTP status, body)."""
-        if not req.dry_run:
-            if self._claimed:
+        if req.dry_run:
+            status, body, _ = await self._evaluate(req)
+            return status, body
+        preempted = None
+        if self.running():
+            if req.mode != Mode.OFF or self._heading_to() == Mode.OFF:
                 active = self.state.active
                 return 409, {
-                    "error": "a mode transition is already running; retry when it has finished",
+                    "error": "a mode transition is already running; retry when it has finished"
+                    + ("" if req.mode == Mode.OFF else " (POST /mode off preempts it)"),
                     "transition": active.model_dump() if active else {"step": "evaluating the gate"},
                 }
-            self._claimed = True  # no await since the check: concurrent requests cannot both get here
-        try:
-            status, body = await self._evaluate_and_start(req)
-        except BaseException:
-            if not req.dry_run:
-                self._claimed = False
-            raise
-        if not req.dry_run and status != 202:
-            self._claimed = False
-        return status, body
+            preempted = self._task
+            self._cancel_reason = "preempted by POST /mode off" + (f" ({req.reason})" if req.reason else "")
+            preempted.cancel()  # it unwinds at its next await, and touches the state no more
+            self._preempt(req)
+        # No await since the check above: the new task is the claim before any other request runs.
+        answer: asyncio.Future[tuple[int, dict]] = asyncio.get_running_loop().create_future()
+        self._requested = req.mode
+        self._start_task(self._serve(req, answer, preempted))
+        return await asyncio.shield(answer)  # a client that goes away does not cancel the transition
 
-    def _method(self, current: Mode, target: Mode, restart: bool) -> str:
+    def _heading_to(self) -> Mode | None:
+        """The mode the running request or transition heads to."""
+        t = self.state.active
+        if t is None:
+            return self._requested
+        return t.from_mode if t.step == "rolling_back" else t.to_mode
+
+    async def _serve(self, req: ModeRequest, answer: asyncio.Future, preempted: asyncio.Task | None) -> None:
+        """The request's task: end what it preempts, decide, answer, and run the transition it accepted."""
+        try:
+            if preempted is not None:
+                await asyncio.wait([preempted])  # returns once it has unwound
+            status, body, t = await self._evaluate(req)
+        except asyncio.CancelledError:
+            if not answer.done():
+                answer.set_result((409, {
+                    "error": f"{self._cancel_reason or 'cancelled'} before this request was decided; "
+                    "nothing changed",
+                    "transition": None,
+                }))  # fmt: skip
+            raise
+        except BaseException as e:
+            if not answer.done():
+                answer.set_exception(e)
+            raise
+        answer.set_result((status, body))
+        if t is not None:
+            await self._transition(t)
+
+    def _preempt(self, req: ModeRequest) -> None:
+        """Finish the transition of a task just cancelled for the kill switch as preempted."""
+        t = self.state.active
+        if t is None:
+            return  # it was still deciding: it answers its request itself
+        why = f"preempted at step {t.step} by POST /mode off" + (f" ({req.reason})" if req.reason else "")
+        if t.failure is None:
+            t.failure = why
+        else:  # it was rolling back
+            t.rollback_failure = why
+        self._finish(t, "preempted")
+
+    def _method(self, current: Mode, target: Mode, restart: bool, views: list[RankView]) -> str:
         """live when both modes are live modes and every expected rank says it can switch to the target."""
         if (
             restart
@@ -362,17 +591,19 @@ class Controller:
             or not self.settings.expected_tp_size
         ):
             return "restart"
-        records = live_records(self.settings)
+        records = live_records(self.settings, views)
         able = all(
             r in records and target.value in records[r].live_modes
             for r in range(self.settings.expected_tp_size)
         )
         return "live" if able else "restart"
 
-    async def _evaluate_and_start(self, req: ModeRequest) -> tuple[int, dict]:
+    async def _evaluate(self, req: ModeRequest) -> tuple[int, dict, Transition | None]:
+        """The answer to a request, and the transition it starts (made active here) when it is accepted."""
         current = self.state.current_mode
         target = req.mode
-        method = await asyncio.to_thread(self._method, current, target, req.restart)
+        snap = await self._snapshot()
+        method = self._method(current, target, req.restart, snap.views if snap else [])
         base = {
             "from_mode": current,
             "to_mode": target,
@@ -380,8 +611,15 @@ class Controller:
             "dry_run": req.dry_run,
             "force": req.force,
         }
-        if target == current:
-            return 200, {**base, "changed": False, "detail": f"the server already runs in mode {current}"}
+        # Nothing to do only when the mode file agrees: when it says another mode (a rollback could not write
+        # it back) the ranks follow it, and a transition to the same mode rewrites it.
+        agrees = snap is not None and snap.mode_file_error is None and snap.mode_file in (None, current)
+        if target == current and agrees:
+            return (
+                200,
+                {**base, "changed": False, "detail": f"the server already runs in mode {current}"},
+                None,
+            )
         criteria = await self._criteria(target)
         passed = all(c.passed for c in criteria)
         allowed = passed or req.force
@@ -392,25 +630,33 @@ class Controller:
             "criteria": [c.model_dump() for c in criteria],
         }
         if req.dry_run:
-            return 200, body
+            return 200, body, None
         if not allowed:
             self.metrics.gate_refusals.labels(to_mode=target.value).inc()
             failed = ", ".join(c.name for c in criteria if not c.passed)
             self.store.audit(
                 "refused", None, from_mode=current, to_mode=target, failed=failed, reason=req.reason
             )
-            return 412, {
-                **body,
-                "error": f"the gate to {target} failed: {failed}; nothing changed "
-                "(fix the evidence, or pass force to override, which is audited)",
-            }
+            return (
+                412,
+                {
+                    **body,
+                    "error": f"the gate to {target} failed: {failed}; nothing changed "
+                    "(fix the evidence, or pass force to override, which is audited)",
+                },
+                None,
+            )
         if method == "restart" and self.server is None:
-            return 503, {
-                **body,
-                "error": "this change needs a server restart and the sidecar has no server control: with "
-                "KDTREE_SERVER_CONTROL=docker, set KDTREE_SERVER_CONTAINER and mount the Docker socket "
-                "(or use KDTREE_SERVER_CONTROL=process)",
-            }
+            return (
+                503,
+                {
+                    **body,
+                    "error": "this change needs a server restart and the sidecar has no server control: with "
+                    "KDTREE_SERVER_CONTROL=docker, set KDTREE_SERVER_CONTAINER and mount the Docker socket "
+                    "(or use KDTREE_SERVER_CONTROL=process)",
+                },
+                None,
+            )
         t = Transition(
             from_mode=current,
             to_mode=target,
@@ -420,7 +666,6 @@ class Controller:
             gate=[c.model_dump() for c in criteria],
         )
         self.state.active = t
-        self.store.save(self.state)
         if req.force:  # loud whether or not the gate would have passed: someone chose to skip it
             self.store.audit(
                 "FORCED",
@@ -430,30 +675,32 @@ class Controller:
                 failed=[c.name for c in criteria if not c.passed],
                 warning="the gate was skipped by force",
             )
-        self.store.audit("accepted", t, reason=req.reason, force=req.force)
-        self._task = asyncio.create_task(self._transition(t))
         body = {**body, "accepted": True, "transition": t.model_dump()}
         if req.force and not passed:
             body["warning"] = "FORCED: the gate failed and was skipped; this is recorded in the audit log"
-        return 202, body
+        return 202, body, t
 
     async def _criteria(self, target: Mode) -> list[Criterion]:
-        if target == Mode.OFF:
-            return []  # the kill switch is never gated
+        if target in (Mode.OFF, Mode.STANDBY):
+            return []  # the kill switch and the live remedy (Triton serves, kdtree idle) are never gated
         a = await self.assess()
         detail = "; ".join(a.reasons)
-        if target in (Mode.VALIDATE, Mode.STANDBY):
+        if target == Mode.VALIDATE:
             up = a.probe is not None and a.probe.ok
             return [Criterion(name="server_up", value=up, op="==", threshold=True, passed=up, detail=detail)]
-        return await asyncio.to_thread(gate_to_on, self.settings, a.ready, detail)
+        # Not a.ready: a mode file that disagrees is what this transition rewrites; a failed write still refuses.
+        ready = a.server_ready and self.volume.problem is None
+        return gate_to_on(self.settings, a.ranks.ranks, ready, detail)
 
     async def _transition(self, t: Transition) -> None:
         try:
+            self._step(t, "accepted", reason=t.reason, force=t.force)
             await self._flip(t)
         except asyncio.CancelledError:
-            raise  # the sidecar is stopping: the persisted step makes the next start resolve it
+            raise  # stopping (the persisted step makes the next start resolve it), or preempted
         except Exception as e:
-            t.failure = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}"
+            known = isinstance(e, StepFailed | VolumeWriteFailed)
+            t.failure = str(e) if known else f"{type(e).__name__}: {e}"
             self.store.audit("flip_failed", t, logging.ERROR, step=t.step, failure=t.failure)
             await self._rollback_and_finish(t)
             return
@@ -461,13 +708,40 @@ class Controller:
         self._finish(t, "succeeded")
 
     def _step(self, t: Transition, step: str, **details) -> None:
+        """Persist and audit the step. In a forward flip a write the volume does not take ends the flip; the
+        rollback goes on regardless (its state stays in memory)."""
         t.step = step
-        self.store.save(self.state)
+        forward = step != "rolling_back"
+        self._save(fatal=forward)
         self.store.audit(step, t, **details)
+        if forward and self.volume.problem is not None:  # the audit entry was not appended
+            raise StepFailed(self.volume.problem.reason)
+
+    def _write_mode(self, mode: Mode) -> None:
+        d = self.settings.state_dir
+        self.volume.write("writing the mode file", mode_path(d), lambda: write_desired_mode(d, mode))
+
+    async def _restore_mode_file(self, t: Transition) -> str | None:
+        """Put the mode file back at t.from_mode: None when it says that afterwards, else why it does not."""
+        try:
+            self._write_mode(t.from_mode)
+            return None
+        except VolumeWriteFailed as e:
+            failed = str(e)
+        snap = await self._snapshot()
+        if snap is not None and snap.mode_file == t.from_mode:
+            return None  # it already did
+        if snap is None or snap.mode_file is None:
+            says = "it could not be read back" if snap is None else "there is none"
+            return f"the mode file could not be written back to {t.from_mode} ({failed}); {says}"
+        return (
+            f"the mode file could not be written back to {t.from_mode} ({failed}); it still says "
+            f"{snap.mode_file}, so the ranks may serve {snap.mode_file}"
+        )
 
     async def _flip(self, t: Transition) -> None:
         self._step(t, "writing_mode")
-        write_desired_mode(self.settings.state_dir, t.to_mode)
+        self._write_mode(t.to_mode)
         if t.method == "live":
             self._step(t, "awaiting_ranks", timeout_s=self.settings.live_flip_timeout_s)
             await self._await_ranks(t, t.to_mode)
@@ -477,7 +751,7 @@ class Controller:
             return
         restarts = await self._restart(t)
         self._step(t, "waiting_ready")
-        await self._wait_ready(t.to_mode, t.restarted_at, restarts)
+        await self._wait_ready(t.to_mode, t.restarted_at, restarts, forward=True)
         self._step(t, "baking", probes=self.settings.bake_probes)
         await self._bake(t, restarts)
 
@@ -487,11 +761,14 @@ class Controller:
         s = self.settings
         deadline = time.monotonic() + s.live_flip_timeout_s
         while True:
-            records = await asyncio.to_thread(live_records, s)
+            snap = await self._snapshot()
+            records = live_records(s, snap.views) if snap else {}
             waiting = {}
             for rank in range(s.expected_tp_size):
                 rec = records.get(rank)
-                if rec is None:
+                if snap is None:
+                    waiting[rank] = "its record is unread: the state volume did not answer"
+                elif rec is None:
                     waiting[rank] = "no live record"
                 elif rec.mode_pending is not None:
                     waiting[rank] = (
@@ -502,7 +779,7 @@ class Controller:
             confirmed = s.expected_tp_size - len(waiting)
             if confirmed != t.ranks_confirmed:
                 t.ranks_confirmed = confirmed
-                self.store.save(self.state)
+                self._save(fatal=t.step != "rolling_back")
             if not waiting:
                 return
             if time.monotonic() >= deadline:
@@ -515,12 +792,22 @@ class Controller:
 
     async def _restart(self, t: Transition) -> int | None:
         """Restart the server container; returns its restart count right after (to spot crash loops)."""
-        if t.step != "rolling_back":
+        forward = t.step != "rolling_back"
+        if forward:
             self._step(t, "restarting")
+        previous = self._restart_call
+        if previous is not None and not previous.done():
+            self.store.audit("awaiting_previous_restart", t, detail="a preempted transition's restart runs")
+            await asyncio.wait([previous])  # it cannot be taken back: this restart comes after it
         t.restarted_at = time.time()  # rank records must come from processes started after this
-        self.store.save(self.state)
+        self._save(fatal=forward)
+        call = asyncio.ensure_future(
+            asyncio.to_thread(self.server.restart, self.settings.restart_stop_timeout_s)
+        )
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: this task may be gone
+        self._restart_call = call
         try:
-            await asyncio.to_thread(self.server.restart, self.settings.restart_stop_timeout_s)
+            await asyncio.shield(call)  # a preempted transition's restart runs to its end on its thread
         except DockerError as e:
             raise StepFailed(f"restart failed: {e}") from None
         finally:
@@ -529,11 +816,17 @@ class Controller:
         view = await self._inspect()
         return view.state.restart_count if view.state else None
 
-    async def _wait_ready(self, mode: Mode, started_after: float | None, restarts: int | None) -> Assessment:
+    async def _wait_ready(
+        self, mode: Mode, started_after: float | None, restarts: int | None, *, forward: bool
+    ) -> Assessment:
+        """Until the server is ready in `mode`, crashed, or KDTREE_READY_TIMEOUT_S. forward (a flip): the state
+        volume must be sound too, and a problem with it ends the wait; a rollback needs the server only."""
         s = self.settings
 
         def settled(a: Assessment) -> bool:
-            return a.ready or self._crash_reason(a, restarts) is not None
+            if self._crash_reason(a, restarts) is not None:
+                return True
+            return (a.ready or self.volume.problem is not None) if forward else a.server_ready
 
         retrying = AsyncRetrying(
             stop=stop_after_delay(s.ready_timeout_s),
@@ -547,7 +840,9 @@ class Controller:
         crash = self._crash_reason(a, restarts)
         if crash:
             raise StepFailed(f"the server crashed while starting in mode {mode}: {crash}")
-        if not a.ready:
+        if forward and self.volume.problem is not None:
+            raise StepFailed(self.volume.problem.reason)
+        if not (a.ready if forward else a.server_ready):
             raise StepFailed(
                 f"not ready in mode {mode} within KDTREE_READY_TIMEOUT_S={s.ready_timeout_s:g}s: "
                 + "; ".join(a.reasons)
@@ -570,7 +865,7 @@ class Controller:
         the evidence that kdtree did the new mode's work on every rank during the window (gate.bake_evidence).
         The probes decode with speculation, so they produce verify calls when no client traffic does."""
         s = self.settings
-        before = await asyncio.to_thread(live_records, s)
+        before = await self._live_records()
         steps: list[int | None] = []
         last_probe = time.time()
         for i in range(s.bake_probes):
@@ -595,17 +890,19 @@ class Controller:
         after = await self._records_after(last_probe)
         problems = bake_evidence(s, t.to_mode, before, after)
         if problems:
-            if steps and all(n == 0 for n in steps):
+            # SGLang 0.5.23 leaves out sglext.spec_tokens_details when speculative decoding is off (None here),
+            # and reports spec_verify_ct 0 when no step ran.
+            if steps and all(not n for n in steps):
                 problems.append("the probe's completions took no verify step: is speculative decoding on?")
             raise StepFailed("bake: no evidence that kdtree served: " + "; ".join(problems))
 
-    async def _records_after(self, at: float) -> dict:
+    async def _records_after(self, at: float) -> dict[int, RankRecord]:
         """The live records once every expected rank has written one after `at` (its heartbeat), or what there is
         after KDTREE_HEARTBEAT_STALE_S."""
         s = self.settings
         deadline = time.monotonic() + s.heartbeat_stale_s
         while True:
-            records = await asyncio.to_thread(live_records, s)
+            records = await self._live_records()
             fresh = all(r in records and records[r].heartbeat >= at for r in range(s.expected_tp_size))
             if fresh or time.monotonic() >= deadline:
                 return records
@@ -614,12 +911,14 @@ class Controller:
     async def _rollback_and_finish(self, t: Transition) -> None:
         try:
             self._step(t, "rolling_back", failure=t.failure)
-            write_desired_mode(self.settings.state_dir, t.from_mode)
+            not_back = await self._restore_mode_file(t)
+            if not_back:
+                raise StepFailed(not_back)  # neither a live switch nor a restart can reach the old mode now
             if t.method == "live":
                 try:
                     await self._await_ranks(t, t.from_mode)
                     a = await self.assess(max_age=0, mode=t.from_mode)
-                    if not a.ready:
+                    if not a.server_ready:
                         raise StepFailed("not ready after the live rollback: " + "; ".join(a.reasons))
                     self._finish(t, "rolled_back")
                     return
@@ -630,23 +929,29 @@ class Controller:
                     self.store.audit("live_rollback_failed", t, logging.ERROR, note=t.rollback_note)
                     if self.server is None:
                         raise StepFailed(f"{e}; and the sidecar cannot restart the server") from None
+            elif t.restarted_at is None:
+                t.rollback_note = f"the server was not restarted: the mode file is back at {t.from_mode}"
+                self._finish(t, "rolled_back")
+                return
             restarts = await self._restart(t)
-            await self._wait_ready(t.from_mode, t.restarted_at, restarts)
+            await self._wait_ready(t.from_mode, t.restarted_at, restarts, forward=False)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            t.rollback_failure = str(e) if isinstance(e, StepFailed) else f"{type(e).__name__}: {e}"
+            known = isinstance(e, StepFailed | VolumeWriteFailed)
+            t.rollback_failure = str(e) if known else f"{type(e).__name__}: {e}"
             self._finish(t, "rollback_failed")
             return
         self._finish(t, "rolled_back")
 
     def _finish(self, t: Transition, outcome: str) -> None:
+        """Record the outcome; never raises: what the volume does not take stays in memory (/status shows it)."""
         t.outcome, t.finished_at = outcome, time.time()
         t.duration_s = t.finished_at - t.requested_at
         self.metrics.flip_duration.labels(method=t.method).observe(t.duration_s)
         self.state.active = None
         self.state.history.append(t)
-        self.store.save(self.state)
+        self._save(fatal=False)
         level = logging.INFO if outcome == "succeeded" else logging.ERROR
         self.store.audit(
             outcome,
@@ -662,4 +967,3 @@ class Controller:
             from_mode=t.from_mode.value, to_mode=t.to_mode.value, outcome=outcome
         ).inc()
         self.metrics.mode.state(self.state.current_mode.value)
-        self._claimed = False

@@ -1,8 +1,14 @@
 """Evidence from the ranks' records: are they all there in the right mode, did kdtree do its work during a bake,
-and does validate mode allow `on`."""
+and does validate mode allow `on`. The records come in as read (kdtree.status.read_records, on the state
+volume's thread): nothing here touches a file.
+
+Parity values may be non-finite (+inf where the reference is all zeros, NaN from a broken output): every
+comparison with NaN is false, so a non-finite value is checked for by name and refuses the gate, never passes it.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from pydantic import BaseModel
@@ -19,8 +25,16 @@ class RankCheck(BaseModel):
     ranks: list[RankView]
 
 
+def read_rank_views(settings: SidecarSettings) -> list[RankView]:
+    """Every rank record in the state directory (blocking file reads: run it on the state volume's thread)."""
+    return read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
+
+
 def check_ranks(
-    settings: SidecarSettings, modes: Mode | Iterable[Mode], started_after: float | None = None
+    settings: SidecarSettings,
+    views: list[RankView],
+    modes: Mode | Iterable[Mode],
+    started_after: float | None = None,
 ) -> RankCheck:
     """Every expected rank has a live record in one of `modes`, with the hook installed unless it is off.
 
@@ -29,7 +43,6 @@ def check_ranks(
     """
     modes = {modes} if isinstance(modes, Mode) else set(modes)
     expected = " or ".join(sorted(m.value for m in modes))
-    views = read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
     by_rank = {v.record.tp_rank: v for v in views}
     problems = []
     for rank in range(settings.expected_tp_size):
@@ -51,12 +64,12 @@ def check_ranks(
     return RankCheck(ok=not problems, problems=problems, ranks=views)
 
 
-def live_records(settings: SidecarSettings) -> dict[int, RankRecord]:
+def live_records(settings: SidecarSettings, views: list[RankView]) -> dict[int, RankRecord]:
     """The expected ranks' records that are not stale, by rank."""
     return {
         v.record.tp_rank: v.record
-        for v in read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
-        if not v.stale and v.record.tp_rank < settings.expected_tp_size
+        for v in views
+        if not v.stale and 0 <= v.record.tp_rank < settings.expected_tp_size
     }
 
 
@@ -111,18 +124,32 @@ class Criterion(BaseModel):
     detail: str = ""
 
 
-def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str) -> list[Criterion]:
-    """The criteria for switching to `on`, each with its value, threshold and verdict."""
-    live = [
-        v.record
-        for v in read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
-        if not v.stale and v.record.tp_rank < settings.expected_tp_size
+NON_FINITE_CHECKED = ("max_rel_l2", "max_abs_err", "rtol")  # the parity fields that are floats
+
+
+def non_finite_parity(records: Iterable[RankRecord]) -> list[str]:
+    """Each non-finite parity value, named: "rank 1: max_rel_l2 is nan"."""
+    return [
+        f"rank {r.tp_rank}: {name} is {value}"
+        for r in records
+        for name in NON_FINITE_CHECKED
+        if not math.isfinite(value := getattr(r.parity, name))
     ]
+
+
+def gate_to_on(
+    settings: SidecarSettings, views: list[RankView], server_ready: bool, ready_detail: str
+) -> list[Criterion]:
+    """The criteria for switching to `on`, each with its value, threshold and verdict."""
+    live = live_records(settings, views).values()
     in_validate = [r for r in live if r.mode == Mode.VALIDATE.value and r.installed]
     want = settings.expected_tp_size
     all_there = len(in_validate) == want and want > 0
     min_calls = min((r.parity.calls_compared for r in in_validate), default=0)
-    max_rel = max((r.parity.max_rel_l2 for r in in_validate), default=None)
+    rels = [r.parity.max_rel_l2 for r in in_validate]
+    # max() skips a NaN that is not first: NaN is the value whenever a rank has one.
+    max_rel = math.nan if any(math.isnan(x) for x in rels) else max(rels, default=None)
+    non_finite = non_finite_parity(in_validate)
     nan_inf = sum(r.parity.nan_inf for r in in_validate)
     over_tol = sum(r.parity.calls_over_tol for r in in_validate)
     missing = sorted(set(range(want)) - {r.tp_rank for r in in_validate})
@@ -162,8 +189,11 @@ def gate_to_on(settings: SidecarSettings, server_ready: bool, ready_detail: str)
             op="<=",
             value=max_rel,
             threshold=settings.gate_max_rel_err,
-            detail=no_evidence,
-            passed=all_there and max_rel is not None and max_rel <= settings.gate_max_rel_err,
+            detail="; ".join(x for x in (no_evidence, *non_finite) if x),
+            passed=all_there
+            and not non_finite
+            and max_rel is not None
+            and max_rel <= settings.gate_max_rel_err,
         ),
         Criterion(
             name="nan_inf",

@@ -1,7 +1,9 @@
 """Prometheus metrics: kdtree_ prefix, base units, counters end in _total.
 
-Per-rank series are read from the rank records at scrape time (a custom collector), so they are never stale
-copies; the rank counters reset when the server restarts, which Prometheus' rate() handles.
+Per-rank series come from the rank records read at scrape time (GET /metrics reads them on the state volume's
+thread first, then a custom collector turns them into series), so they are never stale copies; the rank counters
+reset when the server restarts, which Prometheus' rate() handles. A non-finite parity value is exported as
+Prometheus writes it (+Inf, -Inf, NaN).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kdtree.config import Mode
-from kdtree.status import read_records
+from kdtree.status import RankView
 
 PHASES = (
     "starting",
@@ -26,12 +28,12 @@ PHASES = (
 )
 METHODS = ("live", "restart")
 CONDITIONS = ("ready", "not_ready_yet", "broken")
-OUTCOMES = ("succeeded", "rolled_back", "rollback_failed", "aborted")
+OUTCOMES = ("succeeded", "rolled_back", "rollback_failed", "aborted", "preempted")
 
 
 class RankCollector(Collector):
-    def __init__(self, state_dir: str, max_age_s: float):
-        self.state_dir, self.max_age_s = state_dir, max_age_s
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
 
     def collect(self):
         up = GaugeMetricFamily(
@@ -63,7 +65,7 @@ class RankCollector(Collector):
         fallbacks = CounterMetricFamily(
             "kdtree_rank_fallbacks", "calls kdtree declined, by reason", labels=["rank", "reason"]
         )
-        for view in read_records(self.state_dir, max_age_s=self.max_age_s):
+        for view in self.metrics.rank_views:
             r = view.record
             rank = str(r.tp_rank)
             up.add_metric([rank], 0 if view.stale else 1)
@@ -83,7 +85,8 @@ class RankCollector(Collector):
 class Metrics:
     """One registry per app, so several apps (tests) never share series."""
 
-    def __init__(self, state_dir: str, max_age_s: float):
+    def __init__(self):
+        self.rank_views: list[RankView] = []  # the records read for the scrape in progress
         self.registry = CollectorRegistry()
         r = self.registry
         self.probe_duration = Histogram(
@@ -131,4 +134,4 @@ class Metrics:
             method
         ) in METHODS:  # both series exist from the start, so rate() and increase() see the first flip
             self.flip_duration.labels(method=method)
-        r.register(RankCollector(state_dir, max_age_s))
+        r.register(RankCollector(self))

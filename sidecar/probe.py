@@ -30,6 +30,7 @@ NO_MODEL = "no_model"
 T = TypeVar("T")
 
 REASONS = (REFUSED, TIMEOUT, HTTP_STATUS, MALFORMED, NO_CHOICES, NO_FINISH_REASON, DISCONNECTED, NO_MODEL)
+ANSWERED = (HTTP_STATUS, MALFORMED, NO_CHOICES, NO_FINISH_REASON, NO_MODEL)  # failures with an HTTP answer
 
 
 class ProbeResult(BaseModel):
@@ -108,6 +109,8 @@ class Prober:
         self.flight: SingleFlight[ProbeResult] = SingleFlight(self.probe)
         self.last_ok_at: float | None = None
         self.last_refused_at: float | None = None
+        # The first probe answered over HTTP (ok or not) since the port was last seen closed (or a restart).
+        self.answering_since: float | None = None
         self.on_result: Callable[[ProbeResult], None] | None = None
 
     async def get(self, max_age: float) -> ProbeResult | None:
@@ -117,6 +120,7 @@ class Prober:
         """After a restart: old answers and the discovered model name no longer hold."""
         self.flight.invalidate()
         self._discovered_model = None
+        self.answering_since = None
 
     async def probe(self) -> ProbeResult:
         start = time.monotonic()
@@ -143,6 +147,9 @@ class Prober:
             self.last_ok_at = result.at
         elif result.reason == REFUSED:
             self.last_refused_at = result.at
+            self.answering_since = None
+        if (result.ok or result.reason in ANSWERED) and self.answering_since is None:
+            self.answering_since = result.at
         if self.on_result:
             self.on_result(result)
         return result

@@ -29,20 +29,16 @@ import signal
 import time
 from pathlib import Path
 
-from entrypoint.supervise import (
-    START_MARK,
-    ServerProcessRecord,
-    log_path,
-    pid_alive,
-    process_path,
-    read_process_record,
-)
-from kdtree.status import own_pid_ns
+from pydantic import ValidationError
+
+from entrypoint.supervise import START_MARK, ServerProcessRecord, log_path, pid_alive, process_path
+from kdtree.status import open_regular, own_pid_ns, read_bounded, tail_of
 
 from .docker_control import ContainerMissing, ContainerState, DockerError
 
 _MARK = re.compile(re.escape(START_MARK) + r" #\d+ at \S+ \(t=(\d+(?:\.\d+)?)\)")
 LOG_READ_CAP = 4 * 1024 * 1024  # bytes read from the end of the log files per logs() call
+RECORD_CAP = 64 * 1024  # bytes: the process record is well under 1 KiB; a larger file is refused unread
 KILL_WAIT_S = 10.0  # after SIGKILL: how long the processes may take to disappear
 
 
@@ -133,7 +129,7 @@ class ServerProcess:
             raise ProcessControlError(
                 f"{path} does not exist: the server's entrypoint writes it unless KDTREE_SERVER_LOG_MAX_BYTES=0"
             ) from None
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: not a regular file
             raise ProcessControlError(f"reading {path} failed: {e}") from None
         if since is not None:
             # Lines before the first start mark at or after `since` belong to earlier starts (the mark
@@ -196,33 +192,31 @@ class ServerProcess:
         return True
 
 
+def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | None:
+    """The latest start's record (entrypoint.supervise writes it), read as every state file is (bounded, a regular
+    file only); None when no server has started on this volume; ValueError (with the path) when unreadable."""
+    path = process_path(state_dir)
+    try:
+        data = read_bounded(path, RECORD_CAP)
+    except FileNotFoundError:
+        return None
+    try:
+        return ServerProcessRecord.model_validate_json(data)
+    except ValidationError as e:
+        raise ValueError(f"{path} is unreadable: {e.errors()[0]['msg']}") from None
+
+
 def _tail_lines(path: Path, n: int) -> list[str]:
     """The last n lines of path.1 + path (the rotated file first), reading at most LOG_READ_CAP bytes."""
-    with path.open("rb") as current:
-        lines = _tail_of(current, n, LOG_READ_CAP)
+    with open_regular(path) as current:
+        lines = tail_of(current, n, LOG_READ_CAP)
         if len(lines) < n:
             older = path.with_name(path.name + ".1")
             try:
-                with older.open("rb") as f:
+                with open_regular(older) as f:
                     # The same file twice: it was rotated between the two opens; what we read is all there is.
                     if os.fstat(f.fileno()).st_ino != os.fstat(current.fileno()).st_ino:
-                        lines = _tail_of(f, n - len(lines), LOG_READ_CAP) + lines
+                        lines = tail_of(f, n - len(lines), LOG_READ_CAP) + lines
             except FileNotFoundError:
                 pass
     return [line.decode("utf-8", errors="replace") for line in lines]
-
-
-def _tail_of(f, n: int, cap: int) -> list[bytes]:
-    end = f.seek(0, os.SEEK_END)
-    pos, data = end, b""
-    while pos > 0 and data.count(b"\n") <= n and end - pos < cap:
-        step = min(65536, pos)
-        pos -= step
-        f.seek(pos)
-        data = f.read(step) + data
-    lines = data.split(b"\n")
-    if pos > 0:
-        lines = lines[1:]  # the first one may have started before what was read
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return lines[-n:] if n > 0 else []

@@ -13,7 +13,7 @@ import httpx
 
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
 
-OK, FAILED, USAGE = 0, 1, 2
+OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 7  # as kdtreectl's (sidecar.cli)
 
 
 DONE = ("succeeded", "already")  # a replica in the target mode
@@ -42,11 +42,11 @@ back skips the gate, and each sidecar's audit log records it). Every sidecar is 
 does not answer, or is in a transition already, stops the rollout before anything is flipped.
 
 One line per replica as its outcome is known, then a table. Outcomes: succeeded, already (in the mode),
-refused (gate), rolled_back / rollback_failed / aborted (by its sidecar), timeout, unreachable, busy,
+refused (gate), rolled_back / rollback_failed / aborted / preempted (by its sidecar), timeout, unreachable, busy,
 unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
 with --dry-run: allowed, refused, already.
 Exit codes: 0 every replica is in the mode (or, with --dry-run, would be allowed), 1 it stopped on a failure
-(or a gate would refuse), 2 bad input.
+(or a gate would refuse), 2 bad input, 7 a sidecar unreachable or not a sidecar.
 """
 
 
@@ -192,7 +192,7 @@ def cmd_rollout(args) -> int:
             + ("every replica would be allowed" if ok else "a gate would refuse")
             + "; nothing changed"
         )
-        return OK if ok else FAILED
+        return OK if ok else _failed(replicas)
 
     # Every sidecar first: one that cannot take part stops the rollout before anything changes.
     def preflight(r: Replica) -> Replica:
@@ -224,7 +224,7 @@ def cmd_rollout(args) -> int:
         print(
             f"rollout to {args.to} not started: {len(blocked)} sidecar(s) cannot take part; nothing changed"
         )
-        return FAILED
+        return _failed(blocked)
 
     rest = [replicas[i : i + args.wave] for i in range(args.canary, len(replicas), args.wave)]
     waves = ([("canary", replicas[: args.canary])] if args.canary else []) + [
@@ -270,4 +270,10 @@ def cmd_rollout(args) -> int:
         + (f"; left in mode {args.to}: {', '.join(left)}" if left else "; no replica was left flipped"),
         file=sys.stderr,
     )
-    return FAILED
+    return _failed([failed])
+
+
+def _failed(replicas: list[Replica]) -> int:
+    """7 when a sidecar did not answer as one (unreachable, or not a sidecar), like every kdtreectl command;
+    else 1."""
+    return UNREACHABLE if any(r.outcome == "unreachable" for r in replicas) else FAILED

@@ -58,6 +58,19 @@ class SidecarSettings(BaseSettings):
         300.0, gt=0, description="process control: seconds the orchestrator has to start the stopped server"
     )
     log_tail_lines: int = Field(2000, ge=10)
+    # When a server that is not ready is `broken` (someone must act) rather than `not_ready_yet`.
+    start_grace_s: float = Field(
+        300.0,
+        gt=0,
+        description="seconds from the sidecar's start in which no server start at all (no process record, no "
+        "container) is still not_ready_yet",
+    )
+    answering_budget_s: float = Field(
+        300.0,
+        gt=0,
+        description="seconds a server that answers HTTP but fails every probe since its latest start has, counted "
+        "from its first answer, before it is broken",
+    )
 
     # Who may change the mode.
     admin_token: str | None = None

@@ -1,7 +1,8 @@
 """The sidecar's memory on disk: the current mode, the transition in progress, the history, the audit log.
 
 The state file is replaced atomically after every step of a transition, so a sidecar that dies mid-way
-finds the transition on its next start and resolves it. The audit log is append-only JSON lines.
+finds the transition on its next start and resolves it. The audit log is append-only JSON lines; each entry
+goes to the process log too, so an entry the volume cannot take is not lost.
 """
 
 from __future__ import annotations
@@ -13,18 +14,24 @@ import time
 import uuid
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdtree.config import ConfigError, Mode
-from kdtree.status import write_atomically
+from kdtree.status import json_safe, open_regular, read_bounded, tail_of, write_atomically
+
+from .volume import StateVolume, VolumeWriteFailed
 
 STATE_FILE = "sidecar-state.json"
 AUDIT_FILE = "sidecar-audit.jsonl"
+STATE_MAX = 8 * 1024 * 1024  # bytes: the history of KDTREE_HISTORY_LIMIT transitions is far smaller
+AUDIT_TAIL_MAX = 4 * 1024 * 1024  # bytes read from the end of the audit log for its last lines
 
 log = logging.getLogger("kdtree.sidecar")
 
 
 class Transition(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="strings")  # the gate's criteria may hold a rank's NaN
+
     id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
     from_mode: Mode
     to_mode: Mode
@@ -34,11 +41,12 @@ class Transition(BaseModel):
     # live:    accepted -> writing_mode -> awaiting_ranks -> baking -> (succeeded)
     # restart: accepted -> writing_mode -> restarting -> waiting_ready -> baking -> (succeeded)
     # any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed)
+    # POST /mode off while it runs -> (preempted), then the off transition runs
     method: str = "restart"  # live | restart
     step: str = "accepted"
     ranks_confirmed: int = 0  # live: ranks that report the mode being switched to (progress)
     confirmed_s: float | None = None  # live: seconds from the request until every rank confirmed
-    outcome: str | None = None  # succeeded | rolled_back | rollback_failed | aborted
+    outcome: str | None = None  # succeeded | rolled_back | rollback_failed | aborted | preempted
     failure: str | None = None  # why the forward flip failed
     rollback_failure: str | None = None
     restarted_at: float | None = None
@@ -54,13 +62,24 @@ class Transition(BaseModel):
 
 
 class SidecarState(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
     current_mode: Mode
     active: Transition | None = None
     history: list[Transition] = Field(default_factory=list)
 
 
+def append_line(path: Path, line: str) -> None:
+    with path.open("a") as f:
+        f.write(line + "\n")
+
+
 class Store:
-    def __init__(self, state_dir: str | os.PathLike, history_limit: int):
+    """Writes go through the StateVolume (the controller's, or one of its own): a failed one is logged with its
+    path and errno and stands as the volume's problem."""
+
+    def __init__(self, state_dir: str | os.PathLike, history_limit: int, volume: StateVolume | None = None):
+        self.volume = volume or StateVolume(state_dir, deadline_s=10.0)
         self.dir = Path(state_dir)
         self.path = self.dir / STATE_FILE
         self.audit_path = self.dir / AUDIT_FILE
@@ -68,7 +87,7 @@ class Store:
 
     def load(self, initial_mode: Mode) -> SidecarState:
         try:
-            return SidecarState.model_validate_json(self.path.read_text())
+            return SidecarState.model_validate_json(read_bounded(self.path, STATE_MAX))
         except FileNotFoundError:
             return SidecarState(current_mode=initial_mode)
         except ValidationError as e:
@@ -77,26 +96,42 @@ class Store:
                 f"{self.path} is unreadable ({err['msg']} at {err.get('loc')}); "
                 "move it aside to start from the mode file"
             ) from None
+        except ValueError as e:  # not a regular file, or too large
+            raise ConfigError(f"{e}; move it aside to start from the mode file") from None
 
-    def save(self, state: SidecarState) -> None:
+    def save(self, state: SidecarState, *, retry: bool = False) -> None:
+        """Replace the state file; VolumeWriteFailed when the volume does not take it."""
         state.history = state.history[-self.history_limit :]
-        write_atomically(self.path, state.model_dump_json(indent=1))
+        text = state.model_dump_json(indent=1)
+        self.volume.write(
+            "saving the sidecar state", self.path, lambda: write_atomically(self.path, text), retry=retry
+        )
 
     def audit(
         self, event: str, transition: Transition | None = None, level: int = logging.INFO, **details
     ) -> None:
+        """Append an entry (and log it); never raises: a failed append stands as the volume's problem."""
         entry = {"ts": time.time(), "event": event, **details}
         if transition is not None:
             entry["transition"] = transition.id
             entry["from_mode"], entry["to_mode"] = transition.from_mode.value, transition.to_mode.value
-        log.log(level, "audit %s", json.dumps(entry, default=str))
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with self.audit_path.open("a") as f:
-            f.write(json.dumps(entry, default=str) + "\n")
+        line = json.dumps(json_safe(entry), default=str)
+        log.log(level, "audit %s", line)
+
+        def append() -> None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            append_line(self.audit_path, line)
+
+        try:
+            self.volume.write("appending to the audit log", self.audit_path, append)
+        except VolumeWriteFailed:
+            pass  # logged with the entry above; the problem stands
 
     def audit_tail(self, n: int) -> list[dict]:
+        """The last n entries (bounded: read from the end of the file)."""
         try:
-            lines = self.audit_path.read_text().splitlines()[-n:]
+            with open_regular(self.audit_path) as f:
+                lines = tail_of(f, n, AUDIT_TAIL_MAX)
         except FileNotFoundError:
             return []
         return [json.loads(line) for line in lines if line.strip()]

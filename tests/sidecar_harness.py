@@ -17,6 +17,7 @@ from standin_engine import free_port
 
 from sidecar.app import create_app
 from sidecar.settings import SidecarSettings
+from sidecar.store import Store
 
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -67,6 +68,22 @@ async def wait_ready(c: httpx.AsyncClient, timeout: float = 30) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"the sidecar was not ready within {timeout:g}s: {r.json()}")
         await asyncio.sleep(0.1)
+
+
+async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:
+    """Wait for the running transition to finish; returns it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = (await c.get("/status")).json()
+        if st["active_transition"] is None:
+            return st["transitions"][-1]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"transition still running: {st['active_transition']}")
+
+
+def audit_events(state_dir) -> list[str]:
+    """The events of the audit log on disk, in order."""
+    return [e["event"] for e in Store(state_dir, 50).audit_tail(1000)]
 
 
 @contextmanager

@@ -13,6 +13,9 @@ its record into KDTREE_STATE_DIR and follows the sidecar's mode file live exactl
 completion counts as ceil(tokens / --accept-length) verify steps of --layers calls on every rank, in that
 rank's mode: served_kdtree in on, compared (parity) in validate, served by the original otherwise.
 Completions are deterministic: the same prompt and mode always give the same tokens.
+With --no-speculation it serves as SGLang 0.5.23 does without speculative decoding: no verify call on any rank,
+and no `sglext` in a completion even when asked for its details (SGLang builds spec_tokens_details only from
+speculative metrics, finds none, and drops `sglext` when it is empty: serving_completions.py, protocol.py).
 
 Faults (--fault, optionally only while the server is in --fault-in-mode, optionally after --fault-after good answers):
   slow             completions answer after --fault-delay seconds
@@ -297,7 +300,7 @@ def make_handler(engine: Engine):
                     {
                         "model_path": a.model_name,
                         "tp_size": a.tp_size or 1,
-                        "speculative_algorithm": "NEXTN",
+                        "speculative_algorithm": None if a.no_speculation else "NEXTN",
                         "speculative_num_draft_tokens": 8,
                         "internal_states": [{"avg_spec_accept_length": accept, "last_gen_throughput": 0.0}],
                         "version": "0.5.23 (stand-in)",
@@ -358,7 +361,8 @@ def make_handler(engine: Engine):
             prompt = str(req.get("prompt", ""))
             ids, finish = engine.tokens(prompt, int(req.get("max_tokens") or 16), bool(req.get("ignore_eos")))
             steps = math.ceil(len(ids) / a.accept_length)  # the first token comes from prefill in SGLang too
-            engine.count_verify(steps)
+            if not a.no_speculation:
+                engine.count_verify(steps)
             choice = {
                 "index": 0,
                 "text": "".join(f" t{i}" for i in ids),
@@ -385,7 +389,7 @@ def make_handler(engine: Engine):
                 },
                 "metadata": {"weight_version": "default"},
             }
-            if req.get("return_spec_tokens_details"):
+            if req.get("return_spec_tokens_details") and not a.no_speculation:
                 body["sglext"] = {
                     "spec_tokens_details": {
                         "spec_accept_rate": round((a.accept_length - 1) / 7, 4),
@@ -514,6 +518,9 @@ def parse_args(argv=None):
     p.add_argument("--parity-over-tol", type=int, default=0)
     p.add_argument("--layers", type=int, default=4, help="target-verify calls per verify step on each rank")
     p.add_argument("--accept-length", type=float, default=3.0, help="tokens per verify step")
+    p.add_argument(
+        "--no-speculation", action="store_true", help="serve without speculative decoding (no verify calls)"
+    )
     p.add_argument("--diverge-at", type=int, default=5, help="token position the diverge fault changes from")
     args = p.parse_args(argv)
     if args.tp_size and not args.state_dir:

@@ -116,14 +116,14 @@ def test_a_flip_the_gate_refuses_fails_the_check(stack, tmp_path):
     assert read_desired_mode(proc.state_dir) == Mode.VALIDATE
 
 
-def test_an_unreachable_server_or_sidecar_is_exit_2(stack, tmp_path):
+def test_an_unreachable_server_is_exit_2_and_an_unreachable_sidecar_exit_7(stack, tmp_path):
     url, proc = stack()
     r = kdtreectl(
         url, "check", "--server-url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path), *FAST
     )
     assert r.returncode == 2 and "/v1/models gave no model" in r.stderr, r.stderr
     r = kdtreectl(f"http://127.0.0.1:{free_port()}", "check", "--out", str(tmp_path))
-    assert r.returncode == 2 and "cannot reach the sidecar" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 7 and "cannot reach the sidecar" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_stack_that_is_not_ready_stops_early(stack, tmp_path):

@@ -113,6 +113,29 @@ def test_every_answer_is_parsed_defensively(body, code, command):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["wait", "--timeout", "0.5", "--interval", "0.1"],
+        ["mode", "off"],
+        ["mode", "on", "--dry-run"],
+        ["check", "--out", "{out}"],
+        ["rollout", "--to", "off", "--sidecar", "{url}"],
+    ],
+)
+def test_every_command_pointed_at_sglangs_own_port_exits_7(engine, tmp_path, command):
+    """SGLang's port is no sidecar: the stand-in answers unknown paths as SGLang's FastAPI does
+    (404 {"detail": "Not Found"}), JSON but not a sidecar's."""
+    url = f"http://127.0.0.1:{engine().port}"
+    args = [a.format(url=url, out=tmp_path) for a in command]
+    r = kdtreectl(None if command[0] == "rollout" else url, *args, token=TOKEN)
+    assert r.returncode == 7, (r.stdout, r.stderr)
+    assert "None -> None" not in r.stdout and "Traceback" not in r.stderr
+    if command[0] == "mode":
+        assert "POST /mode" in r.stderr and "HTTP 404" in r.stderr and "is this a kdtree sidecar?" in r.stderr
+
+
 def test_status_summary_and_json(stack):
     url, proc = stack()
     proc.wait_port()

@@ -258,3 +258,18 @@ def test_readme_and_env_example_agree_on_the_stack_variables():
             assert doc[var] == default, f"{var}: .env.example {doc[var]!r}, compose {default!r}"
             assert rows[var] == default, f"{var}: README {rows[var]!r}, compose {default!r}"
     assert yaml.safe_load(COMPOSE.read_text())  # parses
+
+
+# Settings the Kubernetes Deployment writes out at their class defaults, so that an operator finds them there.
+KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S"}
+
+
+def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_defaults():
+    import yaml
+
+    deployment = yaml.safe_load((REPO / "deploy/kubernetes/base/deployment.yaml").read_text())
+    (sidecar,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "sidecar"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    defaults = env_names(SidecarSettings)
+    for var in KUBERNETES_EXPLICIT:
+        assert env.get(var) == shown(defaults[var]), f"deployment.yaml: {var}={env.get(var)!r}"

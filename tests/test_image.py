@@ -400,6 +400,26 @@ def test_compose_sidecar_has_no_docker_socket_and_shares_the_servers_pid_namespa
     assert "Load weight begin" in logs.stdout + logs.stderr
 
 
+def test_compose_sidecar_names_a_fifo_in_the_state_volume_and_never_waits_on_it(stack):
+    """The real sidecar image: a FIFO named like a rank record (nobody writes it) is reported unreadable, while
+    /live and /ready answer at once."""
+    sidecar = stack.inspect(
+        "{{.Name}}", container=stack.inspect("{{.HostConfig.PidMode}}").split(":")[1]
+    ).lstrip("/")
+    fifo = "/var/run/kdtree/rank-7.json"
+    run = ["docker", "exec", sidecar, "python", "-c"]
+    subprocess.run([*run, f"import os; os.mkfifo({fifo!r})"], check=True, capture_output=True)
+    try:
+        start = time.monotonic()
+        assert stack.http.get("/live").json() == {"live": True}
+        ready = stack.http.get("/ready")
+        assert time.monotonic() - start < 10 and ready.status_code == 200, ready.json()
+        (seven,) = [v for v in stack.status()["ranks"] if v["record"]["tp_rank"] == 7]
+        assert seven["stale"] and seven["stale_reason"].endswith("rank-7.json is a FIFO, not a regular file")
+    finally:
+        subprocess.run([*run, f"import os; os.unlink({fifo!r})"], capture_output=True)
+
+
 def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
     # `docker kill` SIGKILLs the server's entrypoint: no exit status is recorded, and the restart policy
     # leaves a container that was killed by hand down. What an OOM kill of the entrypoint looks like.

@@ -23,7 +23,7 @@ import promql_parser
 import pytest
 import yaml
 
-from kdtree.status import new_record, write_record
+from kdtree.status import new_record, read_records, write_record
 from sidecar.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +57,16 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*"}
 def exported(tmp_path_factory) -> dict[str, str]:
     """{sample name: its metric family's name} for everything a sidecar's GET /metrics can show.
 
-    One rank record is written first, so the per-rank collector (which reads the records at scrape time)
-    yields its families with samples."""
+    One rank record is written and read first, as GET /metrics reads them for a scrape, so the per-rank
+    collector yields its families with samples."""
     state = tmp_path_factory.mktemp("state")
     record = new_record("validate")
     record.fallbacks = {"dtype": 1}
     write_record(state, record)
     names: dict[str, str] = {}
-    for family in Metrics(str(state), 30).registry.collect():
+    metrics = Metrics()
+    metrics.rank_views = read_records(state)
+    for family in metrics.registry.collect():
         assert family.type in SAMPLE_SUFFIXES, f"{family.name}: type {family.type} not in SAMPLE_SUFFIXES"
         for suffix in SAMPLE_SUFFIXES[family.type]:
             names[family.name + suffix] = family.name

@@ -117,7 +117,7 @@ def ranks(tmp_path, monkeypatch):
 
 def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(ranks):
     pytest.importorskip("sidecar.gate")
-    from sidecar.gate import check_ranks
+    from sidecar.gate import check_ranks, read_rank_views
     from sidecar.settings import SidecarSettings
 
     state, procs = ranks
@@ -134,13 +134,17 @@ def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(ranks):
             state_dir=str(state), expected_tp_size=tp, heartbeat_stale_s=5.0, allow_open_admin=True
         )
 
-    assert check_ranks(settings(TP), Mode.VALIDATE).ok
-    missing = check_ranks(settings(TP + 1), Mode.VALIDATE)
+    def check(tp):
+        s = settings(tp)
+        return check_ranks(s, read_rank_views(s), Mode.VALIDATE)
+
+    assert check(TP).ok
+    missing = check(TP + 1)
     assert not missing.ok and missing.problems == [f"rank {TP}: no record in {state}"]
 
     os.kill(procs[1].pid, signal.SIGKILL)
     procs[1].join(10)
-    dead = check_ranks(settings(TP), Mode.VALIDATE)
+    dead = check(TP)
     assert not dead.ok
     assert dead.problems == [f"rank 1: record is stale (pid {procs[1].pid} is gone)"]
 

@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
-import httpx
 import pytest
 from process_harness import SupervisedStandin
-from sidecar_harness import AUTH, make_settings, sidecar, wait_ready
+from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import Mode
@@ -40,21 +38,6 @@ def engine(request, engine, supervised):
 
 def process_controlled(proc) -> bool:
     return isinstance(proc, SupervisedStandin)
-
-
-async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:
-    """Wait for the running transition to finish; returns it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = (await c.get("/status")).json()
-        if st["active_transition"] is None:
-            return st["transitions"][-1]
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"transition still running: {st['active_transition']}")
-
-
-def audit_events(state_dir) -> list[str]:
-    return [e["event"] for e in Store(state_dir, 50).audit_tail(1000)]
 
 
 # ---- auth -----------------------------------------------------------------------------------------------
@@ -179,7 +162,7 @@ async def test_force_skips_the_gate_loudly(engine, tmp_path):
     assert forced and forced[0]["reason"] == "incident 42" and "min_calls_compared" in forced[0]["failed"]
 
 
-async def test_validate_needs_the_server_up_and_off_never_does(engine, tmp_path):
+async def test_validate_needs_the_server_up_and_off_and_standby_never_do(engine, tmp_path):
     proc = engine("--fault", "crash-on-start", "--fault-in-mode", "on", mode=Mode.ON, wait=False)
     proc.proc.wait(10)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
@@ -187,6 +170,8 @@ async def test_validate_needs_the_server_up_and_off_never_does(engine, tmp_path)
         refused = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
         assert refused.status_code == 412
         assert refused.json()["criteria"][0]["name"] == "server_up"
+        standby = await c.post("/mode", json={"mode": "standby", "dry_run": True}, headers=AUTH)
+        assert standby.json()["allowed"] is True and standby.json()["criteria"] == []  # the live remedy
         kill = await c.post("/mode", json={"mode": "off", "reason": "kill switch"}, headers=AUTH)
         assert kill.status_code == 202 and kill.json()["criteria"] == []
         t = await settle(c)
@@ -505,6 +490,19 @@ async def test_a_bake_without_evidence_that_kdtree_served_rolls_back(engine, tmp
     assert t["outcome"] == "rolled_back" and t["method"] == "live", t
     assert "bake: no evidence that kdtree served" in t["failure"] and failure in t["failure"], t["failure"]
     assert read_desired_mode(tmp_path) == Mode.VALIDATE and proc.starts == 1
+
+
+async def test_a_bake_without_speculative_decoding_asks_whether_it_is_on(engine, tmp_path):
+    """SGLang 0.5.23 without speculative decoding runs no verify step and leaves `sglext` out of its completions
+    (the stand-in does as it does): the probe's verify steps are None, and the failed bake names the cause."""
+    proc = engine("--no-speculation", "--parity-calls", "500", mode=Mode.VALIDATE)
+    async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
+        await wait_ready(c)
+        assert (await c.get("/status")).json()["probe"]["verify_steps"] is None
+        assert (await c.post("/mode", json={"mode": "on"}, headers=AUTH)).status_code == 202
+        t = await settle(c)
+    assert t["outcome"] == "rolled_back" and "kdtree served no verify call during the bake" in t["failure"]
+    assert t["failure"].endswith("the probe's completions took no verify step: is speculative decoding on?")
 
 
 async def test_a_restart_flip_to_validate_needs_compared_calls(engine, tmp_path):

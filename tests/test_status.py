@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +13,16 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from kdtree.evidence import Evidence, scheduler_tp_rank
-from kdtree.status import Parity, new_record, read_records, record_path, write_record
+from kdtree.status import (
+    RECORD_MAX,
+    Parity,
+    json_safe,
+    new_record,
+    read_bounded,
+    read_records,
+    record_path,
+    write_record,
+)
 
 
 def _record(**fields):
@@ -58,10 +69,85 @@ def test_an_unreadable_record_is_reported_stale_not_dropped(tmp_path):
     write_record(tmp_path, _record(tp_rank=0))
     (tmp_path / "rank-1.json").write_text("{half a record")
     views = read_records(tmp_path)
-    assert [(v.record.tp_rank, v.stale, v.stale_reason) for v in views] == [
-        (0, False, None),
-        (1, True, "unreadable"),
-    ]
+    assert [(v.record.tp_rank, v.stale) for v in views] == [(0, False), (1, True)]
+    assert views[1].stale_reason.startswith("unreadable: not a rank record: Invalid JSON")
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(math.inf, '"Infinity"'), (-math.inf, '"-Infinity"'), (math.nan, '"NaN"')]
+)
+def test_non_finite_parity_round_trips_as_standard_json(tmp_path, value, text):
+    """The parity kernel gives +inf where the reference is all zeros: the record keeps it (standard JSON: a
+    string), and the reader gets the same float back instead of an unreadable record."""
+    rec = _record(parity=Parity(calls_compared=3, max_rel_l2=value, max_abs_err=value, rtol=0.02))
+    path = write_record(tmp_path, rec)
+    raw = path.read_text()
+    assert f'"max_rel_l2":{text}' in raw and "NaN," not in raw.replace('"NaN"', "")
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    (view,) = read_records(tmp_path)
+    got = view.record.parity.max_rel_l2
+    assert not view.stale and (math.isnan(got) if math.isnan(value) else got == value)
+
+
+def test_a_reader_takes_nan_and_infinity_literals_from_other_writers(tmp_path):
+    rec = _record()
+    raw = rec.model_dump_json().replace('"max_rel_l2":0.0', '"max_rel_l2":NaN')
+    raw = raw.replace('"max_abs_err":0.0', '"max_abs_err":-Infinity')
+    record_path(tmp_path, 0).write_text(raw)
+    (view,) = read_records(tmp_path)
+    assert not view.stale, view.stale_reason
+    assert math.isnan(view.record.parity.max_rel_l2) and view.record.parity.max_abs_err == -math.inf
+
+
+def test_a_non_finite_heartbeat_is_refused_not_taken_for_fresh(tmp_path):
+    """NaN compares false with everything: a NaN heartbeat would never be too old."""
+    record_path(tmp_path, 0).write_text(
+        _record().model_dump_json().replace('"heartbeat":', '"heartbeat":NaN,"x":')
+    )
+    (view,) = read_records(tmp_path)
+    assert view.stale and "finite number at heartbeat" in view.stale_reason
+
+
+def test_an_unknown_schema_version_is_refused_naming_both_versions(tmp_path):
+    record_path(tmp_path, 0).write_text(
+        _record().model_dump_json().replace('"schema_version":1', '"schema_version":99')
+    )
+    (view,) = read_records(tmp_path)
+    assert view.stale and view.stale_reason == (
+        "unreadable: schema_version 99; this sidecar reads 1: upgrade the sidecar image to the server's"
+    )
+
+
+def test_only_regular_files_of_bounded_size_are_read(tmp_path):
+    """A FIFO is never waited on, a symbolic link never followed, a huge record never read whole: each is an
+    unreadable record that says what it is."""
+    os.mkfifo(record_path(tmp_path, 7))  # nobody writes it: reading it would block forever
+    (tmp_path / "target.json").write_text(_record(tp_rank=3).model_dump_json())
+    record_path(tmp_path, 3).symlink_to(tmp_path / "target.json")
+    record_path(tmp_path, 4).mkdir()
+    with record_path(tmp_path, 5).open("wb") as f:
+        f.truncate(64 * 1024 * 1024)  # 64 MiB, sparse
+    write_record(tmp_path, _record(tp_rank=0))
+    start = time.monotonic()
+    views = {v.record.tp_rank: v for v in read_records(tmp_path)}
+    assert time.monotonic() - start < 1
+    assert not views[0].stale
+    assert views[7].stale_reason.endswith("rank-7.json is a FIFO, not a regular file")
+    assert views[3].stale_reason.endswith("rank-3.json is a symbolic link, not a regular file")
+    assert views[4].stale_reason.endswith("rank-4.json is a directory, not a regular file")
+    assert views[5].stale_reason.endswith(
+        f"rank-5.json is 67108864 bytes, more than the {RECORD_MAX} it can be"
+    )
+    with pytest.raises(ValueError, match="more than the 10 it can be"):
+        read_bounded(tmp_path / "target.json", 10)
+
+
+def test_json_safe_spells_non_finite_floats_as_the_records_do():
+    assert json_safe({"a": [math.inf, -math.inf, {"b": math.nan}], "c": 1.5, "d": "x"}) == {
+        "a": ["Infinity", "-Infinity", {"b": "NaN"}],
+        "c": 1.5,
+        "d": "x",
+    }
 
 
 # ---- evidence: the writer side -------------------------------------------------------------------------
