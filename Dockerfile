@@ -12,6 +12,11 @@
 # Build arguments:
 #   BASE_IMAGE          a Debian bookworm image with python3 (>= 3.11), venv and ca-certificates
 #   KDTREE_CUDA_ARCHS   CMake CUDA architectures compiled into the kernel library ("90;100;120")
+#   KDTREE_REVISION     the commit built from: --build-arg KDTREE_REVISION="$(git rev-parse HEAD)" (OCI label
+#                       org.opencontainers.image.revision; .ci/docker.sh sets it, and KDTREE_CREATED, the build time)
+#   KDTREE_SOURCE       where that commit can be fetched (org.opencontainers.image.source)
+# Python dependencies come pinned with hashes from requirements/*.lock (generated from pyproject.toml by
+# requirements/lock.sh) and are installed with --require-hashes: a changed or unpinned package fails the build.
 # Extra CA certificates (TLS-intercepting proxies): put PEM files named *.crt into build/ca-certificates/
 # before building; they are added to the system bundle that pip (PIP_CERT) and Python use.
 
@@ -20,7 +25,8 @@ ARG BASE_IMAGE=python:3.12-slim-bookworm
 # ---------------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS base
 # Every image and intermediate layer of this file carries the label (CI prunes only those).
-LABEL org.opencontainers.image.title="kdtree"
+LABEL org.opencontainers.image.title="kdtree" \
+      org.opencontainers.image.licenses="Apache-2.0"
 ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -35,32 +41,36 @@ RUN set -eu; \
     update-ca-certificates >/dev/null; \
     rm -rf /tmp/extra-ca; \
     python3 -m venv /opt/venv; \
-    useradd --system --uid 10001 --user-group --create-home --home-dir /home/kdtree kdtree; \
+    groupadd --system --gid 10001 kdtree; \
+    useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/kdtree kdtree; \
     mkdir -p /var/run/kdtree; chown kdtree:kdtree /var/run/kdtree
 WORKDIR /opt/kdtree/src
 
 # ---------------------------------------------------------------------------------------------------
-FROM base AS requirements
-# Dependency lists from pyproject.toml. The install steps copy these files, not pyproject.toml, so
-# editing anything else in pyproject.toml (or any code) reinstalls nothing.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-[open(f'/opt/kdtree/requirements-{extra}.txt', 'w').write('\n'.join(p['dependencies'] + deps) + '\n') \
- for extra, deps in p['optional-dependencies'].items()]"
-
-# ---------------------------------------------------------------------------------------------------
 FROM base AS sidecar
-COPY --from=requirements /opt/kdtree/requirements-sidecar.txt /tmp/
-RUN pip install -r /tmp/requirements-sidecar.txt
+# The lock alone decides what is installed (editing pyproject.toml or any code reinstalls nothing); it also
+# holds the build backend, so the project installs without fetching anything.
+COPY requirements/sidecar.lock /tmp/
+RUN pip install --require-hashes --no-deps -r /tmp/sidecar.lock
 COPY pyproject.toml README.m[d] ./
 COPY kdtree kdtree
 COPY sidecar sidecar
 COPY entrypoint entrypoint
-RUN pip install --no-deps . && rm -rf build *.egg-info
+RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
 USER kdtree
 WORKDIR /home/kdtree
 EXPOSE 8080
 CMD ["python", "-m", "sidecar"]
+# Provenance last: a new commit or build time changes only this layer.
+ARG KDTREE_VERSION=0.1.0
+ARG KDTREE_REVISION=unknown
+ARG KDTREE_SOURCE=unknown
+ARG KDTREE_CREATED=unknown
+LABEL org.opencontainers.image.version="${KDTREE_VERSION}" \
+      org.opencontainers.image.revision="${KDTREE_REVISION}" \
+      org.opencontainers.image.source="${KDTREE_SOURCE}" \
+      org.opencontainers.image.created="${KDTREE_CREATED}" \
+      org.opencontainers.image.description="kdtree sidecar: health-gated verify-mode rollout for the kdtree server"
 
 # ---------------------------------------------------------------------------------------------------
 FROM base AS kernel
@@ -88,22 +98,30 @@ RUN cmake -S kernel_build -B /opt/kdtree/kernel -DCMAKE_BUILD_TYPE=Release \
 
 # ---------------------------------------------------------------------------------------------------
 FROM base AS server-deps
-# sglang==0.5.23 and its CUDA 13 torch (~11 GB).
-COPY --from=requirements /opt/kdtree/requirements-server.txt /tmp/
-RUN pip install -r /tmp/requirements-server.txt
+# sglang==0.5.23 and its CUDA 13 torch (~11 GB), as the lock pins them.
+COPY requirements/server.lock /tmp/
+RUN pip install --require-hashes --no-deps -r /tmp/server.lock
 # cuobjdump lets the launcher list the library's GPU code (PyPI has it from 13.2; it reads 13.0 objects).
 RUN pip install --no-deps --target /opt/cuda-tools 'nvidia-cuda-cuobjdump>=13.2,<14' \
  && ln -s /opt/cuda-tools/nvidia/cu13/bin/cuobjdump /usr/local/bin/cuobjdump \
  && cuobjdump --version
-# Triton (SGLang's Triton attention backend, the benchmark's baseline) compiles its CUDA driver module and each
-# kernel's launcher with the host C compiler at first use, against Python.h: without them no Triton kernel runs.
-# (Python.h: python:*-slim images carry it; Debian's python3 needs python3-dev.) After the pip layers, which stay cached.
+# Compilers the server runs at first use, after the pip layers (which stay cached):
+# - Triton (SGLang's Triton attention backend, the benchmark's baseline) builds its CUDA driver module and each
+#   kernel's launcher with the host C compiler against Python.h (python:*-slim images carry it; Debian's python3
+#   needs python3-dev);
+# - SGLang's JIT kernels (e.g. the MLA KV-cache store on sm_90+) and FlashInfer's build with nvcc and the host
+#   C++ compiler; nvcc and the CUDA 13 headers come with the wheels above, laid out as a toolkit at
+#   /usr/local/cuda (CUDA_HOME): lib64 and the libcudart.so link name are what a toolkit has and the wheels lack.
 RUN set -eu; \
     apt-get update; \
-    apt-get install -y --no-install-recommends gcc libc6-dev; \
+    apt-get install -y --no-install-recommends gcc g++ libc6-dev; \
     python -c "import os, sysconfig; os.stat(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" 2>/dev/null \
       || apt-get install -y --no-install-recommends python3-dev; \
-    rm -rf /var/lib/apt/lists/*
+    rm -rf /var/lib/apt/lists/*; \
+    cuda=$(python -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13'))"); \
+    "$cuda/bin/nvcc" --version >/dev/null; \
+    ln -s lib "$cuda/lib64"; ln -s libcudart.so.13 "$cuda/lib/libcudart.so"; ln -s "$cuda" /usr/local/cuda
+ENV CUDA_HOME=/usr/local/cuda
 
 # ---------------------------------------------------------------------------------------------------
 FROM server-deps AS server
@@ -113,13 +131,43 @@ COPY --from=kernel /opt/kdtree/kernel/libkdtree_verify.so kdtree/lib/
 COPY sidecar sidecar
 COPY entrypoint entrypoint
 # sitecustomize alone on PYTHONPATH (the entrypoint package itself is installed into the venv).
-RUN pip install --no-deps . && rm -rf build *.egg-info \
+RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info \
  && mkdir -p /opt/kdtree/site && cp entrypoint/sitecustomize.py /opt/kdtree/site/
+# One cache root for everything the server compiles or caches at run time, created here and owned by the
+# runtime user: a new named volume mounted on it (compose's kdtree-cache) copies that ownership, where a
+# mount point missing from the image would be created root-owned and unwritable for uid 10001.
+ENV XDG_CACHE_HOME=/home/kdtree/.cache
+ENV TRITON_CACHE_DIR=${XDG_CACHE_HOME}/triton \
+    SGLANG_CACHE_DIR=${XDG_CACHE_HOME}/sglang \
+    SGLANG_JIT_CACHE_DIR=${XDG_CACHE_HOME}/sglang/jit \
+    FLASHINFER_WORKSPACE_BASE=/home/kdtree \
+    TORCHINDUCTOR_CACHE_DIR=${XDG_CACHE_HOME}/torchinductor \
+    CUDA_CACHE_PATH=${XDG_CACHE_HOME}/nv \
+    HF_HOME=${XDG_CACHE_HOME}/huggingface \
+    HF_MODULES_CACHE=${XDG_CACHE_HOME}/huggingface/modules
+# (SGLang keeps its DeepGEMM, TileLang and CuTe caches under SGLANG_CACHE_DIR; FlashInfer appends .cache/flashinfer
+# to FLASHINFER_WORKSPACE_BASE; HF_MODULES_CACHE is where --trust-remote-code copies a model's code.)
+RUN set -eu; \
+    for d in "$TRITON_CACHE_DIR" "$SGLANG_JIT_CACHE_DIR" "$XDG_CACHE_HOME/flashinfer" "$TORCHINDUCTOR_CACHE_DIR" \
+             "$CUDA_CACHE_PATH" "$HF_MODULES_CACHE"; do mkdir -p "$d"; done; \
+    chown -R kdtree:kdtree "$XDG_CACHE_HOME"
+# An old driver: the NVIDIA runtime refuses the container with its own message naming the CUDA version.
 ENV PYTHONPATH=/opt/kdtree/site \
     KDTREE_STATE_DIR=/var/run/kdtree \
     KDTREE_VERIFY=validate \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 USER kdtree
 WORKDIR /home/kdtree
 EXPOSE 30000
 ENTRYPOINT ["python", "-m", "entrypoint.launch"]
+# Provenance last: a new commit or build time changes only this layer.
+ARG KDTREE_VERSION=0.1.0
+ARG KDTREE_REVISION=unknown
+ARG KDTREE_SOURCE=unknown
+ARG KDTREE_CREATED=unknown
+LABEL org.opencontainers.image.version="${KDTREE_VERSION}" \
+      org.opencontainers.image.revision="${KDTREE_REVISION}" \
+      org.opencontainers.image.source="${KDTREE_SOURCE}" \
+      org.opencontainers.image.created="${KDTREE_CREATED}" \
+      org.opencontainers.image.description="kdtree server: SGLang 0.5.23 with tree-verify attention for MLA models"

@@ -63,12 +63,19 @@ build() {
   # through certificates the host trusts (see Dockerfile, "Extra CA certificates").
   mkdir -p build/ca-certificates "$LOG_DIR"
   if [ -f "$CA_BUNDLE" ]; then cp "$CA_BUNDLE" build/ca-certificates/host-bundle.crt; fi
+  # Provenance labels (Dockerfile, last layer of each image): the commit, where it came from, the build time.
+  local revision source created
+  revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  source=$(git config --get remote.origin.url 2>/dev/null | grep -E '^(https://|git@)' || echo unknown)
+  created=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   local target start
   for target in kernel sidecar server; do
     start=$(date +%s)
     log "building kdtree-$target:$IMAGE_TAG (log: $LOG_DIR/build-$target.log)"
     if ! docker build --target "$target" -t "kdtree-$target:$IMAGE_TAG" \
         --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg KDTREE_CUDA_ARCHS="$CUDA_ARCHS" \
+        --build-arg KDTREE_REVISION="$revision" --build-arg KDTREE_SOURCE="$source" \
+        --build-arg KDTREE_CREATED="$created" \
         . >"$LOG_DIR/build-$target.log" 2>&1; then
       tail -40 "$LOG_DIR/build-$target.log" >&2; exit 1
     fi

@@ -277,6 +277,14 @@ def plan(
         raise LaunchError(
             "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1", "fix the value in the server command"
         )
+    # In every mode: the ranks of the other nodes write their records into their own node's state volume,
+    # which this node's sidecar never reads, so /ready, the gate and the bake would wait for them forever.
+    if args.nnodes > 1:
+        raise LaunchError(
+            f"--nnodes {args.nnodes}: the sidecar reads rank records only from its own node's state volume, "
+            "so a server spread over several nodes would never become ready",
+            "serve on one node: --nnodes 1 with --tp-size at most the GPUs of this node (multi-node is not supported yet)",
+        )
     # Data-parallel replicas (not attention DP, which runs inside the TP group) each bring tp x pp GPUs.
     replicas = 1 if args.enable_dp_attention else args.dp_size
     if mode is not Mode.OFF and (replicas > 1 or args.pp_size > 1):
@@ -287,7 +295,7 @@ def plan(
             "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size), "
             "or set KDTREE_VERIFY=off",
         )
-    per_node = replicas * args.tp_size * args.pp_size // args.nnodes
+    per_node = replicas * args.tp_size * args.pp_size  # one node (above)
     found = gpus()
     if not found:
         raise LaunchError(

@@ -47,7 +47,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
     settings = settings or load_sidecar_settings()
     if server is None:
         server = server_control(settings)
-    metrics = Metrics()
+    metrics = Metrics(settings.expected_tp_size)
     controller = Controller(settings, server, metrics)
 
     @asynccontextmanager

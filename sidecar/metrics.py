@@ -3,7 +3,11 @@
 Per-rank series come from the rank records read at scrape time (GET /metrics reads them on the state volume's
 thread first, then a custom collector turns them into series), so they are never stale copies; the rank counters
 reset when the server restarts, which Prometheus' rate() handles. A non-finite parity value is exported as
-Prometheus writes it (+Inf, -Inf, NaN).
+Prometheus writes it (+Inf, -Inf, NaN). Records of ranks at or above the expected count (left in the state volume
+by an earlier, larger --tp-size) are not this server's ranks and are not exported as ranks.
+
+The sidecar's labelled counters start with every known label value at 0, so that increase() sees their first
+event (a series that appears at 1 has no earlier sample to increase from).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from prometheus_client.registry import Collector
 
 from kdtree.config import Mode
 from kdtree.status import RankView
+
+from .probe import REASONS as PROBE_FAILURE_REASONS
 
 PHASES = (
     "starting",
@@ -67,6 +73,8 @@ class RankCollector(Collector):
         )
         for view in self.metrics.rank_views:
             r = view.record
+            if self.metrics.expected_ranks and r.tp_rank >= self.metrics.expected_ranks:
+                continue  # an earlier, larger server's record (kdtreectl status still shows the file)
             rank = str(r.tp_rank)
             up.add_metric([rank], 0 if view.stale else 1)
             installed.add_metric([rank], 1 if r.installed else 0)
@@ -83,10 +91,14 @@ class RankCollector(Collector):
 
 
 class Metrics:
-    """One registry per app, so several apps (tests) never share series."""
+    """One registry per app, so several apps (tests) never share series.
 
-    def __init__(self):
+    expected_ranks: KDTREE_EXPECTED_TP_SIZE (0: the rank checks are off, every record is exported), exported as
+    kdtree_expected_ranks; None where the caller does not say (no gauge, every record exported)."""
+
+    def __init__(self, expected_ranks: int | None = None):
         self.rank_views: list[RankView] = []  # the records read for the scrape in progress
+        self.expected_ranks = expected_ranks
         self.registry = CollectorRegistry()
         r = self.registry
         self.probe_duration = Histogram(
@@ -130,8 +142,21 @@ class Metrics:
             buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
             registry=r,
         )
-        for (
-            method
-        ) in METHODS:  # both series exist from the start, so rate() and increase() see the first flip
+        # Every known label value from the start, at 0: increase() then sees each first event.
+        for method in METHODS:
             self.flip_duration.labels(method=method)
+        for reason in PROBE_FAILURE_REASONS:
+            self.probe_failures.labels(reason=reason)
+        modes = [m.value for m in Mode]
+        for to_mode in modes:
+            self.gate_refusals.labels(to_mode=to_mode)
+            for from_mode in modes:
+                for outcome in OUTCOMES if from_mode != to_mode else ():
+                    self.transitions.labels(from_mode=from_mode, to_mode=to_mode, outcome=outcome)
+        if expected_ranks is not None:
+            Gauge(
+                "kdtree_expected_ranks",
+                "tensor-parallel ranks the sidecar expects to report (KDTREE_EXPECTED_TP_SIZE; 0: not checked)",
+                registry=r,
+            ).set(expected_ranks)
         r.register(RankCollector(self))

@@ -268,8 +268,61 @@ def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_def
     import yaml
 
     deployment = yaml.safe_load((REPO / "deploy/kubernetes/base/deployment.yaml").read_text())
-    (sidecar,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "sidecar"]
+    pod = deployment["spec"]["template"]["spec"]
+    (sidecar,) = [c for c in pod["containers"] + pod.get("initContainers", []) if c["name"] == "sidecar"]
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
     defaults = env_names(SidecarSettings)
     for var in KUBERNETES_EXPLICIT:
         assert env.get(var) == shown(defaults[var]), f"deployment.yaml: {var}={env.get(var)!r}"
+
+
+# ---- operators' knobs: the server's extra environment, bounded logs, SGLang's metrics ----------------------
+
+
+def rendered(exe: str, env: Path, *files: Path) -> dict:
+    import yaml
+
+    r = config(exe, env, *(files or (COMPOSE,)))
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(r.stdout)["services"]
+
+
+def test_the_default_server_env_file_is_tracked_and_sets_nothing(compose, tmp_path):
+    default = REPO / "server.env"
+    assert default.is_file()  # compose v1 needs the file to exist
+    assert (
+        "/server.local.env" in (REPO / ".gitignore").read_text().split()
+    )  # the operator's copy stays untracked
+    assert all(not line.strip() or line.lstrip().startswith("#") for line in default.read_text().splitlines())
+    plain = rendered(compose, env_file(tmp_path))
+    assert set(plain["server"]["environment"]) == set(compose_environment("server"))
+
+
+def test_a_server_env_file_reaches_the_server_only_and_never_the_token(compose, tmp_path):
+    """NCCL_* / SGLANG_* for the server without editing a tracked file: .env names a file of the operator's."""
+    extra = tmp_path / "server.local.env"
+    extra.write_text("NCCL_P2P_DISABLE=1\nSGLANG_SET_CPU_AFFINITY=1\nKDTREE_VERIFY=off\n")
+    env = env_file(tmp_path, token="s3cret-token")
+    env.write_text(
+        env.read_text().replace("# KDTREE_SERVER_ENV_FILE=./server.env", f"KDTREE_SERVER_ENV_FILE={extra}")
+    )
+    services = rendered(compose, env)
+    server, sidecar = services["server"]["environment"], services["sidecar"]["environment"]
+    assert server["NCCL_P2P_DISABLE"] == "1" and server["SGLANG_SET_CPU_AFFINITY"] == "1"
+    assert server["KDTREE_VERIFY"] == "validate"  # compose.yaml's own environment wins over the file
+    assert "NCCL_P2P_DISABLE" not in sidecar
+    assert "s3cret-token" not in str(server) and "KDTREE_ADMIN_TOKEN" not in server
+    assert sidecar["KDTREE_ADMIN_TOKEN"] == "s3cret-token"
+
+
+def test_container_logs_are_bounded_and_sglang_exports_its_metrics(compose, tmp_path):
+    services = rendered(compose, env_file(tmp_path))
+    for name, service in services.items():
+        assert service["logging"] == {
+            "driver": "json-file",
+            "options": {"max-size": "100m", "max-file": "5"},
+        }, name
+    assert "--enable-metrics" in services["server"]["command"]
+    env = env_file(tmp_path)
+    env.write_text(env.read_text() + "KDTREE_CONTAINER_LOG_MAX_SIZE=10m\nKDTREE_CONTAINER_LOG_MAX_FILES=2\n")
+    assert rendered(compose, env)["server"]["logging"]["options"] == {"max-size": "10m", "max-file": "2"}

@@ -134,6 +134,19 @@ def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsy
     assert "KDTREE_VERIFY=off" in line
 
 
+@pytest.mark.parametrize("mode", ["validate", "off"])
+@pytest.mark.parametrize("nodes", [["--nnodes", "2"], ["--nnodes=4"]])
+def test_several_nodes_are_refused_in_every_mode(model, monkeypatch, capsys, nodes, mode):
+    # The other nodes' ranks write their records into their own node's volume: the sidecar never sees them.
+    monkeypatch.setenv("KDTREE_VERIFY", mode)
+    assert run(args(model, "--tp-size", "16", *nodes), n_gpus=8)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    n = nodes[-1].split("=")[-1]
+    assert f"--nnodes {n}: the sidecar reads rank records only from its own node's state volume" in line
+    assert "; fix: serve on one node: --nnodes 1" in line
+    assert run(args(model, "--tp-size", "8", "--nnodes", "1"), n_gpus=8)[0] == 0
+
+
 def test_attention_dp_keeps_one_scheduler_per_tp_rank(model):
     for layout in (["--attn-dp-size", "2"], ["--dp-size", "2", "--enable-dp-attention"]):
         rc, call = run(args(model, "--tp-size", "2", *layout), n_gpus=2)

@@ -15,7 +15,9 @@ against the same dockerd in test_sidecar_docker.py, down to a mode flip through 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -165,9 +167,42 @@ def test_bench_command_is_in_the_image_and_needs_a_gpu(server_image):
 
 
 def test_images_run_as_a_non_root_user(server_image, sidecar_image):
+    """uid and gid 10001, as the Kubernetes manifests' runAsUser, runAsGroup and fsGroup say."""
     for image in (server_image, sidecar_image):
-        r = docker_run(image, "-c", "import os; print(os.getuid())", entrypoint="python")
-        assert r.stdout.strip() == "10001", (image, r.stderr)
+        r = docker_run(image, "-c", "import os; print(os.getuid(), os.getgid())", entrypoint="python")
+        assert r.stdout.strip() == "10001 10001", (image, r.stderr)
+
+
+def image_config(image: str) -> dict:
+    r = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{json .Config}}", image], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_images_carry_their_provenance(server_image, sidecar_image):
+    """OCI labels: the title CI prunes by, the project's version, the commit built from (.ci/docker.sh passes
+    git rev-parse HEAD), its source and the build time."""
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for image in (server_image, sidecar_image):
+        labels = image_config(image)["Labels"]
+        oci = {k.removeprefix("org.opencontainers.image."): v for k, v in labels.items()}
+        assert oci["title"] == "kdtree" and oci["version"] == version and oci["licenses"] == "Apache-2.0"
+        assert {"revision", "source", "created", "description"} <= set(oci), oci
+        if oci["revision"] != "unknown":  # a commit of this repository
+            assert re.fullmatch(r"[0-9a-f]{40}", oci["revision"]), oci
+            known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", oci["revision"] + "^{commit}"])
+            assert known.returncode == 0, f"{image}: revision {oci['revision']} is no commit here"
+
+
+def test_server_image_states_the_cuda_it_needs(server_image):
+    """The NVIDIA runtime refuses to start it on an older driver, with its own message: torch's CUDA version."""
+    env = dict(e.split("=", 1) for e in image_config(server_image)["Env"])
+    cuda = python_in_image(server_image, "import torch; print(torch.version.cuda)")
+    assert env["NVIDIA_REQUIRE_CUDA"] == f"cuda>={cuda}"
 
 
 GOOD = [
@@ -245,10 +280,10 @@ def compose_files_for_cpu(tmp: Path) -> list[Path]:
 class Stack:
     """One compose project (unique name), driven with docker-compose v1 and the sidecar's HTTP API."""
 
-    def __init__(self, tmp: Path, models: Path):
+    def __init__(self, tmp: Path, models: Path, files: list[Path] | None = None):
         self.project = f"kdtree-e2e-{uuid.uuid4().hex[:8]}"
         self.server = f"{self.project}-server"
-        self.files = compose_files_for_cpu(tmp)
+        self.files = files or compose_files_for_cpu(tmp)
         self.env_file = tmp / "empty.env"  # a developer's .env must not leak into the test
         self.env_file.write_text("")
         sidecar_port, self.server_port = free_port(), free_port()
@@ -336,11 +371,184 @@ class Stack:
             ["docker", "inspect", "-f", template, container or self.server], capture_output=True, text=True
         ).stdout.strip()
 
+    def down(self) -> None:
+        """Remove the project: containers, network and its named volumes."""
+        self.http.close()
+        cmd = [
+            "docker-compose",
+            "-p",
+            self.project,
+            "--project-directory",
+            str(REPO),
+            "--env-file",
+            str(self.env_file),
+        ]
+        cmd += [a for f in self.files for a in ("-f", str(f))]
+        subprocess.run([*cmd, "down", "-v", "--remove-orphans", "-t", "2"], env=self.env, capture_output=True)
+
+
+def require_compose() -> None:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose (v1) is not installed: apt-get install -y docker-compose")
+
+
+# ---- the server's caches in the stack's volumes ---------------------------------------------------------
+
+# Run twice, each time in a new container of the real server image on the stack's volumes, as the image's user:
+# `build` compiles or writes each cache for real, `reuse` must find every artifact there with the compilers made
+# to fail (so a hit is proven, not assumed). One JSON line out.
+CACHE_PROBE = r'''
+import hashlib, json, os, pathlib, sys
+
+reuse = sys.argv[1] == "reuse"
+# Every folder as the tool itself resolves it (from the image's ENV, or the tool's default where none is set).
+home_cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+out = {"uid": os.getuid(), "gid": os.getgid(), "dirs": {}, "files": {}}
+
+def record(what, path):
+    path = pathlib.Path(path)
+    out["files"][what] = [str(path), hashlib.sha256(path.read_bytes()).hexdigest()]
+
+def refuse(*_, **__):
+    raise AssertionError("cache miss: the compiler ran again")
+
+# Triton, through its own cache manager (TRITON_CACHE_DIR): the launcher build SGLang's Triton backend does.
+import triton
+import triton.runtime.build as triton_build
+if reuse:
+    triton_build._build = refuse
+src = """
+#include <Python.h>
+static PyObject* answer(PyObject* self, PyObject* args) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kdtree_cache_probe", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_kdtree_cache_probe(void) { return PyModule_Create(&mod); }
+"""
+assert triton_build.compile_module_from_src(src, "kdtree_cache_probe").answer() == 42
+(so,) = pathlib.Path(triton.knobs.cache.dir).glob("*/kdtree_cache_probe*.so")
+record("triton", so)
+
+# SGLang's JIT kernels (SGLANG_JIT_CACHE_DIR): the MLA KV-cache store for sm_90 (nvcc compiles without a GPU).
+from sglang.kernels.jit.utils.arch import override_jit_cuda_arch
+from sglang.kernels.jit.utils.compile import ninja as sglang_ninja
+from sglang.kernels.jit.utils.compile.cache import cache_root
+if reuse:
+    sglang_ninja.build = refuse
+with override_jit_cuda_arch(9, 0):
+    from sglang.kernels.ops.kvcache.set_mla_kv_buffer import set_mla_kv_buffer_module
+    set_mla_kv_buffer_module(1024, 128, True)
+(so,) = cache_root().glob("sm90a/*set_mla_kv_buffer*/build-*/deps-*/*.so")
+record("sglang_jit", so)
+
+# transformers' dynamic modules (HF_MODULES_CACHE): where --trust-remote-code copies a model's code.
+import transformers
+from transformers.dynamic_module_utils import HF_MODULES_CACHE
+config = transformers.AutoConfig.from_pretrained("/models/remote-code-probe", trust_remote_code=True)
+assert type(config).__name__ == "ProbeConfig", type(config)
+(py,) = pathlib.Path(HF_MODULES_CACHE).glob("transformers_modules/**/configuration_probe.py")
+record("hf_modules", py)
+
+# torch inductor (TORCHINDUCTOR_CACHE_DIR): a CPU graph compiled with the C++ compiler, then an FX graph cache hit.
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+assert torch.compile(lambda x: x * 2 + 1)(torch.ones(8)).tolist() == [3.0] * 8
+out["inductor"] = dict(counters["inductor"])
+out["inductor_dir"] = inductor_cache_dir()
+assert any(pathlib.Path(inductor_cache_dir()).glob("fxgraph/**/*")), "inductor cached nothing"
+
+# Caches that only a GPU fills (FlashInfer's JIT folder, CUDA's compute cache) and the state volume: written and
+# read back the way they are used, folders created on demand and files published by rename.
+import flashinfer.jit.env as flashinfer_env
+from kdtree.status import write_atomically
+for what, folder in {
+    "flashinfer": flashinfer_env.FLASHINFER_JIT_DIR,
+    "cuda": pathlib.Path(os.environ.get("CUDA_CACHE_PATH") or pathlib.Path.home() / ".nv") / "ComputeCache",
+    "state": pathlib.Path(os.environ["KDTREE_STATE_DIR"]),
+}.items():
+    path = pathlib.Path(folder) / "kdtree-cache-probe"
+    if not reuse:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, what)
+    assert path.read_text() == what, path
+    record(what, path)
+
+for d in [home_cache, *home_cache.iterdir(), pathlib.Path(os.environ["KDTREE_STATE_DIR"])]:
+    st = d.stat()
+    out["dirs"][str(d)] = [st.st_uid, st.st_gid]
+print(json.dumps(out))
+'''
+
+REMOTE_CODE = """from transformers import PretrainedConfig
+
+
+class ProbeConfig(PretrainedConfig):
+    model_type = "kdtree_probe"
+"""
+
+
+def test_the_server_writes_every_cache_into_the_stacks_volumes_as_its_user(
+    server_image, sidecar_image, tmp_path
+):
+    """compose.yaml's server service on fresh named volumes (a new project), the real server image as its own
+    user: Triton's launcher build, an SGLang JIT kernel build (nvcc and the C++ compiler, for sm_90), transformers'
+    remote-code module copy and a torch inductor compile each write their cache, and a second container finds
+    every artifact with the compilers disabled. A mount point missing from the image would be created root-owned,
+    and uid 10001 would get PermissionError: the bug this catches. As in the e2e stack, the copy of compose.yaml
+    has no GPU reservation, and the server's memlock is lowered to what CI's engine allows; the sidecar runs
+    because the server joins its network and PID namespaces."""
+    require_compose()
+    models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
+    models.chmod(0o755)
+    probe = models / "remote-code-probe"
+    probe.mkdir(mode=0o755)
+    (probe / "config.json").write_text(
+        '{"model_type": "kdtree_probe", "auto_map": {"AutoConfig": "configuration_probe.ProbeConfig"}}'
+    )
+    (probe / "configuration_probe.py").write_text(REMOTE_CODE)
+    for f in probe.iterdir():
+        f.chmod(0o644)
+    memlock = tmp_path / "memlock.yaml"
+    memlock.write_text("services:\n  server:\n    ulimits:\n      memlock: 65536\n")
+    s = Stack(tmp_path, models, files=[compose_files_for_cpu(tmp_path)[0], memlock])
+    try:
+        s.compose("up", "-d", "sidecar")
+        runs = {}
+        for phase in ("build", "reuse"):
+            r = s.compose(
+                "run",
+                "--rm",
+                "--no-deps",
+                "--entrypoint",
+                "python",
+                "server",
+                "-c",
+                CACHE_PROBE,
+                phase,
+                timeout=600,
+            )
+            runs[phase] = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        s.down()
+        shutil.rmtree(models)
+    build, reuse = runs["build"], runs["reuse"]
+    assert (build["uid"], build["gid"]) == (10001, 10001)
+    for d, owner in build["dirs"].items():
+        assert owner == [10001, 10001], f"{d} is owned by {owner}, not the server's user"
+    assert set(build["files"]) == {"triton", "sglang_jit", "hf_modules", "flashinfer", "cuda", "state"}
+    for what, (path, _) in build["files"].items():
+        root = "/var/run/kdtree/" if what == "state" else "/home/kdtree/.cache/"
+        assert path.startswith(root), (what, path)
+    assert build["inductor_dir"].startswith("/home/kdtree/.cache/")
+    assert reuse["files"] == build["files"]  # the same artifacts, read back from the volumes
+    assert (
+        build["inductor"].get("fxgraph_cache_miss") == 1 and reuse["inductor"].get("fxgraph_cache_hit") == 1
+    )
+
 
 @pytest.fixture(scope="module")
 def stack(server_image, sidecar_image, tmp_path_factory):
-    if shutil.which("docker-compose") is None:
-        pytest.skip("docker-compose (v1) is not installed: apt-get install -y docker-compose")
+    require_compose()
     tmp = tmp_path_factory.mktemp("compose")
     models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
     models.chmod(0o755)
@@ -349,22 +557,7 @@ def stack(server_image, sidecar_image, tmp_path_factory):
         s.compose("up", "-d")
         yield s
     finally:
-        s.http.close()
-        subprocess.run(
-            [
-                "docker-compose",
-                "-p",
-                s.project,
-                "--project-directory",
-                str(REPO),
-                "--env-file",
-                str(s.env_file),
-            ]
-            + [a for f in s.files for a in ("-f", str(f))]
-            + ["down", "-v", "--remove-orphans", "-t", "2"],
-            env=s.env,
-            capture_output=True,
-        )
+        s.down()
         shutil.rmtree(models)
 
 

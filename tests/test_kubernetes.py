@@ -43,6 +43,7 @@ TARGETS = {
     "one-gpu": ("overlays/one-gpu", ()),
     "default+hostpath": ("", ("components/models-hostpath",)),
     "one-gpu+hostpath": ("overlays/one-gpu", ("components/models-hostpath",)),
+    "default+gpu-node": ("", ("components/gpu-node",)),
 }
 # compose's sidecar names its server container for the Docker API (compose.docker.yaml); in Kubernetes it
 # signals the process.
@@ -95,8 +96,14 @@ def pod(objects: list[dict]) -> dict:
     return one(objects, "Deployment")["spec"]["template"]["spec"]
 
 
+def all_containers(objects: list[dict]) -> list[dict]:
+    """The pod's containers, its init containers (the native sidecar) included."""
+    spec = pod(objects)
+    return spec.get("initContainers", []) + spec["containers"]
+
+
 def container(objects: list[dict], name: str) -> dict:
-    (c,) = [c for c in pod(objects)["containers"] if c["name"] == name]
+    (c,) = [c for c in all_containers(objects) if c["name"] == name]
     return c
 
 
@@ -383,10 +390,17 @@ def settings_default(var: str) -> str:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_images_equal_compose(rendered, target):
+def test_images_are_compose_images_at_the_project_version(rendered, target):
+    """The images compose builds, at one tag (kustomization.yaml's images:, the project's version), never :latest."""
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     services, env = compose_for(target)
     for name in ("server", "sidecar"):
-        assert container(rendered[target], name)["image"] == expand(services[name]["image"], env)
+        repository = expand(services[name]["image"], env).rsplit(":", 1)[0]
+        assert container(rendered[target], name)["image"] == f"{repository}:{version}"
+    # The images' own version label says the same (Dockerfile, the last layer of each image).
+    assert DOCKERFILE.read_text().count(f"ARG KDTREE_VERSION={version}\n") == 2
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -438,7 +452,11 @@ def test_security_context(rendered, target):
     assert spec["automountServiceAccountToken"] is False
     # Service links would put KDTREE_<SERVICE>_PORT=tcp://... into the settings' KDTREE_ prefix.
     assert spec["enableServiceLinks"] is False
-    for c in spec["containers"]:
+    gid = int(re.search(r"groupadd\b[^\n]*--gid (\d+)", DOCKERFILE.read_text()).group(1))
+    assert gid == uid and re.search(rf"useradd\b[^\n]*--gid {gid}\b", DOCKERFILE.read_text())
+    # fsGroup: the cache PVC writable by the images' group; read-only volumes (the model) the kubelet leaves alone.
+    assert psc["fsGroup"] == gid and psc["fsGroupChangePolicy"] == "OnRootMismatch"
+    for c in all_containers(rendered[target]):
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged"), c["name"]
         assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
@@ -465,5 +483,81 @@ def test_readme_creates_the_secret_the_pod_reads(rendered):
     readme = (KUBE / "README.md").read_text()
     assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
     assert f".data.{ref['key']}" in readme  # reading it back for kdtreectl
-    claim = volumes(rendered["default"])["models"]["persistentVolumeClaim"]["claimName"]
-    assert f"name: {claim}" in readme
+    for volume in ("models", "cache"):
+        claim = volumes(rendered["default"])[volume]["persistentVolumeClaim"]["claimName"]
+        assert f"name: {claim}" in readme, claim
+    assert "kubectl label node NODE kdtree/models=present" in readme  # the hostPath component's affinity
+
+
+# --- placement and storage ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_sidecar_is_a_native_sidecar_that_starts_first(rendered, target):
+    """An init container with restartPolicy Always: it starts (and its startupProbe on /live passes) before the
+    server starts, and stops after the server has exited; its readinessProbe is the pod's."""
+    spec = pod(rendered[target])
+    assert [c["name"] for c in spec["initContainers"]] == ["sidecar"]
+    assert [c["name"] for c in spec["containers"]] == ["server"]
+    sidecar = container(rendered[target], "sidecar")
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/live", "port": sidecar_default("sidecar_port")}
+    for c in all_containers(rendered[target]):
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError", c["name"]
+
+
+def quantity(value) -> float:
+    """A Kubernetes quantity (cpu or bytes) as a number, for comparing."""
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(value))
+    assert m and (m[2] in units or not m[2]), value
+    return float(m[1]) * units.get(m[2], 1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_guaranteed_qos_and_bounded_storage(rendered, target):
+    """Requests = limits for CPU and memory in every container (QoS Guaranteed: evicted last), ephemeral storage
+    requested and limited, GPUs as limits on the server only, /dev/shm capped below the server's memory."""
+    for c in all_containers(rendered[target]):
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        for r in ("cpu", "memory"):
+            assert quantity(requests[r]) == quantity(limits[r]), (c["name"], r)
+        assert quantity(requests["ephemeral-storage"]) <= quantity(limits["ephemeral-storage"]), c["name"]
+    server = container(rendered[target], "server")
+    assert "nvidia.com/gpu" not in server["resources"]["requests"]  # the limit is the request
+    shm = volumes(rendered[target])[mounts(server)["/dev/shm"]["name"]]["emptyDir"]
+    assert quantity(shm["sizeLimit"]) < quantity(server["resources"]["limits"]["memory"])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_compile_caches_are_on_a_volume_that_outlives_the_pod(rendered, target):
+    server = container(rendered[target], "server")
+    cache = mounts(server)["/home/kdtree/.cache"]
+    assert not cache.get("readOnly")
+    assert volumes(rendered[target])[cache["name"]]["persistentVolumeClaim"] == {"claimName": "kdtree-cache"}
+    # The image points every cache there itself: nothing to repeat in the pod.
+    assert "TRITON_CACHE_DIR" not in env_names(server)
+    assert "ENV XDG_CACHE_HOME=/home/kdtree/.cache" in DOCKERFILE.read_text()
+    assert "--enable-metrics" in server["args"]  # SGLang's own metrics on port 30000
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_placement(rendered, target):
+    """hostPath models only on labelled nodes; the GPU-node component sets the runtime class and the GPU product;
+    no render has a :latest image."""
+    spec = pod(rendered[target])
+    terms = spec.get("affinity", {}).get("nodeAffinity", {})
+    required = terms.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+    if target.endswith("+hostpath"):
+        assert required == [
+            {"matchExpressions": [{"key": "kdtree/models", "operator": "In", "values": ["present"]}]}
+        ]
+    else:
+        assert not required
+    if target.endswith("+gpu-node"):
+        assert spec["runtimeClassName"] == "nvidia"
+        assert set(spec["nodeSelector"]) == {"nvidia.com/gpu.product"}
+    else:
+        assert "runtimeClassName" not in spec and "nodeSelector" not in spec
+    for c in all_containers(rendered[target]):
+        assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]

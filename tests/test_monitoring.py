@@ -23,10 +23,14 @@ import promql_parser
 import pytest
 import yaml
 
+from kdtree.config import Mode
 from kdtree.status import new_record, read_records, write_record
-from sidecar.metrics import Metrics
+from sidecar.metrics import OUTCOMES, Metrics
+from sidecar.probe import REASONS
+from sidecar.settings import SidecarSettings
 
 REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 MONITORING = REPO / "monitoring"
 ALERTS = MONITORING / "alerts.yml"
 PROMETHEUS = MONITORING / "prometheus.yml"
@@ -64,7 +68,7 @@ def exported(tmp_path_factory) -> dict[str, str]:
     record.fallbacks = {"dtype": 1}
     write_record(state, record)
     names: dict[str, str] = {}
-    metrics = Metrics()
+    metrics = Metrics(expected_ranks=1)
     metrics.rank_views = read_records(state)
     for family in metrics.registry.collect():
         assert family.type in SAMPLE_SUFFIXES, f"{family.name}: type {family.type} not in SAMPLE_SUFFIXES"
@@ -92,6 +96,51 @@ def test_the_registry_shows_sidecar_and_rank_metrics(exported):
     ):
         assert name in exported
     assert "kdtree_transitions" not in exported, "a counter is exposed only with _total (and _created)"
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+
+
+def test_labelled_counters_start_at_zero_for_every_known_label(tmp_path):
+    """So that increase() sees the first event: a series that appears at 1 has nothing to increase from."""
+    got = samples(Metrics())
+    modes = [m.value for m in Mode]
+    for reason in REASONS:
+        assert got[("kdtree_probe_failures_total", (("reason", reason),))] == 0
+    for to_mode in modes:
+        assert got[("kdtree_gate_refusals_total", (("to_mode", to_mode),))] == 0
+        for from_mode in modes:
+            for outcome in OUTCOMES:
+                key = (
+                    "kdtree_transitions_total",
+                    (("from_mode", from_mode), ("outcome", outcome), ("to_mode", to_mode)),
+                )
+                assert (key in got) == (from_mode != to_mode), key
+                assert got.get(key, 0) == 0
+
+
+def test_records_beyond_the_expected_ranks_are_not_ranks(tmp_path):
+    """Rank files left by an earlier, larger --tp-size must not look like stale ranks of this server."""
+    for rank in range(4):  # an earlier tp 4 server's records; the current server runs tp 2
+        write_record(tmp_path, new_record("validate", tp_rank=rank, tp_size=4 if rank >= 2 else 2))
+
+    def metrics(expected):
+        m = Metrics(expected_ranks=expected)
+        m.rank_views = read_records(tmp_path)
+        return m
+
+    def ranks(m):
+        return sorted(dict(labels)["rank"] for name, labels in samples(m) if name == "kdtree_rank_up")
+
+    two = metrics(2)
+    assert ranks(two) == ["0", "1"]
+    assert samples(two)[("kdtree_expected_ranks", ())] == 2
+    assert ranks(metrics(0)) == ["0", "1", "2", "3"]  # rank checks off
 
 
 # ---- PromQL ----------------------------------------------------------------------------------------------
@@ -240,14 +289,32 @@ def commented_jobs() -> list[str]:
     return ["\n".join(job) for job in jobs]
 
 
-def test_commented_scrape_jobs_are_valid_yaml_for_the_same_job():
-    jobs = commented_jobs()
-    assert len(jobs) == 2  # Kubernetes pod annotations, static Service
-    for text in jobs:
-        (job,) = yaml.safe_load(text)
-        assert job["job_name"] == JOB
-        assert "kubernetes_sd_configs" in job or "static_configs" in job
-    assert yaml.safe_load(jobs[0])[0]["kubernetes_sd_configs"] == [{"role": "pod"}]
+def test_sglang_metrics_are_scraped_from_the_published_server_port():
+    """--enable-metrics (compose's command, the manifests' args) serves sglang:* on port 30000; job sglang reads it."""
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "sglang"]
+    published = re.search(
+        r"\$\{KDTREE_BIND_ADDRESS:-([^}]+)\}:\$\{KDTREE_PUBLISH_SERVER_PORT:-(\d+)\}:30000",
+        (REPO / "compose.yaml").read_text(),
+    )
+    assert published and "--enable-metrics" in (REPO / "compose.yaml").read_text()
+    assert [t for sc in job["static_configs"] for t in sc["targets"]] == [f"{published[1]}:{published[2]}"]
+
+
+def test_commented_scrape_jobs_are_valid_yaml_for_the_same_jobs():
+    """Kubernetes pod discovery for both jobs, by the manifests' container port names; and a static Service."""
+    deployment = (REPO / "deploy" / "kubernetes" / "base" / "deployment.yaml").read_text()
+    jobs = [yaml.safe_load(text)[0] for text in commented_jobs()]
+    assert [j["job_name"] for j in jobs] == [JOB, "sglang", JOB]
+    for job in jobs[:2]:
+        assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+        (port,) = [
+            r["regex"]
+            for r in job["relabel_configs"]
+            if r["source_labels"] == ["__meta_kubernetes_pod_container_port_name"]
+        ]
+        assert f"- name: {port}\n" in deployment, port
+    assert "static_configs" in jobs[2]
 
 
 REQUIRED_ALERTS = {
@@ -277,15 +344,57 @@ def test_alert_rule_file_structure():
             assert re.fullmatch(r"\d+[smh]", rule["for"]), f"{name}: for {rule['for']!r}"
             assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
             annotations = rule["annotations"]
-            assert set(annotations) == {"summary", "description"}, name
+            assert set(annotations) == {"summary", "description", "runbook_url"}, name
+            # Into README.md's Runbook: an anchor there named after the alert.
+            assert annotations["runbook_url"] == f"README.md#{name.lower()}", name
+            assert f'<a id="{name.lower()}"></a>' in README.read_text(), (
+                f"README: no runbook entry for {name}"
+            )
             assert annotations["summary"].strip() and "\n" not in annotations["summary"], name
             # What to do, not only what happened: every description names a kdtreectl command to run.
             assert re.search(
-                r"`kdtreectl (status|wait|mode (off|on|validate|\{\{ \$labels\.\w+ \}\}))`",
+                r"`kdtreectl (status|wait|mode (off|on|validate|standby|\{\{ \$labels\.\w+ \}\}))`",
                 annotations["description"],
             ), name
+            # `off` is a full restart (minutes of loading): a remedy that names it says why a restart it is.
+            if "`kdtreectl mode off`" in annotations["description"]:
+                assert "restart" in annotations["description"], name
     assert len(names) == len(set(names)), "alert names repeat"
     assert REQUIRED_ALERTS <= set(names), REQUIRED_ALERTS - set(names)
+
+
+def test_remedies_in_on_are_the_live_standby_switch():
+    """Where kdtree serves and misbehaves but the server is healthy, the remedy is standby (live, about a second),
+    not off (a restart)."""
+    rules = {r["alert"]: r for r in alert_rules()}
+    for name in ("KdtreeFallbacksInOn", "KdtreeOnServesNothing"):
+        text = rules[name]["annotations"]["description"]
+        assert "`kdtreectl mode standby`" in text and "`kdtreectl mode off`" not in text, name
+
+
+def test_not_ready_pages_only_past_the_startup_budget():
+    """A healthy start is not_ready_yet for up to KDTREE_READY_TIMEOUT_S; KdtreeNotReady waits longer than that."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "KdtreeNotReady"]
+    minutes = int(rule["for"].removesuffix("m"))
+    assert (
+        rule["for"].endswith("m") and minutes * 60 > SidecarSettings.model_fields["ready_timeout_s"].default
+    )
+    assert 'kdtree_condition{kdtree_condition="not_ready_yet"}' in rule["expr"]
+
+
+def test_a_healthy_cold_start_case_checks_every_alert():
+    """tests/monitoring_alerts_test.yml's 20-minute cold start: every alert is evaluated over it, none fires."""
+    (case,) = [
+        c
+        for c in yaml.safe_load(ALERT_CASES.read_text())["tests"]
+        if c["name"].startswith("healthy cold start")
+    ]
+    checked: dict[str, set[str]] = {}
+    for check in case["alert_rule_test"]:
+        assert not check.get("exp_alerts"), check
+        checked.setdefault(check["alertname"], set()).add(check["eval_time"])
+    for rule in alert_rules():
+        assert {"10m", "20m", "30m", "40m"} <= checked.get(rule["alert"], set()), rule["alert"]
 
 
 def test_up_is_selected_by_the_scrape_job():
