@@ -226,7 +226,12 @@ GOOD = [
         (
             {},
             ["--model-path", "/models/absent", *GOOD[2:]],
-            "--model-path /models/absent does not exist in the container",
+            "--model-path /models/absent does not exist; fix: check the path",
+        ),
+        (
+            {"HF_HUB_OFFLINE": "1"},  # as compose sets it; the image's own Hugging Face cache is empty
+            ["--model-path", "deepseek-ai/DeepSeek-V2-Lite", *GOOD[2:]],
+            "is no local folder, and as a Hugging Face repo id it cannot be downloaded: HF_HUB_OFFLINE=1",
         ),
         (
             {},
@@ -235,9 +240,19 @@ GOOD = [
         ),
         ({}, GOOD[:4], "--speculative-algorithm is not set"),
         ({}, [*GOOD[:5], "NEXTN"], "has none (config.json num_nextn_predict_layers)"),
-        ({}, GOOD, "no CUDA GPU is visible in the container"),  # the real torch probe, in the image
+        ({}, GOOD, "no CUDA GPU is visible to this process"),  # the real torch probe, in the image
+        ({"KDTREE_STATE_DIR": "/tmp/absent"}, GOOD, "KDTREE_STATE_DIR=/tmp/absent does not exist"),
     ],
-    ids=["bad-mode", "no-model", "backend", "no-speculation", "no-mtp-layers", "no-gpu"],
+    ids=[
+        "bad-mode",
+        "no-model",
+        "hub-id-offline",
+        "backend",
+        "no-speculation",
+        "no-mtp-layers",
+        "no-gpu",
+        "no-state-dir",
+    ],
 )
 def test_entrypoint_rejects_a_bad_configuration(server_image, models, env, args, message):
     r = docker_run(server_image, *args, volumes=[f"{models}:/models:ro"], env=env)
