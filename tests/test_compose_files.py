@@ -170,7 +170,9 @@ def shown(default) -> str:
 
 
 def compose_environment(service: str) -> dict[str, str]:
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     return yaml.safe_load(COMPOSE.read_text())["services"][service]["environment"]
 
@@ -245,7 +247,9 @@ def test_readme_tables_every_setting_with_its_class_default():
 
 
 def test_readme_and_env_example_agree_on_the_stack_variables():
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     rows, doc = readme_rows(compose_default=True), env_example()
     text = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
@@ -265,7 +269,9 @@ KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S"}
 
 
 def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_defaults():
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     deployment = yaml.safe_load((REPO / "deploy/kubernetes/base/deployment.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]
@@ -280,7 +286,9 @@ def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_def
 
 
 def rendered(exe: str, env: Path, *files: Path) -> dict:
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     r = config(exe, env, *(files or (COMPOSE,)))
     assert r.returncode == 0, r.stderr
