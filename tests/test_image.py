@@ -275,6 +275,17 @@ def test_sidecar_image_has_neither_torch_nor_sglang(sidecar_image):
     assert r.stdout.strip() == "['fastapi', 'docker']"
 
 
+def test_sidecar_image_has_kdtreectl_on_its_path(sidecar_image):
+    """`docker compose exec sidecar kdtreectl ...`: the no-install way in (README). Its help never shows the
+    token, which the stack puts into the sidecar's environment."""
+    r = docker_run(
+        sidecar_image, "--help", entrypoint="kdtreectl", env={"KDTREE_ADMIN_TOKEN": "in-env-secret"}
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Exit codes:" in r.stdout and "{status,wait,mode,rollout,check}" in r.stdout
+    assert "in-env-secret" not in r.stdout
+
+
 # ---- compose ----------------------------------------------------------------------------------------
 
 
@@ -337,6 +348,18 @@ class Stack:
         )
         assert r.returncode == 0, f"docker-compose {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
         return r
+
+    def kdtreectl(self, *args: str) -> subprocess.CompletedProcess:
+        """`docker-compose exec sidecar kdtreectl ARGS`, as the README's no-install way in (any exit code)."""
+        cmd = ["docker-compose", "-p", self.project, "--project-directory", str(REPO)]
+        cmd += ["--env-file", str(self.env_file), *(a for f in self.files for a in ("-f", str(f)))]
+        return subprocess.run(
+            [*cmd, "exec", "-T", "sidecar", "kdtreectl", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def status(self) -> dict:
         r = self.http.get("/status")
@@ -596,6 +619,11 @@ def test_compose_sidecar_reports_loading_while_the_port_is_closed_then_ready(sta
     while health() != "healthy" and time.monotonic() < deadline:
         time.sleep(1)
     assert health() == "healthy"
+    # The no-install way in: kdtreectl inside the sidecar, with the stack's URL and token from its environment.
+    r = stack.kdtreectl("status")
+    assert r.returncode == 0 and "phase:     ready" in r.stdout, (r.stdout, r.stderr)
+    r = stack.kdtreectl("mode", "validate", "--dry-run")  # POST /mode: authenticated by the container's token
+    assert r.returncode == 0 and "validate -> validate" in r.stdout, (r.stdout, r.stderr)
 
 
 def test_compose_sidecar_has_no_docker_socket_and_shares_the_servers_pid_namespace(stack):
@@ -637,6 +665,8 @@ def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
     assert any("exit code 137" in r for r in s["reasons"]), s["reasons"]
     assert "recorded no exit status" in s["container"]["state"]["error"]
     assert s["log"]["latest_marker"] is not None, s["log"]  # how far the server got before it died
+    r = stack.kdtreectl("status")
+    assert r.returncode == 3 and "phase:     crashed" in r.stdout, (r.stdout, r.stderr)  # README: 3 crashed
     subprocess.run(["docker", "start", stack.server], check=True, capture_output=True)
     stack.wait("ready after the manual start", lambda s: s["ready"], timeout=90)
 
