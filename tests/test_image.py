@@ -790,3 +790,41 @@ def test_compose_crash_at_start_shows_the_traceback(stack):
     assert "Traceback (most recent call last)" in excerpt, excerpt
     assert any("exit code 1" in r for r in s["reasons"]), s["reasons"]
     assert s["container"]["state"]["exit_code"] == 1
+
+
+def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_image, server_image, tmp_path):
+    """The README's troubleshooting row, on this GPU-less engine: `up` fails with Docker's own message, and the
+    sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S."""
+    require_compose()
+    models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
+    s = Stack(tmp_path, models, files=[REPO / "compose.yaml"])
+    s.env["KDTREE_START_GRACE_S"] = "3"
+    try:
+        cmd = [
+            "docker-compose",
+            "-p",
+            s.project,
+            "--project-directory",
+            str(REPO),
+            "--env-file",
+            str(s.env_file),
+        ]
+        up = subprocess.run(
+            [*cmd, "-f", str(REPO / "compose.yaml"), "up", "-d"],
+            env=s.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert up.returncode != 0
+        assert 'could not select device driver "nvidia" with capabilities: [[gpu]]' in up.stderr, up.stderr
+        readme = (REPO / "README.md").read_text()
+        assert '`could not select device driver "nvidia" with capabilities: [[gpu]]`' in readme
+        st = s.wait("the broken verdict", lambda st: st["condition"] == "broken", timeout=60)
+        assert st["phase"] == "loading" and not st["ready"]
+        assert any(
+            "no server has started" in e and "KDTREE_START_GRACE_S=3" in e for e in st["condition_evidence"]
+        )
+    finally:
+        s.down()
+        shutil.rmtree(models)
