@@ -61,10 +61,11 @@ def _summary(st: dict) -> str:
         + (f"mode file {mode['desired_file']}" if mode.get("desired_file") else "no mode file"),
         "server:    "
         + (
-            f"{cs.get('status')} exit={cs.get('exit_code')} oom={cs.get('oom_killed')} "
-            f"restarts={cs.get('restart_count')}"
+            f"{cs.get('status')}"
+            + (f" exit={cs['exit_code']}" if cs.get("exit_code") is not None else "")
+            + f" oom={cs.get('oom_killed')} restarts={cs.get('restart_count')}"
             if cs
-            else str(c.get("error"))
+            else str(c.get("error") or "not known")
         ),
         f"log:       {marker.get('text', 'no startup marker yet')}",
         "probe:     "

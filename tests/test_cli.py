@@ -169,6 +169,16 @@ def test_status_exits_with_the_stacks_readiness(stack):
     assert r.returncode == 3 and "phase:     crashed" in r.stdout, r.stdout
 
 
+def test_status_of_a_supervised_server_prints_no_none(supervised, tmp_path):
+    """Process control (compose's default): a running server has no exit code yet, and says nothing of one."""
+    proc = supervised("--tp-size", "2", "--heartbeat-s", "0.2")
+    settings = make_settings(proc.state_dir, proc.port, server_control="process")
+    with serve(settings, proc) as url:
+        r = kdtreectl(url, "status")
+    assert r.returncode == 0 and "server:    running oom=False restarts=0" in r.stdout, r.stdout
+    assert "None" not in r.stdout
+
+
 def test_global_flags_go_before_or_after_the_command(stack):
     url, proc = stack(mode=Mode.VALIDATE)
     proc.wait_port()
