@@ -144,10 +144,13 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
 HF_TRUE = frozenset({"1", "ON", "YES", "TRUE"})
 
 
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set: SGLang will not download (the stack sets it)."""
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return value.upper() in HF_TRUE
+def hub_offline() -> str | None:
+    """`HF_HUB_OFFLINE=1` (or `TRANSFORMERS_OFFLINE=...`) when it is set, as Hugging Face reads it: SGLang will not
+    download (the stack sets it); else None."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if value := os.environ.get(var):  # the first one set decides, as in huggingface_hub
+            return f"{var}={value}" if value.upper() in HF_TRUE else None
+    return None
 
 
 def _in_hub_cache(repo_id: str) -> bool:
@@ -171,13 +174,15 @@ def _local_path(flag: str, path: str | None) -> Path | None:
         )
     looks_local = path.startswith(("/", ".", "~")) or Path(path).exists()
     if not looks_local:
-        if hub_offline() and not _in_hub_cache(path):
+        offline = hub_offline()
+        if offline and not _in_hub_cache(path):
             name = path.rstrip("/").rsplit("/", 1)[-1]
             raise LaunchError(
                 f"{flag} {path} is no local folder, and as a Hugging Face repo id it cannot be downloaded: "
-                "HF_HUB_OFFLINE=1 (the stack sets it) and it is not in the local Hugging Face cache",
+                f"{offline} and it is not in the local Hugging Face cache",
                 f"download it where there is network (huggingface-cli download {path} --local-dir "
-                f"models/{name}) and pass the folder (compose: KDTREE_MODEL_DIR=./models, KDTREE_MODEL={name})",
+                f"models/{name}) and pass the folder; the stack never downloads (compose: KDTREE_MODEL_DIR=./models, "
+                f"KDTREE_MODEL={name})",
             )
         return None  # SGLang downloads it, or reads it from the cache
     p = Path(path).expanduser()

@@ -332,7 +332,8 @@ CHECK_HELP = """\
 Prove on this stack, in one command and one report, that tree verify runs through kdtree, whether `on` changes
 what the model says, and what it gains.
 
-1. Preflight: the sidecar's /status must be ready with every rank installed (else exit 8, one line).
+1. Preflight: the sidecar's /status must be ready with every rank installed (else one line, and exit 8; 3 when
+   the server crashed, 5 while a transition runs).
 2. Load: the built-in prompts (mixed lengths, one of thousands of tokens; nothing is downloaded) as greedy
    completions at each --concurrency level, asking SGLang for token ids and speculative-decoding details:
    tokens/s, p50/p99 latency, accept length.

@@ -269,7 +269,7 @@ def cmd_rollout(args) -> int:
 
 
 def _dry_run_verdict(blocked: list[Replica]) -> str:
-    """What stands in the way, by outcome: `2 unreachable (URL, URL), 1 refused by its gate (URL)`."""
+    """What stands in the way, by outcome: `1 unreachable or not a sidecar (URL), 2 refused by its gate (URL, URL)`."""
     if not blocked:
         return "every replica would be allowed"
     what = {"refused": "refused by its gate", "unreachable": "unreachable or not a sidecar"}

@@ -230,7 +230,8 @@ def test_hub_model_id_offline_is_refused_naming_the_download(model, monkeypatch,
     assert run(argv)[0] == EXIT_CONFIG
     line = error_line(capsys)
     assert (
-        "--model-path deepseek-ai/DeepSeek-V2-Lite is no local folder" in line and "HF_HUB_OFFLINE=1" in line
+        "--model-path deepseek-ai/DeepSeek-V2-Lite is no local folder" in line
+        and f"{var}=1 and it is not in" in line
     )
     assert (
         "fix: download it where there is network (huggingface-cli download deepseek-ai/DeepSeek-V2-Lite "
@@ -241,6 +242,9 @@ def test_hub_model_id_offline_is_refused_naming_the_download(model, monkeypatch,
     assert run(draft)[0] == EXIT_CONFIG
     assert "--speculative-draft-model-path org/draft is no local folder" in error_line(capsys)
     monkeypatch.setenv(var, "0")
+    assert run(argv)[0] == 0
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the first one set decides, as huggingface_hub reads them
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     assert run(argv)[0] == 0
 
 
