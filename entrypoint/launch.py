@@ -139,20 +139,58 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+# huggingface_hub's own reading of HF_HUB_OFFLINE (constants._is_true), done here at call time: its module
+# constant is fixed when it is first imported.
+HF_TRUE = frozenset({"1", "ON", "YES", "TRUE"})
+
+
+def hub_offline() -> str | None:
+    """`HF_HUB_OFFLINE=1` (or `TRANSFORMERS_OFFLINE=...`) when it is set, as Hugging Face reads it: SGLang will not
+    download (the stack sets it); else None."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if value := os.environ.get(var):  # the first one set decides, as in huggingface_hub
+            return f"{var}={value}" if value.upper() in HF_TRUE else None
+    return None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """The repo's config.json is in the local Hugging Face cache (HF_HOME), where offline SGLang finds it."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id either (HFValidationError)
+        return False
+
+
 def _local_path(flag: str, path: str | None) -> Path | None:
-    """The path when it names a local file or directory (checked), None for a Hugging Face repo id."""
+    """The path when it names a local file or directory (checked), None for a Hugging Face repo id that SGLang
+    may fetch (online, or offline from the local cache)."""
     if path is None:
         raise LaunchError(
-            f"{flag} is missing", f"pass {flag} /models/<name> (the model directory is mounted at /models)"
+            f"{flag} is missing", f"pass {flag} /models/<name> (compose mounts KDTREE_MODEL_DIR at /models)"
         )
     looks_local = path.startswith(("/", ".", "~")) or Path(path).exists()
     if not looks_local:
-        return None  # SGLang downloads it
+        offline = hub_offline()
+        if offline and not _in_hub_cache(path):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            raise LaunchError(
+                f"{flag} {path} is no local folder, and as a Hugging Face repo id it cannot be downloaded: "
+                f"{offline} and it is not in the local Hugging Face cache",
+                f"download it where there is network (huggingface-cli download {path} --local-dir "
+                f"models/{name}) and pass the folder; the stack never downloads (compose: KDTREE_MODEL_DIR=./models, "
+                f"KDTREE_MODEL={name})",
+            )
+        return None  # SGLang downloads it, or reads it from the cache
     p = Path(path).expanduser()
     if not p.exists():
         raise LaunchError(
-            f"{flag} {path} does not exist in the container",
-            "check KDTREE_MODEL_DIR (mounted read-only at /models) and the model name after /models/",
+            f"{flag} {path} does not exist",
+            "check the path (compose: KDTREE_MODEL_DIR is mounted read-only at /models, and KDTREE_MODEL names "
+            "the folder in it)",
         )
     if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
         raise LaunchError(
@@ -206,14 +244,38 @@ def _launcher_settings() -> LauncherSettings:
         ) from None
 
 
-def _supervisor() -> Supervisor:
-    """Where this start is recorded: the settings' state dir and log cap, or their defaults when they
-    are invalid (plan() then refuses them, and the refusal is recorded too)."""
+def _record_settings() -> tuple[str, int]:
+    """Where this start is recorded: the settings' state dir and log cap, or their defaults when they are
+    invalid (plan() then refuses them, and the refusal is recorded too)."""
     try:
         settings = LauncherSettings()
     except ValidationError:
-        return Supervisor(os.environ.get("KDTREE_STATE_DIR") or "/var/run/kdtree", DEFAULT_LOG_MAX_BYTES)
-    return Supervisor(settings.state_dir, settings.server_log_max_bytes)
+        default = LauncherSettings.model_fields["state_dir"].default
+        return os.environ.get("KDTREE_STATE_DIR") or default, DEFAULT_LOG_MAX_BYTES
+    return settings.state_dir, settings.server_log_max_bytes
+
+
+def check_state_dir(state_dir: str) -> None:
+    """The state dir is a directory this user can write. It is never created here: in the image it exists, and
+    compose and Kubernetes mount the state volume on it; anywhere else, making /var/run/kdtree would only hide
+    that KDTREE_STATE_DIR is unset, and the sidecar would never read what lands there."""
+    path = Path(state_dir)
+    named = (
+        f"KDTREE_STATE_DIR={state_dir}"
+        if os.environ.get("KDTREE_STATE_DIR")
+        else f"KDTREE_STATE_DIR is not set and its default {state_dir}"
+    )
+    fix = (
+        "set KDTREE_STATE_DIR to a folder this user can write and the sidecar reads as its own KDTREE_STATE_DIR "
+        "(the server image and compose set /var/run/kdtree, the state volume)"
+    )
+    if not path.is_dir():
+        raise LaunchError(f"{named} {'is not a directory' if path.exists() else 'does not exist'}", fix)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise LaunchError(
+            f"{named} is not writable by uid {os.getuid()}",
+            f"make it writable by uid {os.getuid()} (the state volume belongs to the server's user), or {fix}",
+        )
 
 
 def plan(
@@ -299,9 +361,10 @@ def plan(
     found = gpus()
     if not found:
         raise LaunchError(
-            "no CUDA GPU is visible in the container",
-            "run with the NVIDIA container runtime and a GPU reservation "
-            "(compose: deploy.resources.reservations.devices, docker run --gpus)",
+            "no CUDA GPU is visible to this process",
+            "in a container, run it with the NVIDIA container runtime and a GPU reservation "
+            "(compose: deploy.resources.reservations.devices, docker run --gpus); on a host, check the NVIDIA "
+            "driver (nvidia-smi) and CUDA_VISIBLE_DEVICES",
         )
     if per_node > len(found):
         raise LaunchError(
@@ -361,8 +424,14 @@ def main(
     if argv[:1] in (["-h"], ["--help"]):  # usage, without touching the GPU, torch or the state volume
         print(USAGE)
         return 0
+    state_dir, log_max_bytes = _record_settings()
+    try:
+        check_state_dir(state_dir)
+    except LaunchError as e:  # nowhere to record it: this line is all
+        print(f"kdtree launcher: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     # Recorded before the mode file is read: see entrypoint.supervise.
-    sup = _supervisor().begin()
+    sup = Supervisor(state_dir, log_max_bytes).begin()
     try:
         try:
             p = plan(argv, **probes)

@@ -81,7 +81,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
         try:
             a = await asyncio.wait_for(controller.assess(), settings.probe_deadline_s)
         except TimeoutError:
-            metrics.ready.set(0)
+            metrics.ready.set(0)  # what this answer says (an assessment that finishes sets it again)
             return ApiJSON(
                 {
                     "ready": False,
@@ -91,7 +91,6 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
                 },
                 status_code=503,
             )
-        metrics.ready.set(1 if a.ready else 0)
         body = {
             "ready": a.ready,
             "condition": a.condition,

@@ -28,8 +28,7 @@ import httpx
 from kdtree.config import Mode
 
 from .client import SidecarClient, Unreachable, criterion_line, short
-
-OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 7  # as kdtreectl's (sidecar.cli)
+from .exit_codes import BUSY, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, readiness
 
 
 class ServerUnreachable(Exception):
@@ -333,7 +332,8 @@ CHECK_HELP = """\
 Prove on this stack, in one command and one report, that tree verify runs through kdtree, whether `on` changes
 what the model says, and what it gains.
 
-1. Preflight: the sidecar's /status must be ready with every rank installed (else exit 2, one line).
+1. Preflight: the sidecar's /status must be ready with every rank installed (else one line, and exit 8; 3 when
+   the server crashed, 5 while a transition runs).
 2. Load: the built-in prompts (mixed lengths, one of thousands of tokens; nothing is downloaded) as greedy
    completions at each --concurrency level, asking SGLang for token ids and speculative-decoding details:
    tokens/s, p50/p99 latency, accept length.
@@ -345,7 +345,8 @@ what the model says, and what it gains.
    the starting mode unless --stay.
 Output: progress and a table here; report.json and report.md in --out.
 Exit codes: 0 everything checked holds, 1 a check failed (the reason in one line), 2 bad input, a server that
-is not reachable or a stack that is not ready, 7 the sidecar unreachable or not a sidecar.
+is not reachable, or a stack in off, 3 the server crashed, 5 a transition is running, 7 the sidecar unreachable
+or not a sidecar, 8 a stack that is not ready (or has ranks missing or stale).
 """
 
 
@@ -372,11 +373,14 @@ def _bounded(lo: int, hi: int):
     return parse
 
 
-def add_parser(sub, formatter) -> None:
+def add_parser(sub, common: dict) -> None:
+    """kdtreectl's `check` command; common: the formatter and parents every command has."""
     c = sub.add_parser(
-        "check", help="prove kdtree serves on this stack, and what on changes", description=CHECK_HELP,
-        formatter_class=formatter,
-    )  # fmt: skip
+        "check",
+        help="prove kdtree serves on this stack, and what on changes",
+        description=CHECK_HELP,
+        **common,
+    )
     c.add_argument(
         "--server-url",
         default=os.environ.get("KDTREE_SERVER_URL", "http://127.0.0.1:30000"),
@@ -407,19 +411,23 @@ def _fail_line(message: str, code: int) -> int:
     return code
 
 
-def _preflight(st: dict) -> str | None:
-    """Why the stack cannot be checked now, or None."""
-    if not st.get("ready"):
-        return f"the stack is not ready (phase {st.get('phase')}): " + "; ".join(st.get("reasons") or ["?"])
+def _preflight(st: dict) -> tuple[str, int] | None:
+    """Why the stack cannot be checked now, with the exit code; or None."""
     if st.get("active_transition"):
-        return "a mode transition is running; run the check when it has finished"
+        return "a mode transition is running; run the check when it has finished", BUSY
+    if readiness(st) != OK:
+        reasons = "; ".join(st.get("reasons") or ["?"])
+        return f"the stack is not ready (phase {st.get('phase')}): {reasons}", readiness(st)
     ranks = rank_counts(st)
     missing = [r for r in range(int(st.get("expected_tp_size") or 0)) if r not in ranks]
     bad = [r for r, c in ranks.items() if c["stale"] or (c["mode"] != "off" and not c["installed"])]
     if missing or bad:
-        return f"ranks missing {missing} or stale / not installed {bad}: see kdtreectl status"
+        return f"ranks missing {missing} or stale / not installed {bad}: see kdtreectl status", NOT_READY
     if (st.get("mode") or {}).get("current") == "off":
-        return "the server runs in off: kdtree is not installed; switch to validate first (kdtreectl mode validate)"
+        return (
+            "the server runs in off: kdtree is not installed; switch to validate first (kdtreectl mode validate)",
+            USAGE,
+        )
     return None
 
 
@@ -543,7 +551,7 @@ def cmd_check(args) -> int:
             st = side.status()
             not_ready = _preflight(st)
             if not_ready:
-                return _fail_line(not_ready, USAGE)
+                return _fail_line(*not_ready)
             start_mode = st["mode"]["current"]
             report["model"] = model = _model(args)
             say(

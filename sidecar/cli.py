@@ -1,10 +1,7 @@
 """kdtreectl: talk to the kdtree sidecar (status, wait for readiness, switch the verify mode, check the stack on
 its own hardware), or to the sidecars of several replicas at once (rollout).
 
-Exit codes: 0 done/ready/held, 1 refused, rolled back or a check failed, 2 bad input (check: also a server
-that is not reachable or a stack that is not ready), 3 server crashed, 4 timed out, 5 another transition is
-running, 6 not authorized, 7 sidecar unreachable or not a sidecar (every command).
-"""
+--url, --token and --http-timeout go before or after the command."""
 
 from __future__ import annotations
 
@@ -16,10 +13,9 @@ import time
 
 from kdtree.config import Mode
 
-from . import check, rollout
+from . import check, exit_codes, rollout
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed
-
-OK, FAILED, USAGE, CRASHED, TIMED_OUT, BUSY, UNAUTHORIZED, UNREACHABLE = 0, 1, 2, 3, 4, 5, 6, 7
+from .exit_codes import BUSY, CRASHED, FAILED, OK, TIMED_OUT, UNAUTHORIZED, UNREACHABLE, USAGE, readiness
 
 
 def _client(args) -> SidecarClient:
@@ -62,13 +58,14 @@ def _summary(st: dict) -> str:
         + (f" (server: {st.get('server_phase')})" if st.get("server_phase") != st.get("phase") else ""),
         f"ready:     {st.get('ready')}" + (f" ({st['condition']})" if st.get("condition") else ""),
         f"mode:      current {mode.get('current')}, expected now {mode.get('expected_now')}, "
-        f"mode file {mode.get('desired_file')}",
+        + (f"mode file {mode['desired_file']}" if mode.get("desired_file") else "no mode file"),
         "server:    "
         + (
-            f"{cs.get('status')} exit={cs.get('exit_code')} oom={cs.get('oom_killed')} "
-            f"restarts={cs.get('restart_count')}"
+            f"{cs.get('status')}"
+            + (f" exit={cs['exit_code']}" if cs.get("exit_code") is not None else "")
+            + f" oom={cs.get('oom_killed')} restarts={cs.get('restart_count')}"
             if cs
-            else str(c.get("error"))
+            else str(c.get("error") or "not known")
         ),
         f"log:       {marker.get('text', 'no startup marker yet')}",
         "probe:     "
@@ -92,13 +89,14 @@ def _summary(st: dict) -> str:
 
 
 def cmd_status(args) -> int:
+    """The summary (or the document), and the stack's readiness as the exit code: 0, 3 crashed, 8 not ready."""
     try:
         with _client(args) as c:
             st = c.status()
     except Unreachable as e:
         return _fail(str(e), UNREACHABLE)
     print(json.dumps(st, indent=2) if args.json else _summary(st))
-    return OK
+    return readiness(st)
 
 
 class _Progress:
@@ -136,13 +134,14 @@ def cmd_wait(args) -> int:
             if st:
                 marker = ((st.get("log") or {}).get("latest_marker") or {}).get("text", "-")
                 progress.show(f"{st.get('phase')} | {marker} elapsed {fmt_elapsed(elapsed)}")
-                if st.get("ready") and st.get("phase") == "ready":
+                verdict = readiness(st)
+                if verdict == OK:
                     progress.done()
                     print(
                         f"ready after {fmt_elapsed(elapsed)} in mode {(st.get('mode') or {}).get('current')}"
                     )
                     return OK
-                if st.get("phase") == "crashed":
+                if verdict == CRASHED:
                     progress.done()
                     print("the server crashed:", file=sys.stderr)
                     for r in st.get("reasons") or []:
@@ -247,7 +246,10 @@ def count_at_least(minimum: int):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, descriptions kept as written."""
+    """Defaults shown (never the token's: it comes from the environment), descriptions kept as written."""
+
+    def _get_help_string(self, action):
+        return action.help if action.dest == "token" else super()._get_help_string(action)
 
 
 MODE_HELP = """\
@@ -263,28 +265,45 @@ demand. The same evidence is public in `kdtreectl status` (each rank's counters 
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdtreectl", description=__doc__, formatter_class=_Help)
+def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
+    """--url, --token, --http-timeout, as a parent parser: kdtreectl's own with their defaults, and every
+    command's without (argparse.SUPPRESS), so that they go after the command too and a command never resets
+    one given before it."""
+
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--url",
-        default=os.environ.get("KDTREE_SIDECAR_URL", "http://127.0.0.1:8080"),
+        default=default(os.environ.get("KDTREE_SIDECAR_URL", "http://127.0.0.1:8080")),
         help="sidecar base URL (env KDTREE_SIDECAR_URL)",
     )
     p.add_argument(
         "--token",
-        default=os.environ.get("KDTREE_ADMIN_TOKEN") or None,
-        help="admin bearer token for mode changes (env KDTREE_ADMIN_TOKEN)",
+        default=default(os.environ.get("KDTREE_ADMIN_TOKEN") or None),
+        help="admin bearer token for mode changes (env KDTREE_ADMIN_TOKEN; never shown here)",
     )
-    p.add_argument("--http-timeout", type=float, default=60.0, help="seconds per HTTP request")
+    p.add_argument("--http-timeout", type=float, default=default(60.0), help="seconds per HTTP request")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdtreectl",
+        description=__doc__,
+        epilog=exit_codes.help_text(),
+        formatter_class=_Help,
+        parents=[_global_flags(defaults=True)],
+    )
+    common = {"formatter_class": _Help, "parents": [_global_flags(defaults=False)]}
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("status", help="phase, evidence, ranks and transitions", formatter_class=_Help)
+    s = sub.add_parser("status", help="phase, evidence, ranks and transitions", **common)
     s.add_argument("--json", action="store_true", help="the whole /status document")
     s.set_defaults(func=cmd_status)
 
-    w = sub.add_parser(
-        "wait", help="wait until the server is ready; fail fast when it crashed", formatter_class=_Help
-    )
+    w = sub.add_parser("wait", help="wait until the server is ready; fail fast when it crashed", **common)
     w.add_argument("--timeout", type=float, default=1800.0, help="seconds")
     w.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
     w.set_defaults(func=cmd_wait)
@@ -293,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mode",
         help="switch the verify mode (gated to on; off always allowed)",
         description=MODE_HELP,
-        formatter_class=_Help,
+        **common,
     )
     m.add_argument(
         "mode",
@@ -318,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout",
         help="switch the mode of several replicas: canary first, then waves",
         description=rollout.ROLLOUT_HELP,
-        formatter_class=_Help,
+        **common,
     )
     r.add_argument("--to", required=True, choices=[m.value for m in Mode], help="the target mode")
     r.add_argument(
@@ -343,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--interval", type=float, default=2.0, help="seconds between polls of a transition")
     r.set_defaults(func=rollout.cmd_rollout)
 
-    check.add_parser(sub, _Help)
+    check.add_parser(sub, common)
     return p
 
 

@@ -329,6 +329,8 @@ class Controller:
         self.metrics.phase.state(phase)
         ready = not reasons
         condition, evidence = self._condition(ready, container, probe, state_problems)
+        # The latest assessment is the sidecar's verdict, whoever asked for it (/ready, /status, a transition).
+        self.metrics.ready.set(1 if ready else 0)
         self.metrics.condition.state(condition)
         return Assessment(
             phase=phase,

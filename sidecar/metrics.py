@@ -110,7 +110,11 @@ class Metrics:
         self.probe_failures = Counter(
             "kdtree_probe_failures", "failed completion probes, by reason", ["reason"], registry=r
         )
-        self.ready = Gauge("kdtree_ready", "1 when GET /ready last answered 200", registry=r)
+        self.ready = Gauge(
+            "kdtree_ready",
+            "1 when the sidecar's latest assessment (GET /ready, GET /status, a transition's checks) is ready",
+            registry=r,
+        )
         self.phase = Enum(
             "kdtree_server_phase",
             "the server's phase as the sidecar sees it",

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
-
-OK, FAILED, USAGE, UNREACHABLE = 0, 1, 2, 7  # as kdtreectl's (sidecar.cli)
-
+from .exit_codes import FAILED, OK, UNREACHABLE, USAGE
 
 DONE = ("succeeded", "already")  # a replica in the target mode
 
@@ -46,7 +44,8 @@ refused (gate), rolled_back / rollback_failed / aborted / preempted (by its side
 unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
 with --dry-run: allowed, refused, already.
 Exit codes: 0 every replica is in the mode (or, with --dry-run, would be allowed), 1 it stopped on a failure
-(or a gate would refuse), 2 bad input, 7 a sidecar unreachable or not a sidecar.
+(or, with --dry-run, a gate would refuse or a replica cannot take part), 2 bad input, 7 a sidecar unreachable
+or not a sidecar.
 """
 
 
@@ -186,13 +185,9 @@ def cmd_rollout(args) -> int:
                     say("  " + criterion_line(c))
         print()
         print(_table(replicas))
-        ok = all(r.outcome in ("allowed", "already") for r in replicas)
-        print(
-            "dry run: "
-            + ("every replica would be allowed" if ok else "a gate would refuse")
-            + "; nothing changed"
-        )
-        return OK if ok else _failed(replicas)
+        blocked = [r for r in replicas if r.outcome not in ("allowed", "already")]
+        print(f"dry run: {_dry_run_verdict(blocked)}; nothing changed")
+        return _failed(blocked) if blocked else OK
 
     # Every sidecar first: one that cannot take part stops the rollout before anything changes.
     def preflight(r: Replica) -> Replica:
@@ -271,6 +266,17 @@ def cmd_rollout(args) -> int:
         file=sys.stderr,
     )
     return _failed([failed])
+
+
+def _dry_run_verdict(blocked: list[Replica]) -> str:
+    """What stands in the way, by outcome: `1 unreachable or not a sidecar (URL), 2 refused by its gate (URL, URL)`."""
+    if not blocked:
+        return "every replica would be allowed"
+    what = {"refused": "refused by its gate", "unreachable": "unreachable or not a sidecar"}
+    by: dict[str, list[str]] = {}
+    for r in blocked:
+        by.setdefault(r.outcome, []).append(r.url)
+    return ", ".join(f"{len(urls)} {what.get(o, o)} ({', '.join(urls)})" for o, urls in by.items())
 
 
 def _failed(replicas: list[Replica]) -> int:

@@ -126,10 +126,10 @@ def test_an_unreachable_server_is_exit_2_and_an_unreachable_sidecar_exit_7(stack
     assert r.returncode == 7 and "cannot reach the sidecar" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_a_stack_that_is_not_ready_stops_early(stack, tmp_path):
+def test_a_stack_that_is_not_ready_stops_early_with_exit_8(stack, tmp_path):
     url, proc = stack("--load-seconds", "30", wait=False)
     r = kdtreectl(url, "check", "--server-url", f"http://127.0.0.1:{proc.port}", "--out", str(tmp_path))
-    assert r.returncode == 2 and "the stack is not ready (phase loading)" in r.stderr, r.stderr
+    assert r.returncode == 8 and "the stack is not ready (phase loading)" in r.stderr, r.stderr
 
 
 def test_bad_input_is_exit_2():

@@ -145,6 +145,7 @@ def test_status_summary_and_json(stack):
         and "phase:     ready" in r.stdout
         and "ranks:     2 records, expected 2" in r.stdout
     )
+    assert "mode:      current off, expected now off, no mode file" in r.stdout and "None" not in r.stdout
     # Each rank's counters and parity, one line each.
     ranks = [line for line in r.stdout.splitlines() if line.startswith("  rank ")]
     assert len(ranks) == 2 and all(
@@ -152,6 +153,74 @@ def test_status_summary_and_json(stack):
     )
     doc = json.loads(kdtreectl(url, "status", "--json").stdout)
     assert doc["phase"] == "ready" and doc["mode"]["current"] == "off"
+
+
+def test_status_exits_with_the_stacks_readiness(stack):
+    """0 ready (above), 3 crashed, 8 not ready: the README's exit codes, whatever --json says."""
+    url, proc = stack("--load-seconds", "60")
+    r = kdtreectl(url, "status")
+    assert r.returncode == 8, (r.stdout, r.stderr)
+    assert "phase:     loading" in r.stdout and "not_ready_yet" in r.stdout
+    assert kdtreectl(url, "status", "--json").returncode == 8
+    proc.stop()  # the stand-in ends while it loads: no exit status recorded, as an OOM kill leaves it
+    crashed = kdtreectl(url, "wait", "--timeout", "30", "--interval", "0.1")
+    assert crashed.returncode == 3, (crashed.stdout, crashed.stderr)
+    r = kdtreectl(url, "status")
+    assert r.returncode == 3 and "phase:     crashed" in r.stdout, r.stdout
+
+
+def test_status_of_a_supervised_server_prints_no_none(supervised, tmp_path):
+    """Process control (compose's default): a running server has no exit code yet, and says nothing of one."""
+    proc = supervised("--tp-size", "2", "--heartbeat-s", "0.2")
+    settings = make_settings(proc.state_dir, proc.port, server_control="process")
+    with serve(settings, proc) as url:
+        r = kdtreectl(url, "status")
+    assert r.returncode == 0 and "server:    running oom=False restarts=0" in r.stdout, r.stdout
+    assert "None" not in r.stdout
+
+
+def test_global_flags_go_before_or_after_the_command(stack):
+    url, proc = stack(mode=Mode.VALIDATE)
+    proc.wait_port()
+    after = kdtreectl(None, "status", "--url", url, "--http-timeout", "5")
+    assert after.returncode == 0 and "phase:     ready" in after.stdout, after.stderr
+    # The token after the command, the URL before it: neither resets the other.
+    r = kdtreectl(url, "mode", "standby", "--dry-run", "--token", TOKEN)
+    assert r.returncode == 0 and "would be allowed" in r.stdout, (r.stdout, r.stderr)
+    bad = kdtreectl(None, "status", "--http-timeout", "soon")
+    assert bad.returncode == 2 and "--http-timeout: invalid float value: 'soon'" in bad.stderr
+
+
+def test_help_never_shows_the_token():
+    env = {**os.environ, "KDTREE_ADMIN_TOKEN": "do-not-print-me"}
+    for args in (["--help"], ["mode", "--help"], ["check", "--help"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "sidecar.cli", *args], capture_output=True, text=True, env=env
+        )
+        assert r.returncode == 0 and "--token" in r.stdout and "do-not-print-me" not in r.stdout, args
+
+
+def test_readme_help_and_code_list_the_same_exit_codes():
+    """The README's table under "Exit codes of every command", `kdtreectl --help` and sidecar.exit_codes."""
+    from sidecar import exit_codes
+
+    readme = (REPO / "README.md").read_text().splitlines()
+    start = readme.index("| code | meaning |")
+    rows = {}
+    for line in readme[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        code, meaning = (cell.strip() for cell in line.strip("|").split("|"))
+        rows[int(code)] = meaning
+    assert rows == exit_codes.MEANINGS
+    assert "Exit codes of every command" in readme[start - 2]
+    helped = subprocess.run([sys.executable, "-m", "sidecar.cli", "--help"], capture_output=True, text=True)
+    listed = re.findall(r"^  (\d)  (.+)$", helped.stdout.split("Exit codes:\n")[1], re.M)
+    assert {int(c): t for c, t in listed} == exit_codes.MEANINGS
+    # Every code a command returns is a listed one: the commands take them from sidecar.exit_codes.
+    for module in ("cli", "check", "rollout"):
+        source = (REPO / "sidecar" / f"{module}.py").read_text()
+        assert not re.search(r"^(OK|FAILED|USAGE|UNREACHABLE)\b.*= *\d", source, re.M), module
 
 
 def test_mode_commands(stack, tmp_path):

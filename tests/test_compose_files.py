@@ -50,11 +50,15 @@ def env_file(tmp_path, *, token: str = "t0ken", gid: str | None = None) -> Path:
     return env
 
 
-def config(exe: str, env_file: Path, *files: Path) -> subprocess.CompletedProcess:
+def config(
+    exe: str, env_file: Path, *files: Path, project: str | None = None, environ: dict | None = None
+) -> subprocess.CompletedProcess:
     args = [exe, "--project-directory", str(REPO), "--env-file", str(env_file)]
+    args += ["-p", project] if project else []
     for f in files:
         args += ["-f", str(f)]
-    return subprocess.run([*args, "config"], capture_output=True, text=True)
+    env = {**os.environ, **(environ or {})}
+    return subprocess.run([*args, "config"], capture_output=True, text=True, env=env)
 
 
 @pytest.fixture(params=TOOLS or [None], ids=[f"compose-{v}" for v, _ in TOOLS] or ["no-compose"])
@@ -170,7 +174,9 @@ def shown(default) -> str:
 
 
 def compose_environment(service: str) -> dict[str, str]:
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     return yaml.safe_load(COMPOSE.read_text())["services"][service]["environment"]
 
@@ -245,7 +251,9 @@ def test_readme_tables_every_setting_with_its_class_default():
 
 
 def test_readme_and_env_example_agree_on_the_stack_variables():
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     rows, doc = readme_rows(compose_default=True), env_example()
     text = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
@@ -265,7 +273,9 @@ KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S"}
 
 
 def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_defaults():
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     deployment = yaml.safe_load((REPO / "deploy/kubernetes/base/deployment.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]
@@ -280,7 +290,9 @@ def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_def
 
 
 def rendered(exe: str, env: Path, *files: Path) -> dict:
-    import yaml
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
 
     r = config(exe, env, *(files or (COMPOSE,)))
     assert r.returncode == 0, r.stderr
@@ -326,3 +338,50 @@ def test_container_logs_are_bounded_and_sglang_exports_its_metrics(compose, tmp_
     env = env_file(tmp_path)
     env.write_text(env.read_text() + "KDTREE_CONTAINER_LOG_MAX_SIZE=10m\nKDTREE_CONTAINER_LOG_MAX_FILES=2\n")
     assert rendered(compose, env)["server"]["logging"]["options"] == {"max-size": "10m", "max-file": "2"}
+
+
+# ---- a second stack beside the first -----------------------------------------------------------------------
+
+
+def host_ports(service: dict) -> set[tuple[str, str]]:
+    """(host address, host port) of each published port: v1 writes `ip:port:target/proto`, v2 a mapping."""
+    out = set()
+    for p in service.get("ports") or []:
+        if isinstance(p, dict):
+            out.add((str(p.get("host_ip", "")), str(p["published"])))
+        else:
+            ip, port, _ = str(p).rsplit(":", 2)
+            out.add((ip, port))
+    return out
+
+
+def test_a_second_stack_beside_the_first_shares_no_name_port_or_volume(compose, tmp_path):
+    """The README's troubleshooting row, as written there: a project of its own, with its own server container
+    name and host ports; everything else compose names per project."""
+    yaml = pytest.importorskip(
+        "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+    )
+    readme = (REPO / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| a second stack beside the first")]
+    found = re.search(r"`((?:KDTREE_\w+=\S+ )+)docker compose -p (\S+) up -d`", row)
+    assert found, row
+    second = dict(pair.split("=", 1) for pair in found.group(1).split())
+    env = env_file(tmp_path)
+    stacks = []
+    for project, environ in (("kdtree", {}), (found.group(2), second)):
+        r = config(compose, env, COMPOSE, project=project, environ=environ)
+        assert r.returncode == 0, r.stderr
+        stacks.append((project, yaml.safe_load(r.stdout)))
+    names = [{s.get("container_name") for s in doc["services"].values()} - {None} for _, doc in stacks]
+    assert names[0] == {"kdtree-server"} and names[0].isdisjoint(names[1]), names
+    ports = [set().union(*map(host_ports, doc["services"].values())) for _, doc in stacks]
+    assert len(ports[0]) == 2 and {p for _, p in ports[0]}.isdisjoint({p for _, p in ports[1]}), ports
+    for (
+        project,
+        doc,
+    ) in stacks:  # named by compose per project (v2 writes the name out, v1 leaves it implicit)
+        for key, volume in (doc.get("volumes") or {}).items():
+            volume = volume or {}
+            assert not volume.get("external") and volume.get("name", f"{project}_{key}") == f"{project}_{key}"
+        assert all(not (n or {}).get("external") for n in (doc.get("networks") or {}).values())
+    assert f"kdtreectl --url http://127.0.0.1:{second['KDTREE_PUBLISH_SIDECAR_PORT']}" in row

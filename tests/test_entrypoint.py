@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from entrypoint import launch
-from entrypoint.launch import EXIT_CONFIG, Gpu, LaunchError, main
+from entrypoint.launch import EXIT_CONFIG, Gpu, LaunchError, LauncherSettings, main
 from kdtree.control import write_desired_mode
 
 H200 = Gpu(0, "NVIDIA H200", (9, 0))
@@ -22,7 +22,13 @@ def model(tmp_path):
 
 @pytest.fixture(autouse=True)
 def env(monkeypatch, tmp_path):
-    for var in ("KDTREE_VERIFY", "KDTREE_ALLOW_OTHER_BACKEND", "KDTREE_KERNEL_LIB"):
+    for var in (
+        "KDTREE_VERIFY",
+        "KDTREE_ALLOW_OTHER_BACKEND",
+        "KDTREE_KERNEL_LIB",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+    ):
         monkeypatch.delenv(var, raising=False)
     state = tmp_path / "state"
     state.mkdir()
@@ -197,11 +203,16 @@ def test_off_mode_needs_no_kernel_code_for_the_gpu(model, monkeypatch):
 
 def test_missing_model_path(tmp_path, capsys):
     assert run(args(tmp_path / "models" / "absent"))[0] == EXIT_CONFIG
-    assert f"--model-path {tmp_path}/models/absent does not exist in the container" in error_line(capsys)
+    line = error_line(capsys)
+    assert f"--model-path {tmp_path}/models/absent does not exist; fix: check the path" in line
+    assert "container" not in line  # the launcher may run on a host too
 
 
 def test_unreadable_model_path(model, monkeypatch, capsys):
-    monkeypatch.setattr(launch.os, "access", lambda path, mode: False)
+    real = launch.os.access
+    monkeypatch.setattr(
+        launch.os, "access", lambda path, mode: real(path, mode) and "models" not in str(path)
+    )
     assert run(args(model))[0] == EXIT_CONFIG
     assert "is not readable by uid" in error_line(capsys)
 
@@ -209,6 +220,72 @@ def test_unreadable_model_path(model, monkeypatch, capsys):
 def test_hub_model_id_is_left_to_sglang(model):
     argv = ["--model-path", "deepseek-ai/DeepSeek-V2-Lite", *args(model)[2:]]
     assert run(argv)[0] == 0
+
+
+@pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_hub_model_id_offline_is_refused_naming_the_download(model, monkeypatch, capsys, var):
+    """The stack sets HF_HUB_OFFLINE=1: SGLang would fail minutes later trying to download."""
+    monkeypatch.setenv(var, "1")
+    argv = ["--model-path", "deepseek-ai/DeepSeek-V2-Lite", *args(model)[2:]]
+    assert run(argv)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert (
+        "--model-path deepseek-ai/DeepSeek-V2-Lite is no local folder" in line
+        and f"{var}=1 and it is not in" in line
+    )
+    assert (
+        "fix: download it where there is network (huggingface-cli download deepseek-ai/DeepSeek-V2-Lite "
+        in line
+    )
+    assert "KDTREE_MODEL=DeepSeek-V2-Lite" in line
+    draft = spec(model, "EAGLE3", "--speculative-draft-model-path", "org/draft")
+    assert run(draft)[0] == EXIT_CONFIG
+    assert "--speculative-draft-model-path org/draft is no local folder" in error_line(capsys)
+    monkeypatch.setenv(var, "0")
+    assert run(argv)[0] == 0
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the first one set decides, as huggingface_hub reads them
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    assert run(argv)[0] == 0
+
+
+def test_hub_model_id_offline_in_the_local_cache_is_left_to_sglang(model, monkeypatch, tmp_path):
+    """Offline, SGLang loads a repo id from the Hugging Face cache: one whose config.json is there passes."""
+    constants = pytest.importorskip("huggingface_hub.constants", reason="huggingface_hub (the server extra)")
+    cache = tmp_path / "hub"
+    repo = cache / "models--deepseek-ai--DeepSeek-V2-Lite"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["--model-path", "deepseek-ai/DeepSeek-V2-Lite", *args(model)[2:]]
+    assert run(argv)[0] == 0
+    assert run(["--model-path", "deepseek-ai/Other", *args(model)[2:]])[0] == EXIT_CONFIG
+
+
+def test_a_missing_state_dir_is_refused_and_never_created(model, monkeypatch, tmp_path, capsys):
+    """Outside the image nothing has made /var/run/kdtree: the launcher names KDTREE_STATE_DIR, creates nothing
+    (the sidecar would never read it), and records nothing (there is nowhere to)."""
+    absent = tmp_path / "absent"
+    monkeypatch.setenv("KDTREE_STATE_DIR", str(absent))
+    assert run(args(model))[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert f"KDTREE_STATE_DIR={absent} does not exist; fix: set KDTREE_STATE_DIR to a folder" in line
+    assert not absent.exists()
+
+
+def test_the_state_dir_check_names_the_default_and_the_uid(tmp_path, monkeypatch):
+    monkeypatch.delenv("KDTREE_STATE_DIR")
+    with pytest.raises(LaunchError, match=r"KDTREE_STATE_DIR is not set and its default \S+ does not exist"):
+        launch.check_state_dir(str(tmp_path / "absent"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LaunchError, match="is not a directory"):
+        launch.check_state_dir(str(tmp_path / "file"))
+    monkeypatch.setattr(launch.os, "access", lambda path, mode: False)
+    with pytest.raises(LaunchError, match=r"is not writable by uid \d+; fix: make it writable by uid"):
+        launch.check_state_dir(str(tmp_path))
+    assert LauncherSettings.model_fields["state_dir"].default == "/var/run/kdtree"  # what the image creates
 
 
 def test_model_path_missing_entirely(capsys):

@@ -226,7 +226,12 @@ GOOD = [
         (
             {},
             ["--model-path", "/models/absent", *GOOD[2:]],
-            "--model-path /models/absent does not exist in the container",
+            "--model-path /models/absent does not exist; fix: check the path",
+        ),
+        (
+            {"HF_HUB_OFFLINE": "1"},  # as compose sets it; the image's own Hugging Face cache is empty
+            ["--model-path", "deepseek-ai/DeepSeek-V2-Lite", *GOOD[2:]],
+            "is no local folder, and as a Hugging Face repo id it cannot be downloaded: HF_HUB_OFFLINE=1",
         ),
         (
             {},
@@ -235,9 +240,19 @@ GOOD = [
         ),
         ({}, GOOD[:4], "--speculative-algorithm is not set"),
         ({}, [*GOOD[:5], "NEXTN"], "has none (config.json num_nextn_predict_layers)"),
-        ({}, GOOD, "no CUDA GPU is visible in the container"),  # the real torch probe, in the image
+        ({}, GOOD, "no CUDA GPU is visible to this process"),  # the real torch probe, in the image
+        ({"KDTREE_STATE_DIR": "/tmp/absent"}, GOOD, "KDTREE_STATE_DIR=/tmp/absent does not exist"),
     ],
-    ids=["bad-mode", "no-model", "backend", "no-speculation", "no-mtp-layers", "no-gpu"],
+    ids=[
+        "bad-mode",
+        "no-model",
+        "hub-id-offline",
+        "backend",
+        "no-speculation",
+        "no-mtp-layers",
+        "no-gpu",
+        "no-state-dir",
+    ],
 )
 def test_entrypoint_rejects_a_bad_configuration(server_image, models, env, args, message):
     r = docker_run(server_image, *args, volumes=[f"{models}:/models:ro"], env=env)
@@ -258,6 +273,17 @@ def test_sidecar_image_has_neither_torch_nor_sglang(sidecar_image):
     r = docker_run(sidecar_image, "-c", code, entrypoint="python")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "['fastapi', 'docker']"
+
+
+def test_sidecar_image_has_kdtreectl_on_its_path(sidecar_image):
+    """`docker compose exec sidecar kdtreectl ...`: the no-install way in (README). Its help never shows the
+    token, which the stack puts into the sidecar's environment."""
+    r = docker_run(
+        sidecar_image, "--help", entrypoint="kdtreectl", env={"KDTREE_ADMIN_TOKEN": "in-env-secret"}
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Exit codes:" in r.stdout and "{status,wait,mode,rollout,check}" in r.stdout
+    assert "in-env-secret" not in r.stdout
 
 
 # ---- compose ----------------------------------------------------------------------------------------
@@ -322,6 +348,18 @@ class Stack:
         )
         assert r.returncode == 0, f"docker-compose {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
         return r
+
+    def kdtreectl(self, *args: str) -> subprocess.CompletedProcess:
+        """`docker-compose exec sidecar kdtreectl ARGS`, as the README's no-install way in (any exit code)."""
+        cmd = ["docker-compose", "-p", self.project, "--project-directory", str(REPO)]
+        cmd += ["--env-file", str(self.env_file), *(a for f in self.files for a in ("-f", str(f)))]
+        return subprocess.run(
+            [*cmd, "exec", "-T", "sidecar", "kdtreectl", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def status(self) -> dict:
         r = self.http.get("/status")
@@ -581,6 +619,11 @@ def test_compose_sidecar_reports_loading_while_the_port_is_closed_then_ready(sta
     while health() != "healthy" and time.monotonic() < deadline:
         time.sleep(1)
     assert health() == "healthy"
+    # The no-install way in: kdtreectl inside the sidecar, with the stack's URL and token from its environment.
+    r = stack.kdtreectl("status")
+    assert r.returncode == 0 and "phase:     ready" in r.stdout, (r.stdout, r.stderr)
+    r = stack.kdtreectl("mode", "validate", "--dry-run")  # POST /mode: authenticated by the container's token
+    assert r.returncode == 0 and "validate -> validate" in r.stdout, (r.stdout, r.stderr)
 
 
 def test_compose_sidecar_has_no_docker_socket_and_shares_the_servers_pid_namespace(stack):
@@ -622,6 +665,8 @@ def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
     assert any("exit code 137" in r for r in s["reasons"]), s["reasons"]
     assert "recorded no exit status" in s["container"]["state"]["error"]
     assert s["log"]["latest_marker"] is not None, s["log"]  # how far the server got before it died
+    r = stack.kdtreectl("status")
+    assert r.returncode == 3 and "phase:     crashed" in r.stdout, (r.stdout, r.stderr)  # README: 3 crashed
     subprocess.run(["docker", "start", stack.server], check=True, capture_output=True)
     stack.wait("ready after the manual start", lambda s: s["ready"], timeout=90)
 
@@ -745,3 +790,41 @@ def test_compose_crash_at_start_shows_the_traceback(stack):
     assert "Traceback (most recent call last)" in excerpt, excerpt
     assert any("exit code 1" in r for r in s["reasons"]), s["reasons"]
     assert s["container"]["state"]["exit_code"] == 1
+
+
+def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_image, server_image, tmp_path):
+    """The README's troubleshooting row, on this GPU-less engine: `up` fails with Docker's own message, and the
+    sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S."""
+    require_compose()
+    models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
+    s = Stack(tmp_path, models, files=[REPO / "compose.yaml"])
+    s.env["KDTREE_START_GRACE_S"] = "3"
+    try:
+        cmd = [
+            "docker-compose",
+            "-p",
+            s.project,
+            "--project-directory",
+            str(REPO),
+            "--env-file",
+            str(s.env_file),
+        ]
+        up = subprocess.run(
+            [*cmd, "-f", str(REPO / "compose.yaml"), "up", "-d"],
+            env=s.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert up.returncode != 0
+        assert 'could not select device driver "nvidia" with capabilities: [[gpu]]' in up.stderr, up.stderr
+        readme = (REPO / "README.md").read_text()
+        assert '`could not select device driver "nvidia" with capabilities: [[gpu]]`' in readme
+        st = s.wait("the broken verdict", lambda st: st["condition"] == "broken", timeout=60)
+        assert st["phase"] == "loading" and not st["ready"]
+        assert any(
+            "no server has started" in e and "KDTREE_START_GRACE_S=3" in e for e in st["condition_evidence"]
+        )
+    finally:
+        s.down()
+        shutil.rmtree(models)

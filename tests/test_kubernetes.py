@@ -18,15 +18,21 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import kubernetes_validate
 import pytest
-import yaml
-from kubernetes_validate.utils import latest_version, major_minor
 
-from entrypoint.launch import LauncherSettings
-from kdtree.config import VerifySettings
-from sidecar.app import create_app
-from sidecar.settings import SidecarSettings
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate",
+    reason="kubernetes-validate is not installed (the dev extra: pip install -e '.[sidecar,dev]')",
+)
+yaml = pytest.importorskip(
+    "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+)
+from kubernetes_validate.utils import latest_version, major_minor  # noqa: E402
+
+from entrypoint.launch import LauncherSettings  # noqa: E402
+from kdtree.config import VerifySettings  # noqa: E402
+from sidecar.app import create_app  # noqa: E402
+from sidecar.settings import SidecarSettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"

@@ -19,15 +19,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import promql_parser
 import pytest
-import yaml
 
-from kdtree.config import Mode
-from kdtree.status import new_record, read_records, write_record
-from sidecar.metrics import OUTCOMES, Metrics
-from sidecar.probe import REASONS
-from sidecar.settings import SidecarSettings
+promql_parser = pytest.importorskip(
+    "promql_parser", reason="promql-parser is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+)
+yaml = pytest.importorskip(
+    "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
+)
+
+from kdtree.config import Mode  # noqa: E402
+from kdtree.status import new_record, read_records, write_record  # noqa: E402
+from sidecar.metrics import OUTCOMES, Metrics  # noqa: E402
+from sidecar.probe import REASONS  # noqa: E402
+from sidecar.settings import SidecarSettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

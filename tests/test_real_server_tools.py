@@ -15,10 +15,10 @@ import pytest
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
 sys.path.insert(0, str(GPU_DIR))
 
+torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
+
 import tiny_model  # noqa: E402
 import torch_standins  # noqa: E402
-
-torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
 
 
 @pytest.fixture(scope="module")

@@ -141,11 +141,21 @@ def test_dry_run_shows_every_gate_and_flips_nothing(replicas):
     fails = re.findall(r"^  FAIL  min_calls_compared: need >= 100, got (\d+)$", r.stdout, re.M)
     passes = re.findall(r"^  pass  min_calls_compared: need >= 100, got (\d+)$", r.stdout, re.M)
     assert len(fails) == 1 and 10 <= int(fails[0]) < 100 and len(passes) == 2, r.stdout
-    assert "a gate would refuse; nothing changed" in r.stdout
+    assert f"dry run: 1 refused by its gate ({stacks[1][0]}); nothing changed" in r.stdout
     assert [read_desired_mode(state) for _, _, state in stacks] == [Mode.VALIDATE] * 3
     assert [proc.starts for _, proc, _ in stacks] == [1, 1, 1]
     ok = rollout([stacks[0], stacks[2]], "--to", "on", "--dry-run")
     assert ok.returncode == 0 and "every replica would be allowed" in ok.stdout
+
+
+def test_a_dry_run_names_an_unreachable_sidecar_as_unreachable(replicas):
+    stacks = replicas(GOOD_PARITY, mode=Mode.VALIDATE)
+    gone = (f"http://127.0.0.1:{free_port()}", None, None)
+    r = rollout([stacks[0], gone], "--to", "on", "--dry-run")
+    assert r.returncode == 7, (r.stdout, r.stderr)
+    assert [table(r.stdout)[url][2] for url in (stacks[0][0], gone[0])] == ["allowed", "unreachable"]
+    assert f"dry run: 1 unreachable or not a sidecar ({gone[0]}); nothing changed" in r.stdout
+    assert "gate" not in r.stdout.splitlines()[-1]
 
 
 def test_an_unreachable_sidecar_stops_the_rollout_before_anything_changes(replicas):

@@ -224,6 +224,28 @@ async def test_metrics_export_rank_parity(engine, tmp_path):
     assert "kdtree_ready 1.0" in text
 
 
+async def test_the_ready_gauge_is_the_latest_verdict_whichever_endpoint_asked(engine, tmp_path):
+    """GET /status alone moves kdtree_ready (as it moves kdtree_condition), and /metrics never reads 0 while
+    /status says ready."""
+    proc = engine("--tp-size", "2")
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        assert "kdtree_ready 0.0" in (await c.get("/metrics")).text  # nothing assessed yet
+        deadline = time.monotonic() + 30
+        while not (st := (await c.get("/status")).json())["ready"]:
+            assert time.monotonic() < deadline, st["reasons"]
+            await asyncio.sleep(0.1)
+        text = (await c.get("/metrics")).text
+        assert "kdtree_ready 1.0" in text and 'kdtree_condition{kdtree_condition="ready"} 1.0' in text
+        proc.stop()
+        while (st := (await c.get("/status")).json())["ready"]:
+            assert time.monotonic() < deadline + 30
+            await asyncio.sleep(0.1)
+        text = (await c.get("/metrics")).text
+    assert (
+        "kdtree_ready 0.0" in text and f'kdtree_condition{{kdtree_condition="{st["condition"]}"}} 1.0' in text
+    )
+
+
 # ---- pure pieces ----------------------------------------------------------------------------------------
 
 
