@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
@@ -74,6 +76,10 @@ class SidecarSettings(BaseSettings):
 
     # Who may change the mode.
     admin_token: str | None = None
+    admin_token_file: Path | None = Field(
+        None,
+        description="a file holding the admin token (a Kubernetes Secret volume), instead of KDTREE_ADMIN_TOKEN",
+    )
     allow_open_admin: bool = False
 
     # The gate to `on`: evidence collected in validate mode.
@@ -110,7 +116,7 @@ class SidecarSettings(BaseSettings):
     def _known_control(cls, v):
         if v not in ("process", "docker"):
             raise ValueError(
-                "set it to process (signal the server in a shared PID namespace, no Docker socket: "
+                "set it to process (a restart request in the state volume, no Docker socket: "
                 "compose.yaml's default) or docker (restart the container KDTREE_SERVER_CONTAINER through the "
                 "Docker socket: add compose.docker.yaml)"
             )
@@ -118,12 +124,38 @@ class SidecarSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _admin_is_decided(self) -> SidecarSettings:
+        if self.admin_token_file is not None:
+            if self.admin_token:
+                raise ValueError(
+                    "both KDTREE_ADMIN_TOKEN and KDTREE_ADMIN_TOKEN_FILE are set: set one (the file keeps the token "
+                    "out of the process environment)"
+                )
+            self.admin_token = read_secret_file(self.admin_token_file, "KDTREE_ADMIN_TOKEN_FILE")
         if not self.admin_token and not self.allow_open_admin:
             raise ValueError(
                 "no admin token: set KDTREE_ADMIN_TOKEN to a secret (clients send 'Authorization: Bearer <secret>'), "
                 "or set KDTREE_ALLOW_OPEN_ADMIN=true to let anyone who reaches the sidecar change the mode"
             )
         return self
+
+
+SECRET_MAX = 4096  # bytes: a token is a line; a larger file is refused unread
+
+
+def read_secret_file(path: Path, setting: str) -> str:
+    """The secret in `path` (one line; the trailing newline is dropped); ValueError naming the setting and the fix."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(SECRET_MAX + 1)
+    except OSError as e:
+        raise ValueError(f"{setting}={str(path)!r} cannot be read ({e.strerror}): mount the secret there, "
+                         f"readable by uid {os.getuid()}") from None  # fmt: skip
+    text = data.decode("utf-8", errors="replace").strip()
+    if len(data) > SECRET_MAX or not text or "\n" in text:
+        raise ValueError(
+            f"{setting}={str(path)!r} must hold the secret alone, on one line of at most {SECRET_MAX} bytes"
+        )
+    return text
 
 
 def load_sidecar_settings(**overrides) -> SidecarSettings:

@@ -98,6 +98,11 @@ class Store:
             ) from None
         except ValueError as e:  # not a regular file, or too large
             raise ConfigError(f"{e}; move it aside to start from the mode file") from None
+        except OSError as e:  # e.g. a file an earlier sidecar (another uid) wrote 0600
+            raise ConfigError(
+                f"{self.path} cannot be read by uid {os.getuid()} ({e.strerror}): make the state volume the group "
+                "10001's (README, Troubleshooting: the chgrp/chmod line)"
+            ) from None
 
     def save(self, state: SidecarState, *, retry: bool = False) -> None:
         """Replace the state file; VolumeWriteFailed when the volume does not take it."""

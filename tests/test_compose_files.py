@@ -76,9 +76,26 @@ def test_the_default_stack_controls_the_server_without_the_docker_socket(compose
     assert r.returncode == 0, r.stderr
     assert "docker.sock" not in r.stdout and "group_add" not in r.stdout
     assert re.search(r"KDTREE_SERVER_CONTROL: process\b", r.stdout)
-    assert re.search(r"pid: service:sidecar\b", r.stdout)  # the sidecar can see and signal the server
-    assert re.search(r"init: true\b", r.stdout)  # and a reaping PID 1 runs that namespace
-    assert r.stdout.count("restart: unless-stopped") == 2  # what starts the server again after a stop
+    assert "pid:" not in r.stdout  # no shared PID namespace: the restart is a request in the state volume
+    assert r.stdout.count("restart: unless-stopped") == 3  # what starts the server again after it stopped
+
+
+def test_a_namespace_owner_holds_the_network_and_publishes_the_ports(compose, tmp_path):
+    """netns only sleeps, so it never restarts; the sidecar and the server join its network, so either restarts
+    alone (docker/compose#6626: joining a restarted owner cuts a container off)."""
+    services = rendered(compose, env_file(tmp_path))
+    owner = services["netns"]
+    assert owner["entrypoint"] == ["sleep", "infinity"] and owner["init"] is True
+    # compose v1 renders a port as "127.0.0.1:8080:8080/tcp", v2 as a mapping
+    published = {
+        p["target"] if isinstance(p, dict) else int(p.split("/")[0].rsplit(":", 1)[1]) for p in owner["ports"]
+    }
+    assert published == {30000, 8080}, owner["ports"]
+    for name in ("sidecar", "server"):
+        service = services[name]
+        assert service["network_mode"] == "service:netns", name
+        assert "ports" not in service and "pid" not in service and not service.get("init"), name
+    assert owner["image"] == services["sidecar"]["image"] and owner["build"] == services["sidecar"]["build"]
 
 
 def test_docker_override_adds_the_socket_and_its_group(compose, tmp_path):
@@ -145,7 +162,12 @@ WIRED = {
     "server": {"KDTREE_STATE_DIR", "KDTREE_VERIFY"},
 }  # fmt: skip
 # Settings compose does not pass, each for a reason the README gives.
-NOT_IN_COMPOSE = {"KDTREE_SIDECAR_HOST", "KDTREE_ALLOW_OPEN_ADMIN", "KDTREE_SERVER_CONTAINER"}
+NOT_IN_COMPOSE = {
+    "KDTREE_SIDECAR_HOST",
+    "KDTREE_ALLOW_OPEN_ADMIN",
+    "KDTREE_SERVER_CONTAINER",
+    "KDTREE_ADMIN_TOKEN_FILE",
+}
 # Read from the environment outside a settings class (kdtree/kernel.py).
 SERVER_ENV_ONLY = {"KDTREE_KERNEL_CONFIG": "", "KDTREE_KERNEL_LIB": ""}
 
