@@ -101,6 +101,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
             "phase": a.phase,
             "mode": a.mode,
             "reasons": a.reasons,
+            "notes": a.notes,
             "probe_latency_s": a.probe.latency_s if a.probe else None,
         }
         return ApiJSON(body, status_code=200 if a.ready else 503)

@@ -36,8 +36,16 @@ class SidecarSettings(BaseSettings):
     probe_deadline_s: float = Field(
         10.0, gt=0, description="no probe and no GET /ready takes longer than this"
     )
-    probe_ttl_s: float = Field(
-        5.0, ge=0, description="a probe result is reused this long: at most one probe per TTL"
+    probe_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds between the background completion probes; GET /ready answers from the latest verdicts",
+    )
+    probe_failure_threshold: int = Field(
+        3,
+        ge=1,
+        description="consecutive failed probes, after the server has served since its start, before the probe counts "
+        "against readiness (a probe that queued behind load only while SGLang's /health fails too)",
     )
 
     # The tensor-parallel ranks and their records.
@@ -51,11 +59,17 @@ class SidecarSettings(BaseSettings):
     heartbeat_stale_s: float = Field(30.0, gt=0)
 
     # How the sidecar observes and restarts the server: `process` (its entrypoint's state file and log in
-    # state_dir, signals in a shared PID namespace) or `docker` (the container named server_container,
-    # through the Docker socket).
+    # state_dir, a restart request there) or `docker` (the container named server_container, through the Docker
+    # socket).
     server_control: Literal["process", "docker"] = "process"
     server_container: str | None = None
     restart_stop_timeout_s: int = Field(30, ge=0, description="SIGTERM grace before the server is killed")
+    drain_s: float = Field(
+        25.0,
+        ge=0,
+        description="before a flip or a rollback stops the server: seconds /ready answers 503 first, so that load "
+        "balancers stop routing to it (the readinessProbe's periodSeconds x failureThreshold, and some)",
+    )
     restart_wait_s: float = Field(
         300.0, gt=0, description="process control: seconds the orchestrator has to start the stopped server"
     )

@@ -39,7 +39,8 @@ class Transition(BaseModel):
     force: bool = False
     requested_at: float = Field(default_factory=time.time)
     # live:    accepted -> writing_mode -> awaiting_ranks -> baking -> (succeeded)
-    # restart: accepted -> writing_mode -> restarting -> waiting_ready -> baking -> (succeeded)
+    # restart: accepted -> writing_mode -> draining (when the server runs) -> restarting -> waiting_ready -> baking
+    #          -> (succeeded)
     # any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed)
     # POST /mode off while it runs -> (preempted), then the off transition runs
     method: str = "restart"  # live | restart

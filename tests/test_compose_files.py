@@ -283,7 +283,7 @@ def test_readme_and_env_example_agree_on_the_stack_variables():
 
 
 # Settings the Kubernetes Deployment writes out at their class defaults, so that an operator finds them there.
-KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S"}
+KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S", "KDTREE_DRAIN_S"}
 
 
 def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_defaults():
@@ -348,3 +348,36 @@ def test_container_logs_are_bounded_and_sglang_exports_its_metrics(compose, tmp_
     env = env_file(tmp_path)
     env.write_text(env.read_text() + "KDTREE_CONTAINER_LOG_MAX_SIZE=10m\nKDTREE_CONTAINER_LOG_MAX_FILES=2\n")
     assert rendered(compose, env)["server"]["logging"]["options"] == {"max-size": "10m", "max-file": "2"}
+
+
+# ---- stops: the drain window and the stop grace, from their derivations -------------------------------------
+
+
+def seconds(value: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(m|s)", str(value))
+    assert m, value
+    return float(m[1]) * (60 if m[2] == "m" else 1)
+
+
+def test_the_drain_outlasts_the_servers_healthcheck_window(compose, tmp_path):
+    """A flip's /ready 503 turns the server unhealthy (interval x retries) within KDTREE_DRAIN_S, so a proxy that
+    routes by it has stopped before the SIGTERM."""
+    check = rendered(compose, env_file(tmp_path))["server"]["healthcheck"]
+    window = seconds(check["interval"]) * check["retries"]
+    assert window <= 20 < env_names(SidecarSettings)["KDTREE_DRAIN_S"], window
+    assert (
+        "/ready" in " ".join(check["test"])
+        and seconds(check["timeout"]) > env_names(SidecarSettings)["KDTREE_PROBE_DEADLINE_S"]
+    )
+
+
+def test_the_servers_stop_grace_covers_sglangs_normal_stop(compose, tmp_path):
+    """compose.yaml's derivation: SGLang notices SIGTERM (5 s), the requests in flight (60 s budgeted), its
+    schedulers (15 s), the entrypoint's last output (READER_DRAIN_S); a SIGKILL only past that."""
+    from entrypoint.supervise import READER_DRAIN_S
+
+    grace = seconds(rendered(compose, env_file(tmp_path))["server"]["stop_grace_period"])
+    assert grace >= 5 + 60 + 15 + READER_DRAIN_S, grace
+    assert (
+        "stop_grace_period" not in rendered(compose, env_file(tmp_path))["sidecar"]
+    )  # uvicorn stops at once

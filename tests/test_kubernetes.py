@@ -600,3 +600,30 @@ def test_placement(rendered, target):
         assert "runtimeClassName" not in spec and "nodeSelector" not in spec
     for c in all_containers(rendered[target]):
         assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]
+
+
+# --- stops: the drain, preStop and the grace period, from their derivations -----------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_flip_drains_for_longer_than_the_readiness_probe_needs(rendered, target, monkeypatch, tmp_path):
+    """KDTREE_DRAIN_S (a flip's /ready 503 before the server is stopped) covers periodSeconds x failureThreshold of the
+    pod's readinessProbe: the Service has dropped the pod before the SIGTERM."""
+    sidecar = container(rendered[target], "sidecar")
+    probe = sidecar["readinessProbe"]
+    drain = _load(SidecarSettings, sidecar, monkeypatch, tmp_path).drain_s
+    assert drain > probe["periodSeconds"] * probe["failureThreshold"], (drain, probe)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_grace_period_covers_prestop_and_the_servers_own_stop(rendered, target):
+    """terminationGracePeriodSeconds = the server's preStop + compose's stop_grace_period (SGLang's normal stop) + the
+    native sidecar's stop + a margin: the normal stop ends in the server's own exit, not in SIGKILL."""
+    services, _ = compose_for(target)
+    stop = int(services["server"]["stop_grace_period"].removesuffix("s"))
+    server = container(rendered[target], "server")
+    pre_stop = server["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and 5 <= int(pre_stop[1]) <= 30, pre_stop
+    grace = pod(rendered[target])["terminationGracePeriodSeconds"]
+    assert grace >= int(pre_stop[1]) + stop + 5, (grace, pre_stop, stop)
+    assert "lifecycle" not in container(rendered[target], "sidecar")  # it stops after the server, at once

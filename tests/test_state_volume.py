@@ -465,7 +465,12 @@ async def test_a_server_answering_garbage_is_broken_after_the_answering_budget(s
     """Counted from the first answer after the start: the time the port stayed closed while loading is not."""
     proc = standin("--fault", "malformed", "--load-seconds", "1.2", wait=False)
     settings = make_settings(
-        tmp_path, proc.port, answering_budget_s=0.5, ready_timeout_s=60, probe_ttl_s=0, probe_deadline_s=0.5
+        tmp_path,
+        proc.port,
+        answering_budget_s=0.5,
+        ready_timeout_s=60,
+        probe_interval_s=0.05,
+        probe_deadline_s=0.5,
     )
     async with sidecar(settings, server=proc) as c:
         seen = []
