@@ -159,6 +159,7 @@ class Controller:
             settings.probe_max_tokens,
             settings.probe_deadline_s,
             settings.served_model_name,
+            settings.server_api_key.get_secret_value() if settings.server_api_key else None,
         )
         self.prober.on_result = self._observe_probe
         self._monitor_task: asyncio.Task | None = None

@@ -174,7 +174,9 @@ class Prober:
         model = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with httpx.AsyncClient(base_url=self.server_url, timeout=self.timeout_s) as client:
+                async with httpx.AsyncClient(
+                    base_url=self.server_url, timeout=self.timeout_s, headers=self._headers
+                ) as client:
                     model = self.configured_model or self._discovered_model or await self._discover(client)
                     self._discovered_model = None if self.configured_model else model
                     result = await self._complete(client, model, start)
@@ -213,11 +215,19 @@ class Prober:
             model=model,
         )
 
-    @staticmethod
-    def _json(resp: httpx.Response, what: str):
+    def _json(self, resp: httpx.Response, what: str):
         if resp.status_code != 200:
+            hint = ""
+            if resp.status_code == 401:
+                hint = (
+                    " (SGLang runs with --api-key: set KDTREE_SERVER_API_KEY, which the launcher passes to SGLang)"
+                    if not self._headers
+                    else " (KDTREE_SERVER_API_KEY is not the key SGLang was started with)"
+                )
             raise ProbeFailure(
-                HTTP_STATUS, f"{what} answered HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code
+                HTTP_STATUS,
+                f"{what} answered HTTP {resp.status_code}: {resp.text[:200]}{hint}",
+                resp.status_code,
             )
         try:
             return resp.json()

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kdtree.config import ConfigError, Mode
@@ -46,6 +46,9 @@ class SidecarSettings(BaseSettings):
         ge=1,
         description="consecutive failed probes, after the server has served since its start, before the probe counts "
         "against readiness (a probe that queued behind load only while SGLang's /health fails too)",
+    )
+    server_api_key: SecretStr | None = Field(
+        None, description="SGLang's --api-key: the probe sends it as 'Authorization: Bearer'"
     )
 
     # The tensor-parallel ranks and their records.

@@ -407,6 +407,25 @@ async def test_a_server_that_never_served_is_judged_by_the_completion_probe(engi
     assert "probe failed (timeout)" in body["reasons"][0] and st["server_health"]["ok"]
 
 
+# ---- SGLang's --api-key ----------------------------------------------------------------------------------------
+
+
+async def test_the_probe_sends_the_servers_api_key(engine, tmp_path):
+    """A server started with --api-key (the stand-in checks it as SGLang's middleware does) becomes ready only with
+    KDTREE_SERVER_API_KEY; the key never shows in /ready or /status."""
+    key = "sk-standin-0123456789"
+    proc = engine("--tp-size", "2", "--api-key", key)
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        body = (await c.get("/ready")).json()
+    assert not body["ready"] and "answered HTTP 401" in body["reasons"][0], body
+    assert "set KDTREE_SERVER_API_KEY" in body["reasons"][0]
+    async with sidecar(make_settings(tmp_path, proc.port, server_api_key=key)) as c:
+        body = await wait_ready(c)
+        status = (await c.get("/status")).text
+    assert body["ready"] and key not in status and key not in str(body)
+    assert repr(make_settings(tmp_path, proc.port, server_api_key=key)).count(key) == 0
+
+
 async def test_the_api_docs_are_not_served(tmp_path):
     """No /docs, /redoc or /openapi.json: the README documents the API, and an open schema maps the admin endpoint."""
     async with sidecar(make_settings(tmp_path, free_port())) as c:
