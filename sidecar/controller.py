@@ -221,9 +221,11 @@ class Controller:
 
     async def stop(self) -> None:
         """Stop the background probe and a running transition (its persisted state makes the next start resolve it)."""
-        if self._monitor_task is not None:
+        # Cancelled again until it ends: asyncio.wait_for (in SingleFlight, Python 3.11) can swallow a cancellation
+        # that lands as the probe finishes.
+        while self._monitor_task is not None and not self._monitor_task.done():
             self._monitor_task.cancel()
-            await asyncio.wait([self._monitor_task])
+            await asyncio.wait([self._monitor_task], timeout=0.5)
         if self.running():
             self._cancel_reason = "the sidecar is stopping"
             self._task.cancel()
