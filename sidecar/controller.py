@@ -339,12 +339,16 @@ class Controller:
         self._retry_save()
         probe, container, snap = await asyncio.gather(
             self._probe_for(fresh),
-            self.container_flight.get(
-                1.0 if fresh else max(s.probe_interval_s, 1.0), wait=s.probe_deadline_s
-            ),
+            self.container_flight.get(1.0, wait=s.probe_deadline_s),  # at most one inspection a second
             self._snapshot(),
         )
         container = container or ContainerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
+        # What came before the server's latest start (a crash and the restart policy, a restart by hand) is the
+        # previous server's: neither its last probe nor its ranks' records speak for this one.
+        begun = container.state.started_at if container.state else None
+        if begun is not None:
+            started_after = max(started_after or begun, begun)
+        stale_probe = probe is not None and begun is not None and probe.at < begun
         if snap is None:
             unread = (
                 f"the state volume ({s.state_dir}) did not answer within {self.volume.deadline_s:.3g}s: "
@@ -358,12 +362,18 @@ class Controller:
         reasons, notes = [], []
         if probe is None:
             reasons.append(f"the probe did not finish within {s.probe_deadline_s:g}s")
+        elif stale_probe:
+            reasons.append(
+                "no probe since the server's latest start yet (the background probe runs every "
+                f"KDTREE_PROBE_INTERVAL_S={s.probe_interval_s:g}s)"
+            )
         elif not probe.ok:
             problem, note = self._failed_probe(probe, container.state, fresh)
             reasons += [problem] if problem else []
             notes += [note] if note else []
         tolerated = bool(notes)
-        server_phase = self._server_phase(probe, container.state, ranks, tolerated)
+        current = None if stale_probe else probe
+        server_phase = self._server_phase(current, container.state, ranks, tolerated)
         if container.state and container.state.crashed:
             reasons.append(
                 f"server container is {container.state.status} (exit code {container.state.exit_code}, "
@@ -388,7 +398,7 @@ class Controller:
             phase = "switching" if t.method == "live" else "restarting"
         self.metrics.phase.state(phase)
         ready = not reasons
-        condition, evidence = self._condition(ready, container, probe, state_problems)
+        condition, evidence = self._condition(ready, container, current, state_problems)
         self.metrics.condition.state(condition)
         return Assessment(
             phase=phase,

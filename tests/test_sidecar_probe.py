@@ -8,6 +8,8 @@ with injected faults. It also writes the per-rank records the SGLang ranks write
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
+from entrypoint.supervise import read_process_record
 from kdtree.config import ConfigError, Mode
 from sidecar import probe as P
 from sidecar.app import create_app
@@ -405,6 +408,23 @@ async def test_a_server_that_never_served_is_judged_by_the_completion_probe(engi
         st = (await c.get("/status")).json()
     assert not body["ready"] and body["condition"] == "not_ready_yet", body
     assert "probe failed (timeout)" in body["reasons"][0] and st["server_health"]["ok"]
+
+
+async def test_a_verdict_from_before_the_servers_latest_start_does_not_count(supervised, tmp_path):
+    """The server restarts without the sidecar (a crash, then its restart policy): the last probe and the ranks'
+    records are the previous server's, so /ready waits for a probe of the new one (none comes for a minute here)."""
+    proc = supervised("--tp-size", "2", "--heartbeat-s", "0.2")
+    async with sidecar(make_settings(tmp_path, proc.port, probe_interval_s=60), server=proc) as c:
+        await wait_ready(c)
+        first = read_process_record(tmp_path)
+        os.kill(first.server_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (read_process_record(tmp_path) or first).starts == first.starts:
+            assert time.monotonic() < deadline, "the stand-in orchestrator did not start the server again"
+            await asyncio.sleep(0.1)
+        body = (await c.get("/ready")).json()
+    assert not body["ready"], body
+    assert any("no probe since the server's latest start yet" in r for r in body["reasons"]), body["reasons"]
 
 
 # ---- SGLang's --api-key ----------------------------------------------------------------------------------------
