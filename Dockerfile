@@ -56,9 +56,13 @@ COPY pyproject.toml README.m[d] ./
 COPY kdtree kdtree
 COPY sidecar sidecar
 COPY entrypoint entrypoint
-RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
-USER kdtree
-WORKDIR /home/kdtree
+# Its own user, not the server's: whatever runs in the server (model code under --trust-remote-code) cannot read
+# the sidecar's files. Both write the state volume (group-writable, setgid) through their group 10001.
+RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info \
+ && useradd --system --uid 10002 --gid 10001 --create-home --home-dir /home/kdtree-sidecar kdtree-sidecar \
+ && chmod 2775 /var/run/kdtree
+USER kdtree-sidecar
+WORKDIR /home/kdtree-sidecar
 EXPOSE 8080
 CMD ["python", "-m", "sidecar"]
 # Provenance last: a new commit or build time changes only this layer.
@@ -131,8 +135,11 @@ COPY --from=kernel /opt/kdtree/kernel/libkdtree_verify.so kdtree/lib/
 COPY sidecar sidecar
 COPY entrypoint entrypoint
 # sitecustomize alone on PYTHONPATH (the entrypoint package itself is installed into the venv).
+# The state volume's mount point, group-writable and setgid (every file in it is group 10001's): the sidecar
+# (uid 10002, group 10001) writes it too. A new named volume copies this ownership and mode.
 RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info \
- && mkdir -p /opt/kdtree/site && cp entrypoint/sitecustomize.py /opt/kdtree/site/
+ && mkdir -p /opt/kdtree/site && cp entrypoint/sitecustomize.py /opt/kdtree/site/ \
+ && chmod 2775 /var/run/kdtree
 # One cache root for everything the server compiles or caches at run time, created here and owned by the
 # runtime user: a new named volume mounted on it (compose's kdtree-cache) copies that ownership, where a
 # mount point missing from the image would be created root-owned and unwritable for uid 10001.

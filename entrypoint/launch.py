@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from entrypoint.supervise import DEFAULT_LOG_MAX_BYTES, StopRequested, Supervisor, SupervisorSettings
@@ -58,6 +58,8 @@ class LauncherSettings(SupervisorSettings):
     model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
 
     allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
+    # SGLang's --api-key, passed on by the launcher: the one place the key is set, which the sidecar reads too.
+    server_api_key: SecretStr | None = None
 
 
 class LaunchError(Exception):
@@ -135,6 +137,7 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--decode-attention-backend")
     p.add_argument("--speculative-algorithm")
     p.add_argument("--speculative-draft-model-path", "--speculative-draft-model")
+    p.add_argument("--api-key")
     args, _ = p.parse_known_args(list(argv))
     return args
 
@@ -288,6 +291,14 @@ def plan(
     launcher = _launcher_settings()
     mode, mode_source = _resolve_mode()
     args = _server_args(argv)
+    if args.api_key is not None:
+        raise LaunchError(
+            "--api-key is in the server's arguments, where the sidecar's probe cannot read it (it would never "
+            "become ready)",
+            "set KDTREE_SERVER_API_KEY instead: the launcher passes it to SGLang as --api-key, and the sidecar's "
+            "probe and kdtreectl check send it",
+        )
+    key = launcher.server_api_key.get_secret_value() if launcher.server_api_key else None
 
     model = _local_path("--model-path", args.model_path)
 
@@ -408,8 +419,10 @@ def plan(
         f"attention={'/'.join(f'{k}={v}' for k, v in backends.items()) or 'SGLang default'}; "
         f"speculative={algorithm}"
         + (f" draft={args.speculative_draft_model_path}" if args.speculative_draft_model_path else "")
+        + ("; api key: from KDTREE_SERVER_API_KEY" if key else "")
     )
-    return Plan(mode, mode_source, [sys.executable, "-m", "sglang.launch_server", *argv], summary)
+    extra = ["--api-key", key] if key else []
+    return Plan(mode, mode_source, [sys.executable, "-m", "sglang.launch_server", *argv, *extra], summary)
 
 
 def main(
@@ -442,8 +455,8 @@ def main(
             return sup.finish(EXIT_CONFIG)
         print(p.summary, file=sys.stderr, flush=True)
         sup.log_line(p.summary)
-        env = {**environ, "KDTREE_VERIFY": p.mode.value}
-        return serve(sup, p.argv, env)
+        env = {k: v for k, v in environ.items() if k != "KDTREE_SERVER_API_KEY"}  # SGLang has it as --api-key
+        return serve(sup, p.argv, {**env, "KDTREE_VERIFY": p.mode.value})
     except StopRequested as e:
         return sup.stopped(e)
 

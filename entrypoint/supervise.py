@@ -13,11 +13,25 @@ Docker socket (KDTREE_SERVER_CONTROL=process, sidecar/process_control.py):
   server has ended its exit status. It is written before the launcher reads the mode file, so a sidecar that
   restarts the server after writing the mode file never mistakes an older start for the new one. A pid that
   is gone while the file records no exit status was killed with SIGKILL (an OOM kill looks like that).
+- heartbeat: while the launcher runs it rewrites the state file every HEARTBEAT_S seconds (`heartbeat_at`):
+  how the sidecar, in another container and PID namespace, knows it is alive (a pid from another namespace
+  means nothing there).
 - signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 are passed on to the server, which runs in
   its own process group (a terminal's Ctrl-C reaches it once, through the launcher) with PDEATHSIG=SIGKILL
   (it never outlives the launcher). A stop signal that arrives before the server has started ends the
   launcher at once. The launcher exits with the server's status, 128+N when signal N killed it, after
-  the last line has been copied (whatever the server's own children left is killed with its group).
+  the last line has been copied (whatever the server's own children left is killed with its group). The
+  first stop signal and its time are recorded (`stop_signal`, `stop_signal_at`) and logged. An orchestrator's
+  stop is bounded by the orchestrator's grace period (compose `stop_grace_period`, Kubernetes
+  `terminationGracePeriodSeconds`): the launcher waits for the server as long as it lives.
+- restart requests: the sidecar restarts the server without a signal across containers. It writes
+  KDTREE_STATE_DIR/restart-request.json naming this start; the launcher, polling every REQUEST_POLL_S,
+  records the request's id (`restart_request`: the sidecar's acknowledgement), stops the server as the
+  orchestrator's SIGTERM would (it sends SIGTERM to itself), SIGKILLs the server's process group when it has
+  not exited within the request's stop_timeout_s, and exits; the restart policy starts the container again.
+  A request for an earlier start is ignored.
+- init: as the container's PID 1 (its own PID namespace, no init of the runtime's), the launcher reaps the
+  orphans that the kernel hands it while the server runs, so none stays a zombie.
 
 `python -m entrypoint.supervise COMMAND [ARG...]` runs any command this way, without the launcher's checks:
 the CPU stand-in stack in CI runs the stand-in engine through it, so that its log and state file come
@@ -41,10 +55,14 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kdtree.status import own_pid_ns, write_atomically
+from kdtree.status import own_pid_ns, read_bounded, write_atomically
 
 LOG_FILE = "server.log"
 PROCESS_FILE = "server-process.json"
+REQUEST_FILE = "restart-request.json"
+HEARTBEAT_S = 2.0  # the state file's heartbeat_at is rewritten this often while the launcher runs
+REQUEST_POLL_S = 0.5  # how often the launcher looks for a restart request
+REQUEST_MAX = 4096  # bytes: a restart request is a few fields; a larger file is ignored unread
 DEFAULT_LOG_MAX_BYTES = 10 * 1024 * 1024
 MIN_LOG_MAX_BYTES = 64 * 1024
 MAX_LOG_LINE = 64 * 1024  # a longer run of output without a newline is written as several lines
@@ -87,6 +105,21 @@ class ServerProcessRecord(BaseModel):
     exit_code: int | None = None  # the launcher's exit status: the server's, or 128+N when signal N killed it
     signal: str | None = None  # the signal that killed the server, e.g. SIGKILL
     stop_signal: str | None = None  # the first stop signal the launcher received (and passed on)
+    stop_signal_at: float | None = None  # when it arrived
+    restart_request: str | None = None  # the id of the sidecar's restart request this start acted on
+    heartbeat_at: float | None = None  # rewritten every HEARTBEAT_S while the launcher runs
+
+
+class RestartRequest(BaseModel):
+    """KDTREE_STATE_DIR/restart-request.json, written by the sidecar: stop start number `start` as the
+    orchestrator's SIGTERM would, SIGKILL the server's process group after stop_timeout_s, and exit."""
+
+    schema_version: int = 1
+    id: str = Field(min_length=1, max_length=64)
+    start: int = Field(ge=1)  # the start it is meant for (ServerProcessRecord.starts): a later one ignores it
+    requested_at: float
+    stop_timeout_s: float = Field(ge=0)
+    reason: str = Field("", max_length=500)
 
 
 def process_path(state_dir: str | os.PathLike) -> Path:
@@ -115,6 +148,23 @@ def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | N
 def write_process_record(state_dir: str | os.PathLike, record: ServerProcessRecord) -> Path:
     """Atomically replace the record (a reader never sees half of one)."""
     return write_atomically(process_path(state_dir), record.model_dump_json())
+
+
+def request_path(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir) / REQUEST_FILE
+
+
+def write_restart_request(state_dir: str | os.PathLike, request: RestartRequest) -> Path:
+    return write_atomically(request_path(state_dir), request.model_dump_json())
+
+
+def read_restart_request(state_dir: str | os.PathLike) -> RestartRequest | None:
+    """The standing restart request; None when there is none or it is unreadable (a request that cannot be read
+    is not acted on: the sidecar then reports that its request was not acted on)."""
+    try:
+        return RestartRequest.model_validate_json(read_bounded(request_path(state_dir), REQUEST_MAX))
+    except (OSError, ValueError):
+        return None
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -154,8 +204,7 @@ def signal_name(signum: int) -> str:
 
 
 def start_mark(starts: int, started_at: float, pid: int) -> str:
-    stamp = datetime.fromtimestamp(started_at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return f"{START_MARK} #{starts} at {stamp} (t={started_at:.3f}), pid {pid}"
+    return f"{START_MARK} #{starts} at {_iso(started_at)} (t={started_at:.3f}), pid {pid}"
 
 
 class RotatingLog:
@@ -250,10 +299,18 @@ class Supervisor:
         self._pending: list[int] = []
         self._saved: dict[int, object] = {}
         self.record: ServerProcessRecord | None = None
+        self._lock = threading.Lock()  # the record's writes, and the phase against the watcher's SIGKILL
+        self._done = threading.Event()
+        self._stop_noted = False  # the watcher has persisted and logged the stop signal
+        self._kill_at: float | None = None  # monotonic time of the SIGKILL a restart request set
+        self._watcher: threading.Thread | None = None
+        self._save_error: str | None = None
 
     def begin(self) -> Supervisor:
         self._record_start()
         self._take_signals()
+        self._watcher = threading.Thread(target=self._watch, name="kdtree-supervisor", daemon=True)
+        self._watcher.start()
         return self
 
     # ---- state -----------------------------------------------------------------------------------
@@ -273,18 +330,24 @@ class Supervisor:
             starts=(previous.starts + 1) if previous else 1,
             started_at=time.time(),
         )
+        self.record.heartbeat_at = self.record.started_at
         self._save()
         self.log_line(start_mark(self.record.starts, self.record.started_at, pid))
 
     def _save(self) -> None:
         try:
-            write_process_record(self.state_dir, self.record)
+            with self._lock:
+                write_process_record(self.state_dir, self.record)
         except OSError as e:
-            print(
-                f"kdtree launcher: warning: cannot write {process_path(self.state_dir)}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
+            if str(e) != self._save_error:  # once per problem, not at every heartbeat
+                print(
+                    f"kdtree launcher: warning: cannot write {process_path(self.state_dir)}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._save_error = str(e)
+        else:
+            self._save_error = None
 
     def log_line(self, text: str) -> None:
         """A line of the launcher's own into the log file (not to stdout/stderr)."""
@@ -305,8 +368,9 @@ class Supervisor:
         self._saved.clear()
 
     def _on_signal(self, signum: int, frame) -> None:
+        # No file or lock here (the main thread may hold either): the watcher persists and logs the stop.
         if signum in STOP_SIGNALS and self.record and self.record.stop_signal is None:
-            self.record.stop_signal = signal_name(signum)
+            self.record.stop_signal, self.record.stop_signal_at = signal_name(signum), time.time()
         if self._phase == "before":
             if signum in STOP_SIGNALS:
                 raise StopRequested(signum)
@@ -317,6 +381,91 @@ class Supervisor:
                 os.kill(self.child.pid, signum)
             except ProcessLookupError:
                 pass
+
+    # ---- the watcher: heartbeat, restart requests, orphans -----------------------------------------
+
+    def _watch(self) -> None:
+        next_beat = 0.0
+        while not self._done.wait(REQUEST_POLL_S):
+            request = read_restart_request(self.state_dir)
+            if (
+                request is not None
+                and request.start == self.record.starts
+                and not self.record.restart_request
+            ):
+                self._act_on(request)
+            if self._note_stop():
+                next_beat = 0.0  # persist it now
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                self._kill_at = None
+                self._kill_server()
+            if os.getpid() == 1:
+                self._reap_orphans()
+            if time.monotonic() >= next_beat:
+                self.record.heartbeat_at = time.time()
+                self._save()
+                next_beat = time.monotonic() + HEARTBEAT_S
+
+    def _act_on(self, request: RestartRequest) -> None:
+        """Stop as the orchestrator's SIGTERM would: the signal goes to this process, whose handler passes it on."""
+        self.record.restart_request = request.id
+        self._save()  # the sidecar's acknowledgement
+        why = f" ({request.reason})" if request.reason else ""
+        self._say(
+            f"kdtree launcher: restart request {request.id} from the sidecar{why}: SIGTERM to the server, "
+            f"SIGKILL after {request.stop_timeout_s:g}s; the restart policy starts the container again"
+        )
+        self._kill_at = time.monotonic() + request.stop_timeout_s
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _kill_server(self) -> None:
+        """The restart request's stop timeout passed: SIGKILL the server's process group (its pid is not reaped
+        while the phase is running, so it still names that group)."""
+        with self._lock:
+            if self._phase == "running":
+                self._say(
+                    "kdtree launcher: the server did not stop within the restart request's stop_timeout_s: "
+                    "SIGKILL to its process group"
+                )
+                _killpg(self.child.pid)
+
+    def _reap_orphans(self) -> None:
+        """PID 1 inherits every orphan of its namespace: reap the dead ones, never the server (run() waits for it)."""
+        with self._lock:
+            if self._phase != "running":
+                return  # before the server runs, a child is the launcher's own (subprocess.run reaps it)
+            while True:
+                try:
+                    info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    return
+                if info is None or info.si_pid == self.child.pid:
+                    return
+                try:
+                    os.waitpid(info.si_pid, 0)
+                except ChildProcessError:
+                    return
+
+    def _note_stop(self) -> bool:
+        """Log the stop signal and its time once (True the first time)."""
+        if not self.record.stop_signal or self._stop_noted:
+            return False
+        self._stop_noted = True
+        at = self.record.stop_signal_at or time.time()
+        self._say(
+            f"kdtree launcher: {self.record.stop_signal} at {_iso(at)} (t={at:.3f}): stopping the server"
+        )
+        return True
+
+    def _stop_watcher(self) -> None:
+        self._done.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
+        self._note_stop()  # one the watcher had no time to log
+
+    def _say(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        self.log_line(line)
 
     # ---- the server ------------------------------------------------------------------------------
 
@@ -357,15 +506,14 @@ class Supervisor:
         # Wait without reaping, so the pid (the process group's id) cannot be reused while the group's
         # leftovers are killed: the server's own children must not outlive it, holding GPUs and our pipes.
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        self._phase = "done"  # from here on the pid may be reused: no more signals to it
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        with self._lock:
+            self._phase = "done"  # from here on the pid may be reused: no more signals to it
+        _killpg(pid)
         rc = self.child.wait()
         deadline = time.monotonic() + READER_DRAIN_S
         for t in pumps:  # the rest of the output (a pipe keeps what was written before its writer died)
             t.join(max(0.0, deadline - time.monotonic()))
+        self._stop_watcher()
         if rc < 0:
             self.record.signal = signal_name(-rc)
             line = f"kdtree launcher: the server was killed by {self.record.signal} (exit status {128 - rc})"
@@ -411,7 +559,9 @@ class Supervisor:
 
     def finish(self, exit_code: int) -> int:
         """Record the end of this start; returns exit_code."""
-        self._phase = "done"
+        with self._lock:
+            self._phase = "done"
+        self._stop_watcher()
         self.record.exited_at = time.time()
         self.record.exit_code = exit_code
         self._save()
@@ -422,10 +572,22 @@ class Supervisor:
 
     def stopped(self, e: StopRequested) -> int:
         """The launcher was asked to stop before the server started: exit as that signal would."""
+        self._stop_watcher()
         line = f"kdtree launcher: stopped by {signal_name(e.signum)} before the server started"
         print(line, file=sys.stderr, flush=True)
         self.log_line(line)
         return self.finish(128 + e.signum)
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def load_supervisor_settings() -> SupervisorSettings:

@@ -109,12 +109,18 @@ def record_path(state_dir: str | os.PathLike, tp_rank: int) -> Path:
     return Path(state_dir) / f"rank-{tp_rank}.json"
 
 
+STATE_FILE_MODE = 0o640  # owner writes; the group (the other container's user, gid 10001) reads
+
+
 def write_atomically(path: Path, text: str) -> Path:
     """Replace `path` with `text` through a temporary file and a rename, so that a reader sees the old file or the
-    new one, never half of one. Every file in the state directory is written this way."""
+    new one, never half of one. Every file in the state directory is written this way, group-readable: the server
+    (uid 10001) and the sidecar (uid 10002) share the group 10001 and each reads what the other writes (mkstemp
+    alone makes 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, STATE_FILE_MODE)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

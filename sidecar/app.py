@@ -56,7 +56,9 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
         yield
         await controller.stop()
 
-    app = FastAPI(title="kdtree sidecar", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the README documents the API, and nothing here should map it for whoever
+    # reaches the port.
+    app = FastAPI(title="kdtree sidecar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.controller = controller
     bearer = HTTPBearer(auto_error=False)
 
@@ -98,6 +100,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
             "phase": a.phase,
             "mode": a.mode,
             "reasons": a.reasons,
+            "notes": a.notes,
             "probe_latency_s": a.probe.latency_s if a.probe else None,
         }
         return ApiJSON(body, status_code=200 if a.ready else 503)

@@ -438,7 +438,7 @@ async def _load(
     levels, evidence = [], []
     limits = httpx.Limits(max_connections=max(args.concurrency))
     async with httpx.AsyncClient(
-        base_url=args.server_url, timeout=args.request_timeout, limits=limits
+        base_url=args.server_url, timeout=args.request_timeout, limits=limits, headers=server_headers()
     ) as http:
         for c in args.concurrency:
             before = _fresh_counts(side, time.time())
@@ -469,9 +469,16 @@ def _fresh_counts(side: SidecarClient, at: float, timeout: float = 30.0) -> dict
         time.sleep(0.2)
 
 
+def server_headers() -> dict[str, str]:
+    """SGLang's --api-key, as the sidecar's probe sends it (KDTREE_SERVER_API_KEY): Authorization: Bearer."""
+    key = os.environ.get("KDTREE_SERVER_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _model(args) -> str:
     try:
-        body = httpx.get(f"{args.server_url.rstrip('/')}/v1/models", timeout=args.http_timeout).json()
+        url = f"{args.server_url.rstrip('/')}/v1/models"
+        body = httpx.get(url, timeout=args.http_timeout, headers=server_headers()).json()
         return str(body["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ServerUnreachable(f"GET {args.server_url}/v1/models gave no model: {short(e, 200)}") from None
@@ -480,7 +487,8 @@ def _model(args) -> str:
 def _accept_from_server(args) -> float | None:
     """SGLang's average accept length (/server_info internal_states), where responses carried none."""
     try:
-        states = httpx.get(f"{args.server_url.rstrip('/')}/server_info", timeout=args.http_timeout).json()
+        url = f"{args.server_url.rstrip('/')}/server_info"
+        states = httpx.get(url, timeout=args.http_timeout, headers=server_headers()).json()
         values = [s.get("avg_spec_accept_length") for s in states.get("internal_states") or []]
         values = [v for v in values if isinstance(v, int | float) and v > 0]
         return statistics.fmean(values) if values else None

@@ -13,6 +13,17 @@ persisted before it is taken, so a sidecar that stops mid-way resolves the trans
 
 A transition runs iff its task runs: the task is the claim, so none outlives it, whatever ends it.
 
+Readiness holds under load. A background task probes on its own cadence (KDTREE_PROBE_INTERVAL_S: the sidecar,
+not whoever polls /ready, decides when a completion is sent), and /ready answers from the latest verdicts
+without waiting on a probe. A server that has served since its latest start stays ready through failed probes
+until KDTREE_PROBE_FAILURE_THRESHOLD of them in a row, and past that, for probes that queued behind traffic
+(a timeout, a 503 or 429), for as long as SGLang's load-aware /health answers 200; a refused connection, a dead
+or stale rank and a crashed server count at once. A server that has not served since its start is judged by the
+completion probe alone, and so are the bake and a flip's wait for readiness (a fresh probe each, strictly).
+
+Drain: before a flip or a rollback stops a running server, /ready answers 503 for KDTREE_DRAIN_S, so that the
+load balancers that poll it (a readinessProbe) stop routing to the server before it gets SIGTERM.
+
 The state volume can fail under it. A failed write during a forward flip (the state file, the mode file, an
 audit entry) ends it like any failed step. The rollback and the outcome write what they can: an outcome the
 volume does not take stays in memory (/status shows it; the next request is not refused), and the volume's
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from pydantic import BaseModel, Field, StrictBool
@@ -61,6 +73,7 @@ from .store import SidecarState, Store, Transition
 from .volume import StateVolume, VolumeWriteFailed
 
 log = logging.getLogger("kdtree.sidecar")
+BUSY_STATUS = (429, 503)  # a completion refused for load (or while SGLang drains): /health decides
 
 
 class ContainerView(BaseModel):
@@ -104,6 +117,7 @@ class Assessment(BaseModel):
     condition: str
     condition_evidence: list[str]
     reasons: list[str]
+    notes: list[str] = []  # what is wrong but tolerated (probes failing under load), for people
     mode: Mode  # the mode the server is expected to run in right now
     probe: ProbeResult | None
     container: ContainerView
@@ -145,8 +159,11 @@ class Controller:
             settings.probe_max_tokens,
             settings.probe_deadline_s,
             settings.served_model_name,
+            settings.server_api_key.get_secret_value() if settings.server_api_key else None,
         )
         self.prober.on_result = self._observe_probe
+        self._monitor_task: asyncio.Task | None = None
+        self._draining_until: float | None = None  # monotonic: /ready is 503 until the server is stopped
         self.container_flight: SingleFlight[ContainerView] = SingleFlight(self._inspect)
         self.log_flight: SingleFlight[str] = SingleFlight(self._logs)
         self._task: asyncio.Task | None = None  # the running request or transition: the claim
@@ -162,6 +179,7 @@ class Controller:
     async def start(self) -> None:
         """Resolve a transition that a previous sidecar left unfinished, or adopt a mode file written while no
         sidecar ran (the kill switch by hand: README, "Reaching off when the sidecar is down")."""
+        self._monitor_task = asyncio.create_task(self._monitor())
         t = self.state.active
         if t is None:
             try:
@@ -202,7 +220,12 @@ class Controller:
         self._finish(t, "rollback_failed" if not_back else "aborted")
 
     async def stop(self) -> None:
-        """Stop a running transition; its persisted state makes the next start resolve it."""
+        """Stop the background probe and a running transition (its persisted state makes the next start resolve it)."""
+        # Cancelled again until it ends: asyncio.wait_for (in SingleFlight, Python 3.11) can swallow a cancellation
+        # that lands as the probe finishes.
+        while self._monitor_task is not None and not self._monitor_task.done():
+            self._monitor_task.cancel()
+            await asyncio.wait([self._monitor_task], timeout=0.5)
         if self.running():
             self._cancel_reason = "the sidecar is stopping"
             self._task.cancel()
@@ -253,6 +276,25 @@ class Controller:
 
     # ---- observation -----------------------------------------------------------------------------
 
+    async def _monitor(self) -> None:
+        """The background probe: a completion every KDTREE_PROBE_INTERVAL_S (joining one in flight, e.g. a bake's),
+        and SGLang's /health beside it while probes fail."""
+        s = self.settings
+        while True:
+            began = time.monotonic()
+            try:
+                health = asyncio.create_task(self.prober.check_health()) if self.prober.failures else None
+                result = await self.prober.get(0)
+                if health is None and result is not None and not result.ok and result.reason != REFUSED:
+                    health = asyncio.create_task(self.prober.check_health())
+                if health is not None:
+                    await health
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the next round tries again; the verdict ages meanwhile
+                log.error("the background probe failed: %s: %s", type(e).__name__, e, exc_info=e)
+            await asyncio.sleep(max(0.05, s.probe_interval_s - (time.monotonic() - began)))
+
     def _observe_probe(self, result: ProbeResult) -> None:
         self.metrics.probe_duration.observe(result.latency_s)
         if not result.ok:
@@ -280,20 +322,33 @@ class Controller:
             return {t.from_mode, t.to_mode}
         return {self.expected_mode()}
 
+    async def _probe_for(self, fresh: bool) -> ProbeResult | None:
+        """A probe of its own (fresh), or the background probe's latest verdict (the first one, waited for)."""
+        if fresh:
+            return await self.prober.get(0)
+        return self.prober.latest or await self.prober.get(math.inf)
+
     async def assess(
-        self, max_age: float | None = None, mode: Mode | None = None, started_after: float | None = None
+        self, fresh: bool = False, mode: Mode | None = None, started_after: float | None = None
     ) -> Assessment:
+        """What the server looks like. fresh (a flip's wait, the bake): a probe of its own, which must pass;
+        else the latest verdicts, with the tolerance for load (the module's docstring)."""
         s = self.settings
-        max_age = s.probe_ttl_s if max_age is None else max_age
         modes = {mode} if mode else self.expected_modes()
         mode = mode or self.expected_mode()
         self._retry_save()
         probe, container, snap = await asyncio.gather(
-            self.prober.get(max_age),
-            self.container_flight.get(max(max_age, 1.0), wait=s.probe_deadline_s),
+            self._probe_for(fresh),
+            self.container_flight.get(1.0, wait=s.probe_deadline_s),  # at most one inspection a second
             self._snapshot(),
         )
         container = container or ContainerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
+        # What came before the server's latest start (a crash and the restart policy, a restart by hand) is the
+        # previous server's: neither its last probe nor its ranks' records speak for this one.
+        begun = container.state.started_at if container.state else None
+        if begun is not None:
+            started_after = max(started_after or begun, begun)
+        stale_probe = probe is not None and begun is not None and probe.at < begun
         if snap is None:
             unread = (
                 f"the state volume ({s.state_dir}) did not answer within {self.volume.deadline_s:.3g}s: "
@@ -304,12 +359,21 @@ class Controller:
             ranks = check_ranks(s, snap.views, modes, started_after)
         else:
             ranks = RankCheck(ok=True, problems=[], ranks=[])
-        server_phase = self._server_phase(probe, container.state, ranks)
-        reasons = []
+        reasons, notes = [], []
         if probe is None:
             reasons.append(f"the probe did not finish within {s.probe_deadline_s:g}s")
+        elif stale_probe:
+            reasons.append(
+                "no probe since the server's latest start yet (the background probe runs every "
+                f"KDTREE_PROBE_INTERVAL_S={s.probe_interval_s:g}s)"
+            )
         elif not probe.ok:
-            reasons.append(f"probe failed ({probe.reason}): {probe.detail}")
+            problem, note = self._failed_probe(probe, container.state, fresh)
+            reasons += [problem] if problem else []
+            notes += [note] if note else []
+        tolerated = bool(notes)
+        current = None if stale_probe else probe
+        server_phase = self._server_phase(current, container.state, ranks, tolerated)
         if container.state and container.state.crashed:
             reasons.append(
                 f"server container is {container.state.status} (exit code {container.state.exit_code}, "
@@ -319,6 +383,12 @@ class Controller:
         server_ready = not reasons
         state_problems = self._state_problems(snap)
         reasons += state_problems
+        if self._draining_until is not None:
+            left = max(0.0, self._draining_until - time.monotonic())
+            reasons.append(
+                f"draining: the server is stopped in {left:.0f}s (KDTREE_DRAIN_S={s.drain_s:g}), once load "
+                "balancers that poll /ready have stopped routing to it"
+            )
         t = self.state.active
         if t is None:
             phase = server_phase
@@ -328,7 +398,7 @@ class Controller:
             phase = "switching" if t.method == "live" else "restarting"
         self.metrics.phase.state(phase)
         ready = not reasons
-        condition, evidence = self._condition(ready, container, probe, state_problems)
+        condition, evidence = self._condition(ready, container, current, state_problems)
         # The latest assessment is the sidecar's verdict, whoever asked for it (/ready, /status, a transition).
         self.metrics.ready.set(1 if ready else 0)
         self.metrics.condition.state(condition)
@@ -340,11 +410,43 @@ class Controller:
             condition=condition,
             condition_evidence=evidence,
             reasons=reasons,
+            notes=notes,
             mode=mode,
             probe=probe,
             container=container,
             ranks=ranks,
             mode_file=_mode_file_text(snap),
+        )
+
+    def _served_since_start(self, c: ContainerState | None) -> bool:
+        ok_at, started = self.prober.last_ok_at, c.started_at if c is not None else None
+        return ok_at is not None and (started is None or ok_at > started)
+
+    def _failed_probe(
+        self, probe: ProbeResult, c: ContainerState | None, fresh: bool
+    ) -> tuple[str | None, str | None]:
+        """(a reason the server is not ready, or None; a note when the failure is tolerated)."""
+        s = self.settings
+        failed = f"probe failed ({probe.reason}): {probe.detail}"
+        if fresh or probe.reason == REFUSED or not self._served_since_start(c):
+            return failed, None
+        n, limit, h = self.prober.failures, s.probe_failure_threshold, self.prober.health
+        busy = probe.reason == TIMEOUT or (probe.reason == HTTP_STATUS and probe.status_code in BUSY_STATUS)
+        health = f"SGLang's {h.detail}" if h is not None else "SGLang's /health not asked yet"
+        if n < limit:
+            return None, (
+                f"{n} probe(s) in a row failed, tolerated up to KDTREE_PROBE_FAILURE_THRESHOLD={limit} for a server "
+                f"that has served since its start ({health}); the latest: {failed}"
+            )
+        if busy and h is not None and h.ok:
+            return None, (
+                f"{n} probes in a row queued past the deadline or were refused for load, and {health}: its "
+                f"scheduler produces output, so the server is busy, not broken; the latest: {failed}"
+            )
+        why = f"and {health}" if busy else "with an answer that is wrong, not late"
+        return (
+            f"{n} probes in a row failed (KDTREE_PROBE_FAILURE_THRESHOLD={limit}) {why}; the latest: {failed}",
+            None,
         )
 
     def _retry_save(self) -> None:
@@ -439,7 +541,7 @@ class Controller:
         ]
 
     def _server_phase(
-        self, probe: ProbeResult | None, container: ContainerState | None, ranks: RankCheck
+        self, probe: ProbeResult | None, container: ContainerState | None, ranks: RankCheck, tolerated: bool
     ) -> str:
         if container is not None:
             if container.crashed:
@@ -448,7 +550,7 @@ class Controller:
                 return "starting"
         if probe is None:
             return "starting"
-        if probe.ok:
+        if probe.ok or tolerated:
             return "ready" if ranks.ok else "degraded"
         started = (container.started_at if container else None) or 0.0
         served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > started
@@ -494,6 +596,7 @@ class Controller:
             "condition": a.condition,
             "condition_evidence": a.condition_evidence,
             "reasons": a.reasons,
+            "notes": a.notes,
             "mode": {
                 "current": self.state.current_mode,
                 "expected_now": a.mode,
@@ -510,6 +613,8 @@ class Controller:
                 "error": log_error,
             },
             "probe": a.probe.model_dump() if a.probe else None,
+            "probe_failures_in_a_row": self.prober.failures,
+            "server_health": self.prober.health.model_dump() if self.prober.health else None,
             "ranks": [v.model_dump() for v in a.ranks.ranks],
             "rank_problems": a.ranks.problems,
             "expected_tp_size": self.settings.expected_tp_size,
@@ -685,7 +790,7 @@ class Controller:
     async def _criteria(self, target: Mode) -> list[Criterion]:
         if target in (Mode.OFF, Mode.STANDBY):
             return []  # the kill switch and the live remedy (Triton serves, kdtree idle) are never gated
-        a = await self.assess()
+        a = await self.assess(fresh=True)  # a probe of its own: a flip that could not bake is not started
         detail = "; ".join(a.reasons)
         if target == Mode.VALIDATE:
             up = a.probe is not None and a.probe.ok
@@ -793,14 +898,15 @@ class Controller:
             await asyncio.sleep(min(0.5, s.ready_poll_min_s))
 
     async def _restart(self, t: Transition) -> int | None:
-        """Restart the server container; returns its restart count right after (to spot crash loops)."""
+        """Drain, then restart the server container; returns its restart count right after (to spot crash loops)."""
         forward = t.step != "rolling_back"
-        if forward:
-            self._step(t, "restarting")
         previous = self._restart_call
         if previous is not None and not previous.done():
             self.store.audit("awaiting_previous_restart", t, detail="a preempted transition's restart runs")
             await asyncio.wait([previous])  # it cannot be taken back: this restart comes after it
+        await self._drain(t, forward)
+        if forward:
+            self._step(t, "restarting")
         t.restarted_at = time.time()  # rank records must come from processes started after this
         self._save(fatal=forward)
         call = asyncio.ensure_future(
@@ -817,6 +923,23 @@ class Controller:
             self.container_flight.invalidate()
         view = await self._inspect()
         return view.state.restart_count if view.state else None
+
+    async def _drain(self, t: Transition, forward: bool) -> None:
+        """/ready answers 503 for KDTREE_DRAIN_S before a running server is stopped: a readinessProbe (periodSeconds x
+        failureThreshold) takes the pod out of its Service first, so no new request meets the SIGTERM."""
+        s = self.settings
+        view = await self._inspect()
+        if s.drain_s <= 0 or view.state is None or not view.state.running:
+            return  # nothing serves that could be routed to
+        self._draining_until = time.monotonic() + s.drain_s
+        try:
+            if forward:
+                self._step(t, "draining", drain_s=s.drain_s)
+            else:
+                self.store.audit("draining", t, drain_s=s.drain_s)
+            await asyncio.sleep(s.drain_s)
+        finally:
+            self._draining_until = None
 
     async def _wait_ready(
         self, mode: Mode, started_after: float | None, restarts: int | None, *, forward: bool
@@ -838,7 +961,9 @@ class Controller:
             retry=retry_if_result(lambda a: not settled(a)),
             retry_error_callback=lambda state: state.outcome.result(),
         )
-        a = await retrying(self.assess, max_age=0, mode=mode, started_after=started_after)
+        # The sidecar's own verdict, as /ready gives it: the background probe's, strict until the server has served
+        # since this start (the bake's probes are its own).
+        a = await retrying(self.assess, mode=mode, started_after=started_after)
         crash = self._crash_reason(a, restarts)
         if crash:
             raise StepFailed(f"the server crashed while starting in mode {mode}: {crash}")
@@ -873,7 +998,7 @@ class Controller:
         for i in range(s.bake_probes):
             if i:
                 await asyncio.sleep(s.bake_interval_s)
-            a = await self.assess(max_age=0, mode=t.to_mode, started_after=t.restarted_at)
+            a = await self.assess(fresh=True, mode=t.to_mode, started_after=t.restarted_at)
             where = f"bake probe {i + 1}/{s.bake_probes}"
             crash = self._crash_reason(a, restarts)
             if crash:
@@ -919,7 +1044,7 @@ class Controller:
             if t.method == "live":
                 try:
                     await self._await_ranks(t, t.from_mode)
-                    a = await self.assess(max_age=0, mode=t.from_mode)
+                    a = await self.assess(fresh=True, mode=t.from_mode)
                     if not a.server_ready:
                         raise StepFailed("not ready after the live rollback: " + "; ".join(a.reasons))
                     self._finish(t, "rolled_back")

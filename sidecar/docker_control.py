@@ -1,7 +1,7 @@
 """The one SGLang server container, seen and restarted through the Docker SDK (KDTREE_SERVER_CONTROL=docker).
 
 Everything the sidecar does to the server goes through a ServerControl (inspect, logs, restart): this
-module's ServerContainer, or process_control.ServerProcess (signals in a shared PID namespace, no socket).
+module's ServerContainer, or process_control.ServerProcess (a restart request in the state volume, no socket).
 Both report the same ContainerState and raise DockerError (or a subclass) when they cannot answer or act,
 so the state machine is the same for both, and can be tested with any object that has the three methods.
 """

@@ -1,11 +1,16 @@
-"""The readiness probe: one short greedy completion through SGLang's OpenAI endpoint.
+"""The readiness probe: one short greedy completion through SGLang's OpenAI endpoint, and SGLang's own /health.
 
-It proves the whole serving path (tokenizer, scheduler, every TP rank, detokenizer, response schema), and with
-more than one token it decodes with speculation: each speculative step is a target-verify call on every rank,
-the call kdtree serves. It asks for KDTREE_PROBE_MAX_TOKENS tokens with ignore_eos (so an early end of text
+The completion proves the whole serving path (tokenizer, scheduler, every TP rank, detokenizer, response schema),
+and with more than one token it decodes with speculation: each speculative step is a target-verify call on every
+rank, the call kdtree serves. It asks for KDTREE_PROBE_MAX_TOKENS tokens with ignore_eos (so an early end of text
 cannot skip the verify steps) and for SGLang's speculative-decoding details (`spec_verify_ct`: the verify steps
-this completion took). Probes are expensive, so results are cached for a TTL and concurrent callers share one
-probe in flight.
+this completion took). Concurrent callers share one probe in flight; the Prober counts consecutive failures.
+
+Under load the completion queues behind real traffic and can miss its deadline while the server works. SGLang's
+/health then tells the two apart: SGLang 0.5.23 answers 200 once any output arrives (another request's counts)
+within SGLANG_HEALTH_CHECK_TIMEOUT (20 s) and 503 when none does (a dead or hung scheduler), starting or shutting
+down; it polls once a second, so it never answers in less than one. With --api-key set, SGLang wants
+`Authorization: Bearer <key>` on /v1/* (401 {"error": "Unauthorized"} without); /health needs none.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ class ProbeResult(BaseModel):
     verify_steps: int | None = (
         None  # sglext.spec_tokens_details.spec_verify_ct; None when the server gave none
     )
+
+
+class HealthResult(BaseModel):
+    """SGLang's GET /health: 200 while its scheduler produces output (anyone's), else 503 or no answer."""
+
+    ok: bool
+    status_code: int | None = None
+    detail: str = ""
+    latency_s: float
+    at: float
 
 
 class ProbeFailure(Exception):
@@ -98,9 +113,16 @@ class SingleFlight(Generic[T]):
 
 class Prober:
     def __init__(
-        self, server_url: str, prompt: str, max_tokens: int, deadline_s: float, model: str | None = None
+        self,
+        server_url: str,
+        prompt: str,
+        max_tokens: int,
+        deadline_s: float,
+        model: str | None = None,
+        api_key: str | None = None,
     ):
         self.server_url = server_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.prompt, self.max_tokens, self.deadline_s = prompt, max_tokens, deadline_s
         # The probe gives up a little before the deadline, so callers bounded by it still get its verdict.
         self.timeout_s = deadline_s * 0.9
@@ -111,23 +133,50 @@ class Prober:
         self.last_refused_at: float | None = None
         # The first probe answered over HTTP (ok or not) since the port was last seen closed (or a restart).
         self.answering_since: float | None = None
+        self.failures = 0  # consecutive failed probes (since the last good one, or the restart)
+        self.health: HealthResult | None = None  # the latest /health answer
         self.on_result: Callable[[ProbeResult], None] | None = None
 
     async def get(self, max_age: float) -> ProbeResult | None:
         return await self.flight.get(max_age, wait=self.deadline_s)
+
+    @property
+    def latest(self) -> ProbeResult | None:
+        return self.flight.cached
 
     def invalidate(self) -> None:
         """After a restart: old answers and the discovered model name no longer hold."""
         self.flight.invalidate()
         self._discovered_model = None
         self.answering_since = None
+        self.failures, self.health = 0, None
+
+    async def check_health(self) -> HealthResult:
+        """GET /health within the probe's timeout: ok only for a 200."""
+        start = time.monotonic()
+        try:
+            async with httpx.AsyncClient(base_url=self.server_url, timeout=self.timeout_s) as client:
+                async with asyncio.timeout(self.timeout_s):
+                    resp = await client.get("/health")
+            ok, code = resp.status_code == 200, resp.status_code
+            detail = f"GET /health answered {code}"
+        except (TimeoutError, httpx.TimeoutException):
+            ok, code, detail = False, None, f"GET /health did not answer within {self.timeout_s:.3g}s"
+        except httpx.HTTPError as e:
+            ok, code, detail = False, None, f"GET /health failed: {e!r}"
+        self.health = HealthResult(
+            ok=ok, status_code=code, detail=detail, latency_s=time.monotonic() - start, at=time.time()
+        )
+        return self.health
 
     async def probe(self) -> ProbeResult:
         start = time.monotonic()
         model = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with httpx.AsyncClient(base_url=self.server_url, timeout=self.timeout_s) as client:
+                async with httpx.AsyncClient(
+                    base_url=self.server_url, timeout=self.timeout_s, headers=self._headers
+                ) as client:
                     model = self.configured_model or self._discovered_model or await self._discover(client)
                     self._discovered_model = None if self.configured_model else model
                     result = await self._complete(client, model, start)
@@ -143,6 +192,7 @@ class Prober:
             result = self._failed(TIMEOUT, f"no answer within {self.timeout_s:.3g}s", start, model)
         except httpx.HTTPError as e:
             result = self._failed(DISCONNECTED, f"HTTP transport failed: {e!r}", start, model)
+        self.failures = 0 if result.ok else self.failures + 1
         if result.ok:
             self.last_ok_at = result.at
         elif result.reason == REFUSED:
@@ -165,11 +215,19 @@ class Prober:
             model=model,
         )
 
-    @staticmethod
-    def _json(resp: httpx.Response, what: str):
+    def _json(self, resp: httpx.Response, what: str):
         if resp.status_code != 200:
+            hint = ""
+            if resp.status_code == 401:
+                hint = (
+                    " (SGLang runs with --api-key: set KDTREE_SERVER_API_KEY, which the launcher passes to SGLang)"
+                    if not self._headers
+                    else " (KDTREE_SERVER_API_KEY is not the key SGLang was started with)"
+                )
             raise ProbeFailure(
-                HTTP_STATUS, f"{what} answered HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code
+                HTTP_STATUS,
+                f"{what} answered HTTP {resp.status_code}: {resp.text[:200]}{hint}",
+                resp.status_code,
             )
         try:
             return resp.json()

@@ -1,9 +1,9 @@
 """The server seen and restarted as a process, without the Docker socket (KDTREE_SERVER_CONTROL=process).
 
-The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json
-and copies the server's output into KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads
-both and maps them onto the same ContainerState the Docker control reports, so the controller's state
-machine is the same for both:
+The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json,
+rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's output into
+KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads both and maps them onto the same
+ContainerState the Docker control reports, so the controller's state machine is the same for both:
 
   record                                               ContainerState
   no file                                              ContainerMissing (no server has started yet)
@@ -13,12 +13,16 @@ machine is the same for both:
                                                        killed the server without a stop request
   restart_count = starts seen on the volume - 1, started_at = the start's time
 
-Restarting signals the launcher: SIGTERM (passed on to SGLang), then after the stop timeout SIGKILL to
-the server's process group and the launcher; then the orchestrator's restart policy starts the container
-again (compose: restart: unless-stopped; Kubernetes: restartPolicy: Always), which shows as a new start
-in the record. This needs the sidecar in the server's PID namespace (compose: `pid: service:sidecar` on
-the server; Kubernetes: shareProcessNamespace: true) and the same uid (10001 in both images): no
-capability and no socket.
+Alive means: a heartbeat younger than STALE_S (the launcher is in another container and PID namespace, where
+its pid means nothing to the sidecar); where the record's pid namespace is the sidecar's own (a test, or a
+pod sharing one), the pid itself is checked, which sees a SIGKILL at once.
+
+Restarting sends no signal across containers: the sidecar writes a restart request for the running start into
+the state volume (entrypoint.supervise.RestartRequest); the launcher acknowledges it in its record, stops the
+server as the orchestrator's SIGTERM would (SIGKILL to its process group after the request's stop timeout)
+and exits; the orchestrator's restart policy starts the container again (compose: restart: unless-stopped;
+Kubernetes: restartPolicy: Always), which shows as a new start in the record. The two containers share only
+the state volume (and, for the probe, the network): no PID namespace, no uid, no capability, no socket.
 """
 
 from __future__ import annotations
@@ -27,11 +31,24 @@ import os
 import re
 import signal
 import time
+import uuid
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from entrypoint.supervise import START_MARK, ServerProcessRecord, log_path, pid_alive, process_path
+from entrypoint.supervise import (
+    HEARTBEAT_S,
+    READER_DRAIN_S,
+    REQUEST_POLL_S,
+    START_MARK,
+    RestartRequest,
+    ServerProcessRecord,
+    log_path,
+    pid_alive,
+    process_path,
+    request_path,
+    write_restart_request,
+)
 from kdtree.status import open_regular, own_pid_ns, read_bounded, tail_of
 
 from .docker_control import ContainerMissing, ContainerState, DockerError
@@ -39,7 +56,9 @@ from .docker_control import ContainerMissing, ContainerState, DockerError
 _MARK = re.compile(re.escape(START_MARK) + r" #\d+ at \S+ \(t=(\d+(?:\.\d+)?)\)")
 LOG_READ_CAP = 4 * 1024 * 1024  # bytes read from the end of the log files per logs() call
 RECORD_CAP = 64 * 1024  # bytes: the process record is well under 1 KiB; a larger file is refused unread
-KILL_WAIT_S = 10.0  # after SIGKILL: how long the processes may take to disappear
+STALE_S = 5 * HEARTBEAT_S  # a launcher whose record has not been rewritten for this long is gone
+ACK_S = 10.0  # how long the launcher has to acknowledge a restart request (it looks every REQUEST_POLL_S)
+KILL_WAIT_S = 10.0  # after the stop timeout: how long the launcher may take to SIGKILL the server and exit
 
 
 class ProcessControlError(DockerError):
@@ -49,11 +68,18 @@ class ProcessControlError(DockerError):
 class ServerProcess:
     """inspect, logs and restart of the server through the state volume and signals (a ServerControl)."""
 
-    def __init__(self, state_dir: str | os.PathLike, restart_wait_s: float = 300.0, poll_s: float = 0.2):
+    def __init__(
+        self,
+        state_dir: str | os.PathLike,
+        restart_wait_s: float = 300.0,
+        poll_s: float = 0.2,
+        ack_s: float = ACK_S,
+    ):
         self.name = "server process"
         self.state_dir = Path(state_dir)
         self.restart_wait_s = restart_wait_s
         self.poll_s = poll_s
+        self.ack_s = ack_s
 
     # ---- the record ------------------------------------------------------------------------------
 
@@ -73,15 +99,17 @@ class ServerProcess:
         return rec
 
     def _alive(self, rec: ServerProcessRecord) -> bool:
-        """Is the launcher of a start without exit status still there? Only answerable in its namespace."""
+        """Is the launcher of a start without exit status still there: its pid where it is in our PID namespace,
+        else its heartbeat."""
         mine = own_pid_ns()
-        if rec.pid_ns and mine and rec.pid_ns != mine:
+        if not rec.pid_ns or rec.pid_ns == mine:
+            return pid_alive(rec.pid, rec.pid_start_ticks)
+        if rec.heartbeat_at is None:
             raise ProcessControlError(
-                f"the server runs in another PID namespace ({rec.pid_ns}; the sidecar's is {mine}): share it "
-                "(compose: `pid: service:sidecar` on the server; Kubernetes: shareProcessNamespace: true), "
-                "or set KDTREE_SERVER_CONTROL=docker"
+                f"{process_path(self.state_dir)} has no heartbeat and comes from another PID namespace: the server "
+                "runs an older entrypoint; run the server image of this sidecar's version"
             )
-        return pid_alive(rec.pid, rec.pid_start_ticks)
+        return time.time() - rec.heartbeat_at <= STALE_S
 
     def inspect(self) -> ContainerState:
         rec = self._record()
@@ -108,14 +136,19 @@ class ServerProcess:
             )
         if self._alive(rec):
             return ContainerState(**base, status="running", running=True)
+        gone = (
+            f"its heartbeat stopped {time.time() - rec.heartbeat_at:.0f}s ago"
+            if rec.heartbeat_at is not None and rec.pid_ns and rec.pid_ns != own_pid_ns()
+            else f"pid {rec.pid} is gone"
+        )
         return ContainerState(
             **base,
             status="exited",
             running=False,
             exit_code=128 + signal.SIGKILL,
             oom_killed=True,
-            error=f"pid {rec.pid} is gone and recorded no exit status: it was killed with SIGKILL "
-            "(an OOM kill looks like this)",
+            error=f"the launcher recorded no exit status and {gone}: it was killed with SIGKILL "
+            "(an OOM kill or `docker kill` looks like this)",
         )
 
     # ---- the log ---------------------------------------------------------------------------------
@@ -148,48 +181,62 @@ class ServerProcess:
     # ---- restart ---------------------------------------------------------------------------------
 
     def restart(self, stop_timeout_s: int) -> None:
-        """SIGTERM, SIGKILL after stop_timeout_s, then wait for the orchestrator to start the server again."""
+        """Ask the running start's launcher to stop (SIGKILL after stop_timeout_s) and exit, then wait for the
+        orchestrator to start the server again."""
         rec = self._record()
         if rec.exited_at is None and self._alive(rec):
-            self._signal(rec.pid, signal.SIGTERM)  # the launcher passes it on to the server
-            if not self._wait_gone(rec, stop_timeout_s):
-                if rec.server_pid and pid_alive(rec.server_pid, rec.server_start_ticks):
-                    self._signal(rec.server_pid, signal.SIGKILL, group=True)
-                self._signal(rec.pid, signal.SIGKILL)
-                if not self._wait_gone(rec, KILL_WAIT_S):
-                    raise ProcessControlError(f"pid {rec.pid} survived SIGKILL for {KILL_WAIT_S:g}s")
-        deadline = time.monotonic() + self.restart_wait_s
-        while time.monotonic() < deadline:
+            request = RestartRequest(
+                id=uuid.uuid4().hex[:16],
+                start=rec.starts,
+                requested_at=time.time(),
+                stop_timeout_s=stop_timeout_s,
+            )
+            path = request_path(self.state_dir)
             try:
-                new = read_process_record(self.state_dir)
-            except (ValueError, OSError):
-                new = None
-            if new is not None and (new.starts != rec.starts or new.started_at != rec.started_at):
-                return
-            time.sleep(self.poll_s)
-        raise ProcessControlError(
-            f"the server was stopped but did not start again within KDTREE_RESTART_WAIT_S="
-            f"{self.restart_wait_s:g}s: its restart policy must start it (compose: restart: unless-stopped; "
-            "Kubernetes: restartPolicy: Always)"
-        )
-
-    def _signal(self, pid: int, sig: int, group: bool = False) -> None:
-        try:
-            (os.killpg if group else os.kill)(pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+                write_restart_request(self.state_dir, request)
+            except OSError as e:
+                raise ProcessControlError(f"cannot write the restart request {path}: {e}") from None
+            acked = self._wait_record(
+                lambda r: r.restart_request == request.id or _other_start(r, rec), self.ack_s
+            )
+            if acked is None:
+                raise ProcessControlError(
+                    f"the server's launcher did not act on the restart request {path} within {self.ack_s:g}s (it looks "
+                    f"every {REQUEST_POLL_S:g}s): it is hung or not this version's entrypoint. Restart the server "
+                    "container by hand (compose: docker compose restart server; Kubernetes: kubectl delete pod), "
+                    "and run the server image of this sidecar's version"
+                )
+            stop_s = stop_timeout_s + KILL_WAIT_S + READER_DRAIN_S
+            if self._wait_record(lambda r: r.exited_at is not None or _other_start(r, rec), stop_s) is None:
+                raise ProcessControlError(
+                    f"the server's launcher acknowledged the restart request {request.id} but recorded no exit "
+                    f"within {stop_s:g}s: restart the server container by hand (compose: docker compose restart "
+                    "server; Kubernetes: kubectl delete pod)"
+                )
+        if self._wait_record(lambda r: _other_start(r, rec), self.restart_wait_s) is None:
             raise ProcessControlError(
-                f"not allowed to signal pid {pid}: run the sidecar as the server's uid (10001 in the images)"
-            ) from None
+                f"the server was stopped but did not start again within KDTREE_RESTART_WAIT_S="
+                f"{self.restart_wait_s:g}s: its restart policy must start it (compose: restart: unless-stopped; "
+                "Kubernetes: restartPolicy: Always)"
+            )
 
-    def _wait_gone(self, rec: ServerProcessRecord, timeout: float) -> bool:
+    def _wait_record(self, done, timeout: float) -> ServerProcessRecord | None:
+        """The first record for which done(record) holds, polled for up to timeout seconds; None when none did."""
         deadline = time.monotonic() + timeout
-        while pid_alive(rec.pid, rec.pid_start_ticks):
+        while True:
+            try:
+                rec = read_process_record(self.state_dir)
+            except (ValueError, OSError):
+                rec = None
+            if rec is not None and done(rec):
+                return rec
             if time.monotonic() >= deadline:
-                return False
-            time.sleep(min(self.poll_s, 0.05))
-        return True
+                return None
+            time.sleep(self.poll_s)
+
+
+def _other_start(new: ServerProcessRecord, old: ServerProcessRecord) -> bool:
+    return new.starts != old.starts or new.started_at != old.started_at
 
 
 def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | None:

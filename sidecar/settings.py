@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kdtree.config import ConfigError, Mode
@@ -34,8 +36,19 @@ class SidecarSettings(BaseSettings):
     probe_deadline_s: float = Field(
         10.0, gt=0, description="no probe and no GET /ready takes longer than this"
     )
-    probe_ttl_s: float = Field(
-        5.0, ge=0, description="a probe result is reused this long: at most one probe per TTL"
+    probe_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds between the background completion probes; GET /ready answers from the latest verdicts",
+    )
+    probe_failure_threshold: int = Field(
+        3,
+        ge=1,
+        description="consecutive failed probes, after the server has served since its start, before the probe counts "
+        "against readiness (a probe that queued behind load only while SGLang's /health fails too)",
+    )
+    server_api_key: SecretStr | None = Field(
+        None, description="SGLang's --api-key: the probe sends it as 'Authorization: Bearer'"
     )
 
     # The tensor-parallel ranks and their records.
@@ -49,11 +62,17 @@ class SidecarSettings(BaseSettings):
     heartbeat_stale_s: float = Field(30.0, gt=0)
 
     # How the sidecar observes and restarts the server: `process` (its entrypoint's state file and log in
-    # state_dir, signals in a shared PID namespace) or `docker` (the container named server_container,
-    # through the Docker socket).
+    # state_dir, a restart request there) or `docker` (the container named server_container, through the Docker
+    # socket).
     server_control: Literal["process", "docker"] = "process"
     server_container: str | None = None
     restart_stop_timeout_s: int = Field(30, ge=0, description="SIGTERM grace before the server is killed")
+    drain_s: float = Field(
+        25.0,
+        ge=0,
+        description="before a flip or a rollback stops the server: seconds /ready answers 503 first, so that load "
+        "balancers stop routing to it (the readinessProbe's periodSeconds x failureThreshold, and some)",
+    )
     restart_wait_s: float = Field(
         300.0, gt=0, description="process control: seconds the orchestrator has to start the stopped server"
     )
@@ -74,6 +93,10 @@ class SidecarSettings(BaseSettings):
 
     # Who may change the mode.
     admin_token: str | None = None
+    admin_token_file: Path | None = Field(
+        None,
+        description="a file holding the admin token (a Kubernetes Secret volume), instead of KDTREE_ADMIN_TOKEN",
+    )
     allow_open_admin: bool = False
 
     # The gate to `on`: evidence collected in validate mode.
@@ -110,7 +133,7 @@ class SidecarSettings(BaseSettings):
     def _known_control(cls, v):
         if v not in ("process", "docker"):
             raise ValueError(
-                "set it to process (signal the server in a shared PID namespace, no Docker socket: "
+                "set it to process (a restart request in the state volume, no Docker socket: "
                 "compose.yaml's default) or docker (restart the container KDTREE_SERVER_CONTAINER through the "
                 "Docker socket: add compose.docker.yaml)"
             )
@@ -118,12 +141,38 @@ class SidecarSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _admin_is_decided(self) -> SidecarSettings:
+        if self.admin_token_file is not None:
+            if self.admin_token:
+                raise ValueError(
+                    "both KDTREE_ADMIN_TOKEN and KDTREE_ADMIN_TOKEN_FILE are set: set one (the file keeps the token "
+                    "out of the process environment)"
+                )
+            self.admin_token = read_secret_file(self.admin_token_file, "KDTREE_ADMIN_TOKEN_FILE")
         if not self.admin_token and not self.allow_open_admin:
             raise ValueError(
                 "no admin token: set KDTREE_ADMIN_TOKEN to a secret (clients send 'Authorization: Bearer <secret>'), "
                 "or set KDTREE_ALLOW_OPEN_ADMIN=true to let anyone who reaches the sidecar change the mode"
             )
         return self
+
+
+SECRET_MAX = 4096  # bytes: a token is a line; a larger file is refused unread
+
+
+def read_secret_file(path: Path, setting: str) -> str:
+    """The secret in `path` (one line; the trailing newline is dropped); ValueError naming the setting and the fix."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(SECRET_MAX + 1)
+    except OSError as e:
+        raise ValueError(f"{setting}={str(path)!r} cannot be read ({e.strerror}): mount the secret there, "
+                         f"readable by uid {os.getuid()}") from None  # fmt: skip
+    text = data.decode("utf-8", errors="replace").strip()
+    if len(data) > SECRET_MAX or not text or "\n" in text:
+        raise ValueError(
+            f"{setting}={str(path)!r} must hold the secret alone, on one line of at most {SECRET_MAX} bytes"
+        )
+    return text
 
 
 def load_sidecar_settings(**overrides) -> SidecarSettings:

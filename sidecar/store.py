@@ -39,7 +39,8 @@ class Transition(BaseModel):
     force: bool = False
     requested_at: float = Field(default_factory=time.time)
     # live:    accepted -> writing_mode -> awaiting_ranks -> baking -> (succeeded)
-    # restart: accepted -> writing_mode -> restarting -> waiting_ready -> baking -> (succeeded)
+    # restart: accepted -> writing_mode -> draining (when the server runs) -> restarting -> waiting_ready -> baking
+    #          -> (succeeded)
     # any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed)
     # POST /mode off while it runs -> (preempted), then the off transition runs
     method: str = "restart"  # live | restart
@@ -98,6 +99,11 @@ class Store:
             ) from None
         except ValueError as e:  # not a regular file, or too large
             raise ConfigError(f"{e}; move it aside to start from the mode file") from None
+        except OSError as e:  # e.g. a file an earlier sidecar (another uid) wrote 0600
+            raise ConfigError(
+                f"{self.path} cannot be read by uid {os.getuid()} ({e.strerror}): make the state volume the group "
+                "10001's (README, Troubleshooting: the chgrp/chmod line)"
+            ) from None
 
     def save(self, state: SidecarState, *, retry: bool = False) -> None:
         """Replace the state file; VolumeWriteFailed when the volume does not take it."""

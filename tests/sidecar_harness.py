@@ -32,7 +32,8 @@ def make_settings(state_dir, port, **overrides) -> SidecarSettings:
         expected_tp_size=2,
         heartbeat_stale_s=3.0,
         probe_deadline_s=1.0,
-        probe_ttl_s=0.2,
+        probe_interval_s=0.1,
+        drain_s=0,
         ready_timeout_s=6.0,
         ready_poll_min_s=0.1,
         ready_poll_max_s=0.3,
@@ -107,10 +108,10 @@ def serve(settings: SidecarSettings, server):
 
 
 def kdtreectl(
-    url: str | None, *args: str, token: str | None = None, timeout: float = 60
+    url: str | None, *args: str, token: str | None = None, timeout: float = 60, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m sidecar.cli [--url URL] ARGS...` with no KDTREE_* from this environment but the token."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}
+    """`python -m sidecar.cli [--url URL] ARGS...` with no KDTREE_* from this environment but the token (and env)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}, **(env or {})}
     if token:
         env["KDTREE_ADMIN_TOKEN"] = token
     return subprocess.run(

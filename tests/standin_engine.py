@@ -3,10 +3,15 @@
 It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with the same timing shape:
 - while "loading" the port is closed (SGLang binds only after weights and CUDA graphs are in place), and
   it prints SGLang's real startup log markers to stdout as it goes;
-- while "warming" GET /health answers 503 (POST /v1/completions too); GET /v1/models answers 200;
-- then GET /health 200, GET /v1/models, GET /server_info and POST /v1/completions with SGLang's OpenAI response
-  shape: `usage`, `choices[].token_ids` with return_token_ids, `sglext.spec_tokens_details` (spec_verify_ct,
-  spec_accept_length, ...) with return_spec_tokens_details, and ignore_eos honoured.
+- while "warming" GET /health answers 503 at once (SGLang's ServerStatus.Starting; POST /v1/completions too);
+  GET /v1/models answers 200;
+- then GET /health as SGLang 0.5.23's: it polls once a second for output and answers 200 (empty body) once any
+  arrives, or 503 after SGLANG_HEALTH_CHECK_TIMEOUT (default 20 s) when none does (a dead scheduler: the `hang`
+  fault); GET /v1/models, GET /server_info and POST /v1/completions with SGLang's OpenAI response shape: `usage`,
+  `choices[].token_ids` with return_token_ids, `sglext.spec_tokens_details` (spec_verify_ct, spec_accept_length,
+  ...) with return_spec_tokens_details, and ignore_eos honoured;
+- with --api-key KEY, as SGLang's --api-key: every endpoint but /health, /health_generate, /ready and /metrics
+  wants `Authorization: Bearer KEY` and answers 401 {"error": "Unauthorized"} without it.
 It also stands in for the SGLang ranks with the kdtree plugin, through kdtree's own rank code: one
 kdtree.evidence.Evidence heartbeat and kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
 its record into KDTREE_STATE_DIR and follows the sidecar's mode file live exactly as a real rank does. Each
@@ -19,7 +24,10 @@ speculative metrics, finds none, and drops `sglext` when it is empty: serving_co
 
 Faults (--fault, optionally only while the server is in --fault-in-mode, optionally after --fault-after good answers):
   slow             completions answer after --fault-delay seconds
-  hang             completions never answer
+  saturated        completions queue behind load and answer after --fault-delay seconds, while /health answers 200
+                   (other requests' output keeps arriving: what SGLang's /health says of a busy server)
+  hang             a dead scheduler: completions never answer, and /health answers 503 after
+                   SGLANG_HEALTH_CHECK_TIMEOUT, as SGLang's does when no output arrives
   malformed        200 with a body that is not JSON
   no-choices       200 with JSON that has no `choices`
   no-finish-reason 200 with a choice whose finish_reason is null
@@ -65,6 +73,7 @@ from kdtree.evidence import Evidence  # noqa: E402
 FAULTS = (
     "none",
     "slow",
+    "saturated",
     "hang",
     "malformed",
     "no-choices",
@@ -81,6 +90,7 @@ FAULTS = (
 GOOD = (
     "none",
     "slow",
+    "saturated",
     "rank-error",
     "no-verify-count",
     "fallback",
@@ -109,6 +119,15 @@ def wait_port(port: int, timeout: float, what: str, exited=lambda: None) -> None
                 raise RuntimeError(f"{what} {reason}") from None
             time.sleep(0.05)
     raise TimeoutError(f"{what} did not open port {port} within {timeout}s")
+
+
+HEALTH_POLL_S = 1.0  # SGLang's /health sleeps this long between its looks for output (http_server.py)
+PUBLIC_PATHS = (
+    "/health",
+    "/ready",
+    "/metrics",
+    "/_standin/",
+)  # open with --api-key (auth.py; the test hooks)
 
 
 def log(msg: str) -> None:
@@ -269,10 +288,34 @@ def make_handler(engine: Engine):
         def _warming(self) -> bool:
             return time.time() < engine.warm_until
 
+        def _authorized(self) -> bool:
+            """SGLang's --api-key check (utils/auth.py): Bearer KEY on every path but the public ones."""
+            if not a.api_key or self.path.startswith(PUBLIC_PATHS):
+                return True
+            if self.headers.get("Authorization") == f"Bearer {a.api_key}":
+                return True
+            self._send(401, {"error": "Unauthorized"})
+            return False
+
+        def _health(self):
+            """SGLang 0.5.23's /health: 503 while starting; else a look for output once a second, 200 once any
+            arrives, 503 after SGLANG_HEALTH_CHECK_TIMEOUT when none does."""
+            engine.stats["health"] += 1
+            if self._warming():
+                return self._send(503, b"")
+            timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+            tic = time.time()
+            while time.time() < tic + timeout:
+                time.sleep(HEALTH_POLL_S)
+                if engine.active_fault() != "hang":  # the scheduler produces output (its own or anyone's)
+                    return self._send(200, b"")
+            return self._send(503, b"")
+
         def do_GET(self):
+            if not self._authorized():
+                return None
             if self.path == "/health" or self.path == "/health_generate":
-                engine.stats["health"] += 1
-                return self._send(503 if self._warming() else 200, b"" if not self._warming() else b"{}")
+                return self._health()
             if self.path == "/v1/models":
                 engine.stats["models"] += 1
                 return self._send(
@@ -316,6 +359,8 @@ def make_handler(engine: Engine):
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
+            if not self._authorized():
+                return None
             if self.path == "/_standin/fault":
                 engine.fault = json.loads(raw)["fault"]
                 return self._send(200, {"fault": engine.fault})
@@ -340,7 +385,7 @@ def make_handler(engine: Engine):
                     },
                 )
             fault = engine.active_fault()
-            if fault == "slow":
+            if fault in ("slow", "saturated"):
                 time.sleep(a.fault_delay)
             elif fault == "hang":
                 time.sleep(3600)
@@ -504,6 +549,9 @@ def parse_args(argv=None):
         "--fault-after", type=int, default=0, help="good completions served before the fault starts"
     )
     p.add_argument("--fault-delay", type=float, default=2.0)
+    p.add_argument(
+        "--api-key", default=None, help="as SGLang's --api-key: /v1/* want Authorization: Bearer KEY"
+    )
     p.add_argument("--exit-code", type=int, default=1)
     p.add_argument("--state-dir", default=os.environ.get("KDTREE_STATE_DIR"))
     p.add_argument("--tp-size", type=int, default=0, help="ranks to stand in for (0: write no records)")

@@ -32,11 +32,11 @@ def stack(engine):
         yield start
 
 
-def check(url: str, proc, tmp_path, *args: str):
+def check(url: str, proc, tmp_path, *args: str, env: dict | None = None):
     out = tmp_path / "report"
     r = kdtreectl(
         url, "check", "--server-url", f"http://127.0.0.1:{proc.port}", "--out", str(out), *FAST, *args,
-        token=TOKEN, timeout=120,
+        token=TOKEN, timeout=120, env=env,
     )  # fmt: skip
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
     return r, report
@@ -68,6 +68,19 @@ def test_a_healthy_stack_passes_with_evidence_on_every_rank(stack, tmp_path):
     assert {e["rank"] for e in evidence} == {0, 1} and all(e["ok"] and e["compared"] > 0 for e in evidence)
     assert (tmp_path / "report" / "report.md").read_text().startswith("# kdtree check")
     assert "| validate | 3 | 9 | 0 |" in r.stdout  # the table in the terminal
+
+
+def test_the_check_sends_the_servers_api_key(stack, tmp_path):
+    """A server with --api-key (the stand-in checks it as SGLang does): check's completions carry the same
+    KDTREE_SERVER_API_KEY that the sidecar's probe sends."""
+    key = "sk-check-key"
+    url, proc = stack("--api-key", key, server_api_key=key)
+    r, report = check(url, proc, tmp_path, env={"KDTREE_SERVER_API_KEY": key})
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert report["passed"] and all(row["failed"] == 0 for row in report["levels"])
+    assert key not in r.stdout + r.stderr + (tmp_path / "report" / "report.md").read_text()
+    r, _ = check(url, proc, tmp_path)  # without the key: SGLang's 401 for every completion
+    assert r.returncode != 0
 
 
 @pytest.mark.parametrize(

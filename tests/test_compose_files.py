@@ -80,9 +80,26 @@ def test_the_default_stack_controls_the_server_without_the_docker_socket(compose
     assert r.returncode == 0, r.stderr
     assert "docker.sock" not in r.stdout and "group_add" not in r.stdout
     assert re.search(r"KDTREE_SERVER_CONTROL: process\b", r.stdout)
-    assert re.search(r"pid: service:sidecar\b", r.stdout)  # the sidecar can see and signal the server
-    assert re.search(r"init: true\b", r.stdout)  # and a reaping PID 1 runs that namespace
-    assert r.stdout.count("restart: unless-stopped") == 2  # what starts the server again after a stop
+    assert "pid:" not in r.stdout  # no shared PID namespace: the restart is a request in the state volume
+    assert r.stdout.count("restart: unless-stopped") == 3  # what starts the server again after it stopped
+
+
+def test_a_namespace_owner_holds_the_network_and_publishes_the_ports(compose, tmp_path):
+    """netns only sleeps, so it never restarts; the sidecar and the server join its network, so either restarts
+    alone (docker/compose#6626: joining a restarted owner cuts a container off)."""
+    services = rendered(compose, env_file(tmp_path))
+    owner = services["netns"]
+    assert owner["entrypoint"] == ["sleep", "infinity"] and owner["init"] is True
+    # compose v1 renders a port as "127.0.0.1:8080:8080/tcp", v2 as a mapping
+    published = {
+        p["target"] if isinstance(p, dict) else int(p.split("/")[0].rsplit(":", 1)[1]) for p in owner["ports"]
+    }
+    assert published == {30000, 8080}, owner["ports"]
+    for name in ("sidecar", "server"):
+        service = services[name]
+        assert service["network_mode"] == "service:netns", name
+        assert "ports" not in service and "pid" not in service and not service.get("init"), name
+    assert owner["image"] == services["sidecar"]["image"] and owner["build"] == services["sidecar"]["build"]
 
 
 def test_docker_override_adds_the_socket_and_its_group(compose, tmp_path):
@@ -149,7 +166,12 @@ WIRED = {
     "server": {"KDTREE_STATE_DIR", "KDTREE_VERIFY"},
 }  # fmt: skip
 # Settings compose does not pass, each for a reason the README gives.
-NOT_IN_COMPOSE = {"KDTREE_SIDECAR_HOST", "KDTREE_ALLOW_OPEN_ADMIN", "KDTREE_SERVER_CONTAINER"}
+NOT_IN_COMPOSE = {
+    "KDTREE_SIDECAR_HOST",
+    "KDTREE_ALLOW_OPEN_ADMIN",
+    "KDTREE_SERVER_CONTAINER",
+    "KDTREE_ADMIN_TOKEN_FILE",
+}
 # Read from the environment outside a settings class (kdtree/kernel.py).
 SERVER_ENV_ONLY = {"KDTREE_KERNEL_CONFIG": "", "KDTREE_KERNEL_LIB": ""}
 
@@ -269,7 +291,7 @@ def test_readme_and_env_example_agree_on_the_stack_variables():
 
 
 # Settings the Kubernetes Deployment writes out at their class defaults, so that an operator finds them there.
-KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S"}
+KUBERNETES_EXPLICIT = {"KDTREE_START_GRACE_S", "KDTREE_ANSWERING_BUDGET_S", "KDTREE_DRAIN_S"}
 
 
 def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_defaults():
@@ -385,3 +407,36 @@ def test_a_second_stack_beside_the_first_shares_no_name_port_or_volume(compose, 
             assert not volume.get("external") and volume.get("name", f"{project}_{key}") == f"{project}_{key}"
         assert all(not (n or {}).get("external") for n in (doc.get("networks") or {}).values())
     assert f"kdtreectl --url http://127.0.0.1:{second['KDTREE_PUBLISH_SIDECAR_PORT']}" in row
+
+
+# ---- stops: the drain window and the stop grace, from their derivations -------------------------------------
+
+
+def seconds(value: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(m|s)", str(value))
+    assert m, value
+    return float(m[1]) * (60 if m[2] == "m" else 1)
+
+
+def test_the_drain_outlasts_the_servers_healthcheck_window(compose, tmp_path):
+    """A flip's /ready 503 turns the server unhealthy (interval x retries) within KDTREE_DRAIN_S, so a proxy that
+    routes by it has stopped before the SIGTERM."""
+    check = rendered(compose, env_file(tmp_path))["server"]["healthcheck"]
+    window = seconds(check["interval"]) * check["retries"]
+    assert window <= 20 < env_names(SidecarSettings)["KDTREE_DRAIN_S"], window
+    assert (
+        "/ready" in " ".join(check["test"])
+        and seconds(check["timeout"]) > env_names(SidecarSettings)["KDTREE_PROBE_DEADLINE_S"]
+    )
+
+
+def test_the_servers_stop_grace_covers_sglangs_normal_stop(compose, tmp_path):
+    """compose.yaml's derivation: SGLang notices SIGTERM (5 s), the requests in flight (60 s budgeted), its
+    schedulers (15 s), the entrypoint's last output (READER_DRAIN_S); a SIGKILL only past that."""
+    from entrypoint.supervise import READER_DRAIN_S
+
+    grace = seconds(rendered(compose, env_file(tmp_path))["server"]["stop_grace_period"])
+    assert grace >= 5 + 60 + 15 + READER_DRAIN_S, grace
+    assert (
+        "stop_grace_period" not in rendered(compose, env_file(tmp_path))["sidecar"]
+    )  # uvicorn stops at once

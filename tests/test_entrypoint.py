@@ -28,6 +28,7 @@ def env(monkeypatch, tmp_path):
         "KDTREE_KERNEL_LIB",
         "HF_HUB_OFFLINE",
         "TRANSFORMERS_OFFLINE",
+        "KDTREE_SERVER_API_KEY",
     ):
         monkeypatch.delenv(var, raising=False)
     state = tmp_path / "state"
@@ -89,6 +90,24 @@ def test_the_sidecar_mode_file_wins_over_the_environment(model, env, capsys):
     rc, (_, _, child_env) = run(args(model))
     assert rc == 0 and child_env["KDTREE_VERIFY"] == "on"
     assert "(written by the sidecar)" in capsys.readouterr().err
+
+
+def test_the_api_key_setting_becomes_sglangs_api_key_and_is_never_printed(model, monkeypatch, capsys):
+    """One setting for the key: the launcher passes it to SGLang; the sidecar's probe reads the same variable."""
+    key = "sk-0123456789abcdef"
+    monkeypatch.setenv("KDTREE_SERVER_API_KEY", key)
+    rc, (_, argv, env) = run(args(model))
+    assert rc == 0 and argv[-2:] == ["--api-key", key]
+    assert "KDTREE_SERVER_API_KEY" not in env  # SGLang has it as its argument
+    out = capsys.readouterr()
+    assert key not in out.err + out.out and "api key: from KDTREE_SERVER_API_KEY" in out.err
+
+
+def test_an_api_key_in_the_server_arguments_is_refused_naming_the_setting(model, capsys):
+    assert run(args(model, "--api-key", "sk-x"))[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "--api-key is in the server's arguments" in line and "set KDTREE_SERVER_API_KEY instead" in line
+    assert "sk-x" not in line
 
 
 def test_invalid_kdtree_verify(model, monkeypatch, capsys):

@@ -7,10 +7,11 @@ The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compo
 server's command with tests/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
 and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor, and the
 test drops the server's GPU reservation from its copy of compose.yaml, since this machine has no GPU
-runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket; it
-reads the server's state file and log from the shared volume and restarts it by signalling it in the PID
-namespace the two share, and the server's restart policy starts it again. (Docker control is tested
-against the same dockerd in test_sidecar_docker.py, down to a mode flip through a real `docker restart`.)
+runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
+shared PID namespace; it reads the server's state file and log from the shared volume and restarts it with a
+request in that volume, which the supervisor acts on before it exits, and the server's restart policy starts
+it again. Both join the network namespace of compose.yaml's `netns`. (Docker control is tested against the
+same dockerd in test_sidecar_docker.py, down to a mode flip through a real `docker restart`.)
 """
 
 from __future__ import annotations
@@ -167,10 +168,12 @@ def test_bench_command_is_in_the_image_and_needs_a_gpu(server_image):
 
 
 def test_images_run_as_a_non_root_user(server_image, sidecar_image):
-    """uid and gid 10001, as the Kubernetes manifests' runAsUser, runAsGroup and fsGroup say."""
-    for image in (server_image, sidecar_image):
-        r = docker_run(image, "-c", "import os; print(os.getuid(), os.getgid())", entrypoint="python")
-        assert r.stdout.strip() == "10001 10001", (image, r.stderr)
+    """The server as uid 10001, the sidecar as uid 10002, both in group 10001, as the Kubernetes manifests'
+    runAsUser, runAsGroup and fsGroup say; the state volume's mount point is the group's, writable, setgid."""
+    code = "import os; s = os.stat('/var/run/kdtree'); print(os.getuid(), os.getgid(), s.st_gid, oct(s.st_mode & 0o7777))"
+    for image, uid in ((server_image, 10001), (sidecar_image, 10002)):
+        r = docker_run(image, "-c", code, entrypoint="python")
+        assert r.stdout.strip() == f"{uid} 10001 10001 0o2775", (image, r.stdout, r.stderr)
 
 
 def image_config(image: str) -> dict:
@@ -404,6 +407,33 @@ class Stack:
     def container_started_at(self) -> str:
         return self.inspect("{{.State.StartedAt}}")
 
+    def container(self, service: str) -> str:
+        """The id of the (one) container of a compose service."""
+        r = subprocess.run(
+            ["docker", "ps", "-aq", "--no-trunc", "--filter", f"label=com.docker.compose.project={self.project}",
+             "--filter", f"label=com.docker.compose.service={service}"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        (cid,) = r.stdout.split()
+        return cid
+
+    def exec(self, service: str, *cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["docker", "exec", self.container(service), *cmd], capture_output=True, text=True
+        )
+
+    def state_file(self, name: str) -> str:
+        """A file of the state volume, read in the sidecar container (which may be stopped: then in the server)."""
+        for service in ("sidecar", "server"):
+            r = self.exec(service, "cat", f"/var/run/kdtree/{name}")
+            if r.returncode == 0:
+                return r.stdout
+        raise AssertionError(f"cannot read {name}: {r.stderr}")
+
+    def next_transition(self) -> int:
+        """The count wait_transition waits for after one more flip."""
+        return len(self.status()["transitions"]) + 1
+
     def inspect(self, template: str, container: str | None = None) -> str:
         return subprocess.run(
             ["docker", "inspect", "-f", template, container or self.server], capture_output=True, text=True
@@ -533,8 +563,8 @@ def test_the_server_writes_every_cache_into_the_stacks_volumes_as_its_user(
     remote-code module copy and a torch inductor compile each write their cache, and a second container finds
     every artifact with the compilers disabled. A mount point missing from the image would be created root-owned,
     and uid 10001 would get PermissionError: the bug this catches. As in the e2e stack, the copy of compose.yaml
-    has no GPU reservation, and the server's memlock is lowered to what CI's engine allows; the sidecar runs
-    because the server joins its network and PID namespaces."""
+    has no GPU reservation, and the server's memlock is lowered to what CI's engine allows; the sidecar runs (and
+    netns with it) because the server joins netns's network."""
     require_compose()
     models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
     models.chmod(0o755)
@@ -626,22 +656,67 @@ def test_compose_sidecar_reports_loading_while_the_port_is_closed_then_ready(sta
     assert r.returncode == 0 and "validate -> validate" in r.stdout, (r.stdout, r.stderr)
 
 
-def test_compose_sidecar_has_no_docker_socket_and_shares_the_servers_pid_namespace(stack):
-    sidecar = stack.inspect("{{.Name}}", container=stack.inspect("{{.HostConfig.PidMode}}").split(":")[1])
-    assert sidecar.lstrip("/").startswith(stack.project) and "sidecar" in sidecar
-    mounts = stack.inspect("{{range .Mounts}}{{.Destination}} {{end}}", container=sidecar.lstrip("/"))
+def test_compose_sidecar_has_no_docker_socket_and_shares_only_the_network_and_the_state_volume(stack):
+    netns, sidecar = stack.container("netns"), stack.container("sidecar")
+    for cid in (stack.server, sidecar):
+        assert stack.inspect("{{.HostConfig.NetworkMode}}", container=cid) == f"container:{netns}", cid
+        assert stack.inspect("{{.HostConfig.PidMode}}", container=cid) == "", (
+            cid
+        )  # a PID namespace of its own
+    mounts = stack.inspect("{{range .Mounts}}{{.Destination}} {{end}}", container=sidecar)
     assert "/var/run/docker.sock" not in mounts and "/var/run/kdtree" in mounts
+    assert stack.exec("sidecar", "id", "-u").stdout.strip() == "10002"
+    assert stack.exec("server", "id", "-u").stdout.strip() == "10001"
     # SGLang's output still reaches `docker logs` (the entrypoint tees it into the volume's log as well).
     logs = subprocess.run(["docker", "logs", stack.server], capture_output=True, text=True)
     assert "Load weight begin" in logs.stdout + logs.stderr
 
 
+def test_compose_the_admin_token_is_out_of_the_servers_reach(stack):
+    """Code in the server container (model code under --trust-remote-code) cannot see the sidecar's processes, so
+    not their environment: the sidecar's pid does not exist there, no process there has the token, no file holds it."""
+    host_pid = stack.inspect("{{.State.Pid}}", container=stack.container("sidecar"))
+    assert stack.exec("sidecar", "sh", "-c", "tr '\\0' '\\n' < /proc/1/environ").stdout.count(TOKEN) == 1
+    r = stack.exec("server", "cat", f"/proc/{host_pid}/environ")
+    assert r.returncode != 0 and "No such file" in r.stderr, r
+    environs = stack.exec(
+        "server", "sh", "-c", "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'"
+    ).stdout
+    assert "KDTREE_STATE_DIR=/var/run/kdtree" in environs and TOKEN not in environs
+    comms = stack.exec("server", "sh", "-c", "cat /proc/[0-9]*/comm").stdout.split()
+    assert "uvicorn" not in comms and all("sidecar" not in c for c in comms), comms
+    found = stack.exec("server", "grep", "-rlsF", TOKEN, "/var/run/kdtree", "/home", "/tmp", "/run", "/etc")
+    assert found.stdout == "", found.stdout
+
+
+def test_compose_restarting_the_sidecar_leaves_the_server_serving(stack):
+    """netns holds the network: the sidecar container restarts alone, and the server keeps its process (same pid,
+    no new start) and answers every request sent meanwhile."""
+    host_pid, started = stack.inspect("{{.State.Pid}}"), stack.container_started_at()
+    record = json.loads(stack.state_file("server-process.json"))
+    sidecar = stack.container("sidecar")
+    sidecar_started = stack.inspect("{{.State.StartedAt}}", container=sidecar)
+    with Traffic(stack.server_port, ["The capital of France is", "def fib(n):"]) as traffic:
+        time.sleep(0.5)
+        subprocess.run(["docker", "restart", "-t", "10", sidecar], check=True, capture_output=True)
+        stack.wait("the sidecar back, and ready", lambda s: s["ready"], timeout=60)
+        sent_while = traffic.sent
+    assert stack.inspect("{{.State.StartedAt}}", container=sidecar) != sidecar_started  # it did restart
+    assert stack.inspect("{{.State.Pid}}") == host_pid and stack.container_started_at() == started
+    after = json.loads(stack.state_file("server-process.json"))
+    assert (after["pid"], after["starts"], after["started_at"]) == (
+        record["pid"],
+        record["starts"],
+        record["started_at"],
+    )
+    assert after["exited_at"] is None and after["heartbeat_at"] > record["heartbeat_at"]
+    assert sent_while > 5 and traffic.bad == [], traffic.bad[:5]
+
+
 def test_compose_sidecar_names_a_fifo_in_the_state_volume_and_never_waits_on_it(stack):
     """The real sidecar image: a FIFO named like a rank record (nobody writes it) is reported unreadable, while
     /live and /ready answer at once."""
-    sidecar = stack.inspect(
-        "{{.Name}}", container=stack.inspect("{{.HostConfig.PidMode}}").split(":")[1]
-    ).lstrip("/")
+    sidecar = stack.container("sidecar")
     fifo = "/var/run/kdtree/rank-7.json"
     run = ["docker", "exec", sidecar, "python", "-c"]
     subprocess.run([*run, f"import os; os.mkfifo({fifo!r})"], check=True, capture_output=True)
@@ -723,9 +798,10 @@ def test_compose_mode_on_is_live_while_requests_flow(stack):
     before = stack.container_started_at()
     with Traffic(stack.server_port, ["The capital of France is", "def fib(n):", "Q: 2 + 2 = ?"]) as traffic:
         time.sleep(1)
+        n = stack.next_transition()
         r = stack.post_mode("on")
         assert r.status_code == 202 and r.json()["method"] == "live", r.text
-        t = stack.wait_transition(1)
+        t = stack.wait_transition(n)
         time.sleep(1)
     assert t["outcome"] == "succeeded" and t["method"] == "live", t
     print(
@@ -739,19 +815,104 @@ def test_compose_mode_on_is_live_while_requests_flow(stack):
     assert traffic.sent > 20 and traffic.bad == [], traffic.bad[:5]
 
 
-def test_compose_off_restarts_the_server_and_back(stack):
-    """The kill switch takes the restart path (nothing of kdtree's is installed in off), and so does leaving it."""
+class ReadyPolls:
+    """GET /ready every 0.1 s in a thread: (epoch time the answer came, status, reasons)."""
+
+    def __init__(self, http_base: str):
+        import threading
+
+        self.base, self.seen = http_base, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(base_url=self.base, timeout=30) as client:
+            while not self._stop.is_set():
+                try:
+                    r = client.get("/ready")
+                    self.seen.append((time.time(), r.status_code, r.json().get("reasons", [])))
+                except (httpx.HTTPError, ValueError):
+                    self.seen.append((time.time(), None, []))
+                self._stop.wait(0.1)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_compose_off_restarts_the_server_after_a_drain_and_back(stack):
+    """The kill switch takes the restart path (nothing of kdtree's is installed in off), and so does leaving it.
+    The drain comes first: /ready answers 503 ("draining") before the server gets its SIGTERM, which comes
+    KDTREE_DRAIN_S (1.5 s here) after the drain began: the audit log's order and the server's own stop line."""
     before = stack.container_started_at()
-    r = stack.post_mode("off")
-    assert r.status_code == 202 and r.json()["method"] == "restart", r.text
-    t = stack.wait_transition(2)
+    n = stack.next_transition()
+    with ReadyPolls(str(stack.http.base_url)) as polls:
+        r = stack.post_mode("off")
+        assert r.status_code == 202 and r.json()["method"] == "restart", r.text
+        t = stack.wait_transition(n)
     assert t["outcome"] == "succeeded" and t["method"] == "restart", t
     assert stack.container_started_at() != before
     s = stack.status()
     assert s["mode"]["current"] == "off" and {v["record"]["mode"] for v in s["ranks"]} == {"off"}
+    audit = [json.loads(x) for x in stack.state_file("sidecar-audit.jsonl").splitlines()]
+    steps = {e["event"]: e["ts"] for e in audit if e.get("transition") == t["id"]}
+    assert list(steps)[:5] == ["accepted", "writing_mode", "draining", "restarting", "waiting_ready"], steps
+    stops = re.findall(r"kdtree launcher: SIGTERM at \S+ \(t=([\d.]+)\)", stack.state_file("server.log"))
+    sigterm = max(float(x) for x in stops)
+    assert steps["draining"] + 1.5 <= steps["restarting"] <= sigterm, (steps, sigterm)
+    drained = [at for at, code, why in polls.seen if code == 503 and any("draining" in w for w in why)]
+    assert drained and steps["draining"] <= drained[0] < sigterm, (drained[:3], steps, sigterm)
+    assert all(code == 503 for at, code, _ in polls.seen if steps["draining"] + 0.2 <= at <= sigterm)
     r = stack.post_mode("validate")
     assert r.status_code == 202 and r.json()["method"] == "restart", r.text
-    assert stack.wait_transition(3)["outcome"] == "succeeded"
+    assert stack.wait_transition(n + 1)["outcome"] == "succeeded"
+
+
+def readme_commands(heading: str) -> list[list[str]]:
+    """The `docker compose` lines of the README's first code block after `heading`, as arguments."""
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert lines and all(line[:2] == ["docker", "compose"] for line in lines), lines
+    return [line[2:] for line in lines]
+
+
+def test_compose_off_without_the_sidecar_by_the_readmes_runbook(stack):
+    """The README's "Reaching `off` when the sidecar is down", run as written (compose v1 for `docker compose`):
+    with the sidecar stopped, the mode file is written and the server restarts into off; the sidecar, started
+    again, adopts it. Then back to validate for the tests after this one."""
+    record = json.loads(stack.state_file("server-process.json"))
+    stack.compose("stop", "sidecar")
+    try:
+        for args in readme_commands("**Reaching `off` when the sidecar is down.**"):
+            stack.compose(*args)
+        deadline = time.monotonic() + 60
+        while True:  # a new start of the server, whose ranks report off
+            try:
+                after = json.loads(stack.state_file("server-process.json"))
+                modes = {json.loads(stack.state_file(f"rank-{i}.json"))["mode"] for i in (0, 1)}
+            except AssertionError:  # the server container is between its two starts
+                after, modes = record, set()
+            if after["starts"] > record["starts"] and modes == {"off"}:
+                break
+            assert time.monotonic() < deadline, (after, modes)
+            time.sleep(0.5)
+    finally:
+        stack.compose("start", "sidecar")
+    s = stack.wait(
+        "the sidecar back, reporting off", lambda s: s["ready"] and s["mode"]["current"] == "off", timeout=60
+    )
+    assert s["mode"]["desired_file"] == "off"
+    assert "mode_file_adopted" in stack.state_file("sidecar-audit.jsonl")
+    n = stack.next_transition()
+    assert stack.post_mode("validate").status_code == 202
+    assert stack.wait_transition(n)["outcome"] == "succeeded"
 
 
 def test_compose_failed_restart_rolls_back_to_validate(stack):
@@ -764,9 +925,10 @@ def test_compose_failed_restart_rolls_back_to_validate(stack):
         extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start --fault-in-mode on"},
     )
     stack.wait("ready in validate", lambda s: s["ready"] and s["mode"]["current"] == "validate", timeout=90)
+    n = stack.next_transition()
     r = stack.post_mode("on", restart=True)  # where a live switch would do, the restart path on request
     assert r.status_code == 202 and r.json()["method"] == "restart", r.text
-    t = stack.wait_transition(4)
+    t = stack.wait_transition(n)
     assert t["outcome"] == "rolled_back", t
     assert "crashed while starting in mode on" in t["failure"], t
     s = stack.wait("ready after the rollback", lambda s: s["ready"], timeout=60)

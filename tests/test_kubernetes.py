@@ -54,8 +54,8 @@ TARGETS = {
 # compose's sidecar names its server container for the Docker API (compose.docker.yaml); in Kubernetes it
 # signals the process.
 DOCKER_ONLY_ENV = {"KDTREE_SERVER_CONTAINER"}
-KUBERNETES_ONLY_ENV: set[str] = set()
-SECRET_ENV = {"KDTREE_ADMIN_TOKEN"}
+KUBERNETES_ONLY_ENV = {"KDTREE_ADMIN_TOKEN_FILE"}  # compose's sidecar gets the token from .env (README)
+SECRET_ENV = {"KDTREE_ADMIN_TOKEN", "KDTREE_SERVER_API_KEY"}
 
 
 def sidecar_default(name: str):
@@ -300,34 +300,42 @@ def test_env_names_are_settings(rendered, target):
     assert {n for n in env_names(sidecar) if n.startswith("KDTREE_")} - sidecar_known == set()
 
 
-def _load(cls, c: dict, monkeypatch):
-    """The settings class as this container's environment makes it (a secret stands in as 't')."""
+def _load(cls, c: dict, monkeypatch, tmp_path):
+    """The settings class as this container's environment makes it (a secret stands in as 't', and so does a file
+    of a Secret volume it mounts, written under tmp_path)."""
     for name in list(os.environ):
         if name.startswith("KDTREE_"):
             monkeypatch.delenv(name)
     for e in c.get("env", []):
-        monkeypatch.setenv(e["name"], e.get("value", "t"))
+        value = e.get("value", "t")
+        if e["name"].endswith("_FILE"):
+            mount = next(m for p, m in mounts(c).items() if value.startswith(p.rstrip("/") + "/"))
+            stand_in = tmp_path / mount["name"] / value.rsplit("/", 1)[1]
+            stand_in.parent.mkdir(exist_ok=True)
+            stand_in.write_text("t\n")
+            value = str(stand_in)
+        monkeypatch.setenv(e["name"], value)
     return cls()
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_env_values_load_and_agree(rendered, target, monkeypatch):
+def test_env_values_load_and_agree(rendered, target, monkeypatch, tmp_path):
     objects = rendered[target]
     server, sidecar = container(objects, "server"), container(objects, "sidecar")
     tp = int(arg(server["args"], "--tp-size"))
     state = sidecar_default("state_dir")
     assert state == VerifySettings.model_fields["state_dir"].default
 
-    s = _load(SidecarSettings, sidecar, monkeypatch)
+    s = _load(SidecarSettings, sidecar, monkeypatch, tmp_path)
     assert s.expected_tp_size == tp
     assert s.state_dir == state and mounts(sidecar)[state]["name"] == "state"
     assert s.admin_token == "t" and not s.allow_open_admin
     if "server_control" in SidecarSettings.model_fields:
         assert s.server_control == "process"
-    v = _load(VerifySettings, server, monkeypatch)
+    v = _load(VerifySettings, server, monkeypatch, tmp_path)
     assert v.state_dir == state and mounts(server)[state]["name"] == "state"
     assert v.verify == s.verify == "validate"
-    assert _load(LauncherSettings, server, monkeypatch).allow_other_backend is False
+    assert _load(LauncherSettings, server, monkeypatch, tmp_path).allow_other_backend is False
     assert "emptyDir" in volumes(objects)["state"]
 
 
@@ -452,8 +460,8 @@ def test_security_context(rendered, target):
     psc = spec["securityContext"]
     assert psc["runAsNonRoot"] is True and psc["runAsUser"] == uid and psc["runAsGroup"] == uid
     assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
-    # The sidecar signals the server: one PID namespace, same uid, no capability, nothing of the host's.
-    assert spec["shareProcessNamespace"] is True
+    # No shared PID namespace (the restart is a request in the state volume), nothing of the host's.
+    assert not spec.get("shareProcessNamespace")
     assert not any(spec.get(k) for k in ("hostPID", "hostIPC", "hostNetwork"))
     assert spec["automountServiceAccountToken"] is False
     # Service links would put KDTREE_<SERVICE>_PORT=tcp://... into the settings' KDTREE_ prefix.
@@ -462,12 +470,21 @@ def test_security_context(rendered, target):
     assert gid == uid and re.search(rf"useradd\b[^\n]*--gid {gid}\b", DOCKERFILE.read_text())
     # fsGroup: the cache PVC writable by the images' group; read-only volumes (the model) the kubelet leaves alone.
     assert psc["fsGroup"] == gid and psc["fsGroupChangePolicy"] == "OnRootMismatch"
+    # Each container as its image's user: the server uid 10001, the sidecar uid 10002, both in group 10001.
+    sidecar_uid = int(
+        re.search(r"useradd\b[^\n]*--uid (\d+)[^\n]*kdtree-sidecar", DOCKERFILE.read_text()).group(1)
+    )
+    assert sidecar_uid != uid
+    users = {"server": uid, "sidecar": sidecar_uid}
     for c in all_containers(rendered[target]):
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged"), c["name"]
         assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
         assert sc["readOnlyRootFilesystem"] is True, c["name"]
-        assert sc.get("runAsUser", uid) == uid and sc.get("runAsNonRoot", True) is True, c["name"]
+        assert sc.get("runAsUser", uid) == users[c["name"]] and sc.get("runAsNonRoot", True) is True, c[
+            "name"
+        ]
+        assert sc.get("runAsGroup", gid) == gid, c["name"]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -478,17 +495,39 @@ def test_no_docker_socket_and_no_token_in_git(rendered, target):
     assert env_values(sidecar)["KDTREE_SERVER_CONTROL"] == "process"
     assert not DOCKER_ONLY_ENV & env_names(sidecar)
     assert not any(o["kind"] == "Secret" for o in objects)
-    token = env_entry(sidecar, "KDTREE_ADMIN_TOKEN")
-    assert set(token) == {"name", "valueFrom"} and set(token["valueFrom"]) == {"secretKeyRef"}
+    for c in all_containers(objects):
+        for e in c.get("env", []):
+            if e["name"] in SECRET_ENV:
+                assert set(e) == {"name", "valueFrom"} and set(e["valueFrom"]) == {"secretKeyRef"}, e
 
 
-def test_readme_creates_the_secret_the_pod_reads(rendered):
-    ref = env_entry(container(rendered["default"], "sidecar"), "KDTREE_ADMIN_TOKEN")["valueFrom"][
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_admin_token_is_a_file_only_the_sidecar_mounts(rendered, target):
+    """Not in any environment: a Secret volume mounted into the sidecar alone, readable by the group, which the
+    server (same group, no such mount) cannot reach."""
+    objects = rendered[target]
+    sidecar, server = container(objects, "sidecar"), container(objects, "server")
+    path = env_values(sidecar)["KDTREE_ADMIN_TOKEN_FILE"]
+    assert "KDTREE_ADMIN_TOKEN" not in env_names(sidecar) | env_names(server)
+    (mount,) = [m for p, m in mounts(sidecar).items() if path.startswith(p.rstrip("/") + "/")]
+    assert mount["readOnly"] is True
+    secret = volumes(objects)[mount["name"]]["secret"]
+    assert secret["secretName"] == "kdtree-admin" and secret["defaultMode"] == 0o440
+    assert [i["path"] for i in secret["items"]] == [path.rsplit("/", 1)[1]]
+    assert mount["name"] not in {m["name"] for m in mounts(server).values()}
+
+
+def test_readme_creates_the_secrets_the_pod_reads(rendered):
+    secret = volumes(rendered["default"])["admin-token"]["secret"]
+    name, (key,) = secret["secretName"], [i["key"] for i in secret["items"]]
+    readme = (KUBE / "README.md").read_text()
+    assert f"kubectl create secret generic {name} --from-literal={key}=" in readme
+    assert f".data.{key}" in readme  # reading it back for kdtreectl
+    ref = env_entry(container(rendered["default"], "server"), "KDTREE_SERVER_API_KEY")["valueFrom"][
         "secretKeyRef"
     ]
-    readme = (KUBE / "README.md").read_text()
+    assert ref["optional"] is True
     assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
-    assert f".data.{ref['key']}" in readme  # reading it back for kdtreectl
     for volume in ("models", "cache"):
         claim = volumes(rendered["default"])[volume]["persistentVolumeClaim"]["claimName"]
         assert f"name: {claim}" in readme, claim
@@ -567,3 +606,30 @@ def test_placement(rendered, target):
         assert "runtimeClassName" not in spec and "nodeSelector" not in spec
     for c in all_containers(rendered[target]):
         assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]
+
+
+# --- stops: the drain, preStop and the grace period, from their derivations -----------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_flip_drains_for_longer_than_the_readiness_probe_needs(rendered, target, monkeypatch, tmp_path):
+    """KDTREE_DRAIN_S (a flip's /ready 503 before the server is stopped) covers periodSeconds x failureThreshold of the
+    pod's readinessProbe: the Service has dropped the pod before the SIGTERM."""
+    sidecar = container(rendered[target], "sidecar")
+    probe = sidecar["readinessProbe"]
+    drain = _load(SidecarSettings, sidecar, monkeypatch, tmp_path).drain_s
+    assert drain > probe["periodSeconds"] * probe["failureThreshold"], (drain, probe)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_grace_period_covers_prestop_and_the_servers_own_stop(rendered, target):
+    """terminationGracePeriodSeconds = the server's preStop + compose's stop_grace_period (SGLang's normal stop) + the
+    native sidecar's stop + a margin: the normal stop ends in the server's own exit, not in SIGKILL."""
+    services, _ = compose_for(target)
+    stop = int(services["server"]["stop_grace_period"].removesuffix("s"))
+    server = container(rendered[target], "server")
+    pre_stop = server["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and 5 <= int(pre_stop[1]) <= 30, pre_stop
+    grace = pod(rendered[target])["terminationGracePeriodSeconds"]
+    assert grace >= int(pre_stop[1]) + stop + 5, (grace, pre_stop, stop)
+    assert "lifecycle" not in container(rendered[target], "sidecar")  # it stops after the server, at once

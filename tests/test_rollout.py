@@ -35,7 +35,10 @@ def replicas(tmp_path):
             write_desired_mode(state, mode)
             proc = StandinProcess(free_port(), str(state), ["--tp-size", "2", "--heartbeat-s", "0.2", *args])
             engines.append(proc.start())
-            settings = make_settings(state, proc.port, ready_timeout_s=10, bake_probes=2, verify=mode)
+            # The background probe at a slow cadence: its compared calls are evidence the gate counts.
+            settings = make_settings(
+                state, proc.port, ready_timeout_s=10, bake_probes=2, verify=mode, probe_interval_s=2.0
+            )
             ctx = serve(settings, proc)
             contexts.append(ctx)
             made.append((ctx.__enter__(), proc, state))
@@ -95,7 +98,7 @@ def test_canary_first_then_waves_and_a_replica_already_in_the_mode(replicas):
 
 
 def test_a_refused_gate_stops_the_rollout_and_leaves_the_flipped_replicas(replicas):
-    stacks = replicas(GOOD_PARITY, ("--parity-calls", "10"), GOOD_PARITY, mode=Mode.VALIDATE)
+    stacks = replicas(GOOD_PARITY, ("--parity-calls", "10", "--layers", "1"), GOOD_PARITY, mode=Mode.VALIDATE)
     r = rollout(stacks, "--to", "on")
     assert r.returncode == 1, (r.stdout, r.stderr)
     rows = table(r.stdout)
@@ -131,7 +134,7 @@ def test_a_failed_bake_stops_the_rollout_and_rollback_on_failure_flips_back(repl
 
 
 def test_dry_run_shows_every_gate_and_flips_nothing(replicas):
-    stacks = replicas(GOOD_PARITY, ("--parity-calls", "10"), GOOD_PARITY, mode=Mode.VALIDATE)
+    stacks = replicas(GOOD_PARITY, ("--parity-calls", "10", "--layers", "1"), GOOD_PARITY, mode=Mode.VALIDATE)
     r = rollout(stacks, "--to", "on", "--dry-run")
     assert r.returncode == 1, (r.stdout, r.stderr)
     rows = table(r.stdout)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import threading
 
+import httpx
 import pytest
 from process_harness import SupervisedStandin
 from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
@@ -234,10 +235,10 @@ async def test_concurrent_requests_make_exactly_one_transition(engine, tmp_path)
             "rank 0: reports mode off, expected validate",
         ),
         (
-            "bake probe fails",
-            ["--fault", "http-500", "--fault-in-mode", "validate", "--fault-after", "1"],
-            {},
-            "bake probe 1/3: probe failed (http_status)",
+            "bake probe fails",  # from the bake's second probe on (below): the server got ready first
+            [],
+            {"bake_interval_s": 1.0},
+            "/3: probe failed (http_status)",
         ),
         (
             "rank error during bake",
@@ -256,17 +257,27 @@ async def test_each_failure_rolls_back(engine, tmp_path, case, args, overrides, 
     async with sidecar(make_settings(tmp_path, proc.port, **overrides), server=proc) as c:
         r = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
         assert r.status_code == 202
+        if case == "bake probe fails":
+            await fail_completions_once_baking(c, proc.port)
         t = await settle(c)
         st = (await c.get("/status")).json()
         ready = await c.get("/ready")
         metrics = (await c.get("/metrics")).text
     assert t["outcome"] == "rolled_back", t
     assert failure in t["failure"], t["failure"]
+    assert case != "bake probe fails" or t["failure"].startswith("bake probe "), t["failure"]
     assert st["mode"]["current"] == "off" and read_desired_mode(tmp_path) == Mode.OFF
     assert ready.status_code == 200 and ready.json()["mode"] == "off"
     events = audit_events(tmp_path)
     assert "flip_failed" in events and "rolling_back" in events and events[-1] == "rolled_back"
     assert 'kdtree_transitions_total{from_mode="off",outcome="rolled_back",to_mode="validate"} 1.0' in metrics
+
+
+async def fail_completions_once_baking(c, port: int) -> None:
+    """The restarted server answers 500 to completions once the flip has reached its bake."""
+    while ((await c.get("/status")).json()["active_transition"] or {}).get("step") != "baking":
+        await asyncio.sleep(0.05)
+    httpx.post(f"http://127.0.0.1:{port}/_standin/fault", json={"fault": "http-500"}).raise_for_status()
 
 
 async def test_a_failed_rollback_is_reported(engine, tmp_path):

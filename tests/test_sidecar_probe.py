@@ -8,6 +8,8 @@ with injected faults. It also writes the per-rank records the SGLang ranks write
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
+from entrypoint.supervise import read_process_record
 from kdtree.config import ConfigError, Mode
 from sidecar import probe as P
 from sidecar.app import create_app
@@ -122,13 +125,14 @@ async def test_ready_rejects_ranks_in_the_wrong_mode_or_without_the_hook(engine,
 
 async def test_ready_sees_dead_ranks(engine, tmp_path):
     proc = engine("--tp-size", "2")
-    async with sidecar(make_settings(tmp_path, proc.port, probe_ttl_s=0)) as c:
+    async with sidecar(make_settings(tmp_path, proc.port, probe_interval_s=0.05)) as c:
         assert (await c.get("/ready")).status_code == 200
         proc.stop()
-        r = await c.get("/ready")
-        assert r.status_code == 503
-        reasons = " ".join(r.json()["reasons"])
-        assert "connection_refused" in reasons and "is gone" in reasons  # the record's writer pid is gone
+        r = await c.get("/ready")  # at once: the records' writer pid is gone (same PID namespace here)
+        assert r.status_code == 503 and "is gone" in " ".join(r.json()["reasons"])
+        await asyncio.sleep(0.5)  # the background probe's next round: a closed port counts at once too
+        reasons = " ".join((await c.get("/ready")).json()["reasons"])
+        assert "connection_refused" in reasons and "is gone" in reasons
 
 
 async def test_live_never_touches_the_server(tmp_path):
@@ -138,7 +142,7 @@ async def test_live_never_touches_the_server(tmp_path):
 
 async def test_ready_never_exceeds_the_deadline(engine, tmp_path):
     proc = engine("--tp-size", "2", "--fault", "hang")
-    async with sidecar(make_settings(tmp_path, proc.port, probe_deadline_s=0.7, probe_ttl_s=0)) as c:
+    async with sidecar(make_settings(tmp_path, proc.port, probe_deadline_s=0.7, probe_interval_s=0.05)) as c:
         for _ in range(3):
             start = time.monotonic()
             r = await c.get("/ready")
@@ -146,10 +150,13 @@ async def test_ready_never_exceeds_the_deadline(engine, tmp_path):
             assert r.status_code == 503 and "timeout" in " ".join(r.json()["reasons"])
 
 
-async def test_ready_storm_causes_at_most_one_probe_per_ttl(engine, tmp_path):
+async def test_a_ready_storm_sends_no_completion_of_its_own(engine, tmp_path):
+    """The background probe decides when a completion is sent: once per KDTREE_PROBE_INTERVAL_S, however many
+    GET /ready arrive, and none of them waits on it."""
     proc = engine("--tp-size", "2", "--fault", "slow", "--fault-delay", "0.2")
-    ttl, deadline = 0.5, 1.0
-    async with sidecar(make_settings(tmp_path, proc.port, probe_ttl_s=ttl, probe_deadline_s=deadline)) as c:
+    interval, deadline = 0.5, 1.0
+    settings = make_settings(tmp_path, proc.port, probe_interval_s=interval, probe_deadline_s=deadline)
+    async with sidecar(settings) as c:
         durations = []
 
         async def one():
@@ -165,8 +172,10 @@ async def test_ready_storm_causes_at_most_one_probe_per_ttl(engine, tmp_path):
         elapsed = time.monotonic() - start
     stats = httpx.get(f"http://127.0.0.1:{proc.port}/_standin/stats").json()
     assert len(codes) >= 100 and set(codes) == {200}
-    # Each probe takes 0.2 s and is then reused for the TTL: one probe per (0.2 + TTL) at most, plus the first.
-    assert stats["completions"] <= elapsed / ttl + 1, stats
+    assert stats["completions"] <= elapsed / interval + 2, stats  # one per interval, and the first
+    assert (
+        sorted(durations)[len(durations) // 2] < 0.15
+    )  # answered from the latest verdict, not after a probe
     assert max(durations) < deadline + 0.25
 
 
@@ -175,7 +184,7 @@ async def test_ready_storm_causes_at_most_one_probe_per_ttl(engine, tmp_path):
 
 async def test_status_reports_loading_then_warming_then_ready_with_log_markers(engine, tmp_path):
     proc = engine("--tp-size", "2", "--load-seconds", "1.2", "--warm-seconds", "1.0", wait=False)
-    settings = make_settings(tmp_path, proc.port, probe_ttl_s=0)
+    settings = make_settings(tmp_path, proc.port, probe_interval_s=0.05)
     phases, markers = [], []
     async with sidecar(settings, server=proc) as c:
         deadline = time.monotonic() + 10
@@ -184,7 +193,7 @@ async def test_status_reports_loading_then_warming_then_ready_with_log_markers(e
             if not phases or phases[-1] != st["phase"]:
                 phases.append(st["phase"])
             markers.append((st["log"]["latest_marker"] or {}).get("name"))
-            if st["phase"] == "ready":
+            if st["phase"] == "ready" and st["probe"]["ok"]:  # ready with a late probe tolerated is ready too
                 break
             await asyncio.sleep(0.1)
         assert st["container"]["state"]["status"] == "running"
@@ -316,7 +325,7 @@ def test_ready_timeout_is_read_under_both_names(monkeypatch):
 
 async def test_condition_not_ready_yet_while_loading_then_ready(engine, tmp_path):
     proc = engine("--tp-size", "2", "--load-seconds", "1.0", wait=False)
-    async with sidecar(make_settings(tmp_path, proc.port, probe_ttl_s=0), server=proc) as c:
+    async with sidecar(make_settings(tmp_path, proc.port, probe_interval_s=0.05), server=proc) as c:
         first = (await c.get("/ready")).json()
         body = await wait_ready(c)
     assert (
@@ -339,7 +348,9 @@ async def test_condition_broken_for_a_crash(engine, tmp_path):
 async def test_condition_broken_when_a_fresh_start_never_gets_ready(engine, tmp_path):
     """A server that hangs from its start stays `warming` as a phase; past its budget the condition says broken."""
     proc = engine("--fault", "hang")
-    settings = make_settings(tmp_path, proc.port, ready_timeout_s=1.0, probe_deadline_s=0.5, probe_ttl_s=0)
+    settings = make_settings(
+        tmp_path, proc.port, ready_timeout_s=1.0, probe_deadline_s=0.5, probe_interval_s=0.05
+    )
     async with sidecar(settings, server=proc) as c:
         early = (await c.get("/ready")).json()
         await asyncio.sleep(1.2)
@@ -351,10 +362,114 @@ async def test_condition_broken_when_a_fresh_start_never_gets_ready(engine, tmp_
 
 @pytest.mark.parametrize("fault", ["hang", "http-500"])
 async def test_condition_broken_when_it_stops_answering_after_serving(engine, tmp_path, fault):
+    """A dead scheduler (hang: /health fails too) or wrong answers (500: /health does not excuse those), past the
+    failure threshold."""
     proc = engine("--fault", fault, "--fault-after", "1")
-    settings = make_settings(tmp_path, proc.port, expected_tp_size=0, probe_deadline_s=0.5, probe_ttl_s=0)
+    settings = make_settings(
+        tmp_path, proc.port, expected_tp_size=0, probe_deadline_s=1.5, probe_interval_s=0.05
+    )
     async with sidecar(settings, server=proc) as c:
         assert (await c.get("/ready")).status_code == 200
-        body = (await c.get("/ready")).json()
+        body = await wait_not_ready(c, timeout=10)
     assert body["condition"] == "broken" and body["phase"] == "degraded", body
     assert "and fails now" in body["condition_evidence"][0]
+    assert any("3 probes in a row failed (KDTREE_PROBE_FAILURE_THRESHOLD=3)" in r for r in body["reasons"])
+
+
+async def wait_not_ready(c, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while (r := await c.get("/ready")).status_code == 200:
+        assert time.monotonic() < deadline, f"still ready after {timeout}s: {r.json()}"
+        await asyncio.sleep(0.05)
+    return r.json()
+
+
+# ---- readiness under load: the stand-in saturated (a stand-in: its /health answers as SGLang 0.5.23's does) ------
+
+
+async def test_ready_holds_while_saturated_and_drops_for_a_dead_scheduler(engine, tmp_path, monkeypatch):
+    """Completions queue behind load past the probe's deadline while SGLang's /health answers 200 (any output
+    counts): the pod stays ready, however many probes fail. A dead scheduler (completions hang, /health answers 503
+    when no output arrives within SGLANG_HEALTH_CHECK_TIMEOUT) turns it not ready within the stated bound:
+    (KDTREE_PROBE_FAILURE_THRESHOLD + 1) x max(KDTREE_PROBE_INTERVAL_S, 0.9 x KDTREE_PROBE_DEADLINE_S)."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "3")
+    proc = engine("--tp-size", "2", "--fault-delay", "30")
+    interval, deadline, threshold = 0.2, 1.5, 3
+    settings = make_settings(tmp_path, proc.port, probe_interval_s=interval, probe_deadline_s=deadline)
+    stand_in = f"http://127.0.0.1:{proc.port}"
+    async with sidecar(settings, server=proc) as c:
+        await wait_ready(c)
+        httpx.post(f"{stand_in}/_standin/fault", json={"fault": "saturated"})
+        codes, start = [], time.monotonic()
+        while (st := (await c.get("/status")).json())["probe_failures_in_a_row"] <= threshold + 1:
+            assert time.monotonic() - start < 30, st["probe"]
+            codes.append((await c.get("/ready")).status_code)
+            await asyncio.sleep(0.1)
+        assert set(codes) == {200}, codes  # through every failed probe, below the threshold and past it
+        assert st["probe"]["reason"] == "timeout", st["probe"]
+        assert st["server_health"]["ok"] and st["phase"] == "ready" and st["condition"] == "ready"
+        assert any("busy, not broken" in n for n in st["notes"]), st["notes"]
+
+        httpx.post(f"{stand_in}/_standin/fault", json={"fault": "hang"})
+        died = time.monotonic()
+        body = await wait_not_ready(c, timeout=(threshold + 1) * max(interval, 0.9 * deadline) + 1.0)
+        took = time.monotonic() - died
+    assert body["condition"] == "broken" and "GET /health did not answer" in " ".join(body["reasons"]), body
+    print(f"a dead scheduler turned the pod not ready after {took:.2f}s")
+
+
+async def test_a_server_that_never_served_is_judged_by_the_completion_probe(engine, tmp_path):
+    """Saturated from its start: SGLang's /health says 200, but no completion has proven the serving path yet."""
+    proc = engine("--tp-size", "2", "--fault", "saturated", "--fault-delay", "30")
+    settings = make_settings(
+        tmp_path, proc.port, probe_interval_s=0.1, probe_deadline_s=1.5, ready_timeout_s=60
+    )
+    async with sidecar(settings, server=proc) as c:
+        await asyncio.sleep(5 * 1.35)  # past the failure threshold
+        body = (await c.get("/ready")).json()
+        st = (await c.get("/status")).json()
+    assert not body["ready"] and body["condition"] == "not_ready_yet", body
+    assert "probe failed (timeout)" in body["reasons"][0] and st["server_health"]["ok"]
+
+
+async def test_a_verdict_from_before_the_servers_latest_start_does_not_count(supervised, tmp_path):
+    """The server restarts without the sidecar (a crash, then its restart policy): the last probe and the ranks'
+    records are the previous server's, so /ready waits for a probe of the new one (none comes for a minute here)."""
+    proc = supervised("--tp-size", "2", "--heartbeat-s", "0.2")
+    async with sidecar(make_settings(tmp_path, proc.port, probe_interval_s=60), server=proc) as c:
+        await wait_ready(c)
+        first = read_process_record(tmp_path)
+        os.kill(first.server_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (read_process_record(tmp_path) or first).starts == first.starts:
+            assert time.monotonic() < deadline, "the stand-in orchestrator did not start the server again"
+            await asyncio.sleep(0.1)
+        body = (await c.get("/ready")).json()
+    assert not body["ready"], body
+    assert any("no probe since the server's latest start yet" in r for r in body["reasons"]), body["reasons"]
+
+
+# ---- SGLang's --api-key ----------------------------------------------------------------------------------------
+
+
+async def test_the_probe_sends_the_servers_api_key(engine, tmp_path):
+    """A server started with --api-key (the stand-in checks it as SGLang's middleware does) becomes ready only with
+    KDTREE_SERVER_API_KEY; the key never shows in /ready or /status."""
+    key = "sk-standin-0123456789"
+    proc = engine("--tp-size", "2", "--api-key", key)
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        body = (await c.get("/ready")).json()
+    assert not body["ready"] and "answered HTTP 401" in body["reasons"][0], body
+    assert "set KDTREE_SERVER_API_KEY" in body["reasons"][0]
+    async with sidecar(make_settings(tmp_path, proc.port, server_api_key=key)) as c:
+        body = await wait_ready(c)
+        status = (await c.get("/status")).text
+    assert body["ready"] and key not in status and key not in str(body)
+    assert repr(make_settings(tmp_path, proc.port, server_api_key=key)).count(key) == 0
+
+
+async def test_the_api_docs_are_not_served(tmp_path):
+    """No /docs, /redoc or /openapi.json: the README documents the API, and an open schema maps the admin endpoint."""
+    async with sidecar(make_settings(tmp_path, free_port())) as c:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await c.get(path)).status_code == 404, path

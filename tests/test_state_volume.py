@@ -302,7 +302,8 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
         return real(settings)
 
     settings = make_settings(tmp_path, proc.port, probe_deadline_s=0.8)
-    earlier = {t for t in threading.enumerate() if t.name.startswith("kdtree-volume")}  # other tests' apps
+    volume_threads = lambda: {t for t in threading.enumerate() if t.name.startswith("kdtree-volume")}  # noqa: E731
+    others = volume_threads()  # an earlier test's sidecar may still be finishing a read on its own
     try:
         async with sidecar(settings, server=proc) as c:
             await wait_ready(c)
@@ -322,8 +323,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
             )
             assert answers[1].json()["mode"]["desired_file"] == "unread: the state volume did not answer"
             assert all(a.status_code in (200, 503) for a in answers)
-            mine = {t for t in threading.enumerate() if t.name.startswith("kdtree-volume")} - earlier
-            assert len(mine) == 1, mine  # one thread waits on the hung volume, however many requests
+            assert len(volume_threads() - others) == 1
             release.set()
             monkeypatch.setattr(controller_module, "read_snapshot", real)
             await wait_ready(c)
@@ -471,7 +471,12 @@ async def test_a_server_answering_garbage_is_broken_after_the_answering_budget(s
     """Counted from the first answer after the start: the time the port stayed closed while loading is not."""
     proc = standin("--fault", "malformed", "--load-seconds", "1.2", wait=False)
     settings = make_settings(
-        tmp_path, proc.port, answering_budget_s=0.5, ready_timeout_s=60, probe_ttl_s=0, probe_deadline_s=0.5
+        tmp_path,
+        proc.port,
+        answering_budget_s=0.5,
+        ready_timeout_s=60,
+        probe_interval_s=0.05,
+        probe_deadline_s=0.5,
     )
     async with sidecar(settings, server=proc) as c:
         seen = []

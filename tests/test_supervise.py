@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,10 @@ import pytest
 
 from entrypoint import launch
 from entrypoint.supervise import (
+    HEARTBEAT_S,
     MIN_LOG_MAX_BYTES,
+    REQUEST_POLL_S,
+    RestartRequest,
     ServerProcessRecord,
     StopRequested,
     Supervisor,
@@ -28,13 +32,15 @@ from entrypoint.supervise import (
     pid_alive,
     process_path,
     read_process_record,
+    read_restart_request,
     write_process_record,
+    write_restart_request,
 )
 from kdtree.config import ConfigError, Mode
 from kdtree.status import own_pid_ns
 from sidecar.docker_control import ContainerMissing
 from sidecar.evidence import crash_excerpt
-from sidecar.process_control import ProcessControlError, ServerProcess
+from sidecar.process_control import STALE_S, ProcessControlError, ServerProcess
 from sidecar.settings import load_sidecar_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,12 +173,18 @@ def test_sigterm_is_passed_on_and_the_last_lines_are_kept(tmp_path):
     p = supervise(tmp_path, sys.executable, "-c", SERVER)
     rec = serving(tmp_path)
     assert f"serving pid={rec.server_pid} pgid={rec.server_pid}" in log_lines(tmp_path)  # its own group
+    sent = time.time()
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=30)
+    out, err = p.communicate(timeout=30)
     assert p.returncode == 0 and out.decode().splitlines()[-1] == "got SIGTERM"
-    assert log_lines(tmp_path)[-2:] == ["got SIGTERM", "kdtree launcher: the server exited with status 0"]
+    lines = log_lines(tmp_path)
+    assert "got SIGTERM" in lines and lines[-1] == "kdtree launcher: the server exited with status 0"
     rec = read_process_record(tmp_path)
     assert rec.stop_signal == "SIGTERM" and rec.exit_code == 0 and rec.signal is None
+    assert sent <= rec.stop_signal_at <= rec.exited_at
+    # The stop and its time, in the log and on stderr (docker logs): when the server was told to stop.
+    (stop,) = [x for x in lines if x.startswith("kdtree launcher: SIGTERM at ")]
+    assert stop.endswith(f"(t={rec.stop_signal_at:.3f}): stopping the server") and stop in err.decode()
     state = ServerProcess(tmp_path).inspect()
     assert state.status == "exited" and state.exit_code == 0 and not state.oom_killed
 
@@ -263,12 +275,33 @@ def test_no_record_means_no_server_yet(tmp_path):
         ServerProcess(tmp_path).inspect()
 
 
-def test_a_record_from_another_pid_namespace_names_the_fix(tmp_path):
-    write_process_record(tmp_path, ServerProcessRecord(pid=1, pid_ns="pid:[1]", started_at=time.time()))
+def test_a_launcher_in_another_pid_namespace_is_judged_by_its_heartbeat(tmp_path):
+    """Its pid means nothing here (pid 1 is the launcher of its own container): the heartbeat says whether it lives."""
+    now = time.time()
+    rec = ServerProcessRecord(pid=1, pid_ns="pid:[1]", started_at=now - 60, heartbeat_at=now - 1)
+    write_process_record(tmp_path, rec)
+    assert ServerProcess(tmp_path).inspect().running
+    write_process_record(tmp_path, rec.model_copy(update={"heartbeat_at": now - STALE_S - 1}))
+    state = ServerProcess(tmp_path).inspect()
+    assert state.crashed and state.exit_code == 137 and "its heartbeat stopped" in state.error
+    write_process_record(tmp_path, rec.model_copy(update={"heartbeat_at": None}))  # an older entrypoint
     with pytest.raises(
-        ProcessControlError, match=r"another PID namespace.*pid: service:sidecar.*shareProcessNamespace"
+        ProcessControlError, match=r"no heartbeat .* run the server image of this sidecar's version"
     ):
         ServerProcess(tmp_path).inspect()
+
+
+def test_the_launcher_keeps_its_heartbeat_while_the_server_runs(tmp_path):
+    p = supervise(tmp_path, sys.executable, "-c", SERVER)
+    serving(tmp_path)
+    beats = []
+    for _ in range(2):
+        last = read_process_record(tmp_path).heartbeat_at
+        wait_for(lambda last=last: read_process_record(tmp_path).heartbeat_at > last, timeout=HEARTBEAT_S * 3)
+        beats.append(read_process_record(tmp_path).heartbeat_at)
+    assert HEARTBEAT_S * 0.9 <= beats[1] - beats[0] <= HEARTBEAT_S + 1
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=30)
 
 
 def test_a_reused_pid_is_not_the_server(tmp_path):
@@ -363,6 +396,7 @@ def orchestrated(tmp_path):
 
 
 def test_restart_stops_the_server_and_waits_for_the_next_start(tmp_path, orchestrated):
+    """No signal from the sidecar: a request in the state volume, which the launcher acts on as on a SIGTERM."""
     o = orchestrated(sys.executable, "-c", SERVER)
     first = serving(tmp_path)
     control = ServerProcess(tmp_path, restart_wait_s=10, poll_s=0.05)
@@ -372,17 +406,94 @@ def test_restart_stops_the_server_and_waits_for_the_next_start(tmp_path, orchest
     assert len(o.procs) == 2 and o.procs[0].returncode == 0  # stopped by SIGTERM, passed on
     state = control.inspect()
     assert state.running and state.restart_count == 1 and state.started_at == second.started_at
+    request = read_restart_request(tmp_path)
+    assert request.start == first.starts and second.restart_request is None  # the new start ignores it
+    log = "\n".join(log_lines(tmp_path))
+    assert f"restart request {request.id} from the sidecar" in log and "got SIGTERM" in log
+
+
+def test_the_launcher_acts_on_a_request_for_its_own_start_only(tmp_path):
+    p = supervise(tmp_path, sys.executable, "-c", SERVER)
+    rec = serving(tmp_path)
+    stale = RestartRequest(id="old", start=rec.starts - 1 or 99, requested_at=time.time(), stop_timeout_s=5)
+    write_restart_request(tmp_path, stale)
+    time.sleep(REQUEST_POLL_S * 3)
+    assert p.poll() is None and read_process_record(tmp_path).restart_request is None
+    asked = time.time()
+    write_restart_request(tmp_path, stale.model_copy(update={"id": "mine", "start": rec.starts}))
+    assert p.wait(10) == 0
+    done = read_process_record(tmp_path)
+    assert done.restart_request == "mine" and done.stop_signal == "SIGTERM" and done.exit_code == 0
+    assert asked <= done.stop_signal_at <= asked + REQUEST_POLL_S * 3
 
 
 def test_restart_kills_a_server_that_ignores_sigterm(tmp_path, orchestrated):
+    """The launcher itself SIGKILLs the server's group after the request's stop timeout, and exits as SIGKILL's."""
     o = orchestrated(sys.executable, "-c", SERVER, "ignore")
     first = serving(tmp_path)
     started = time.monotonic()
     ServerProcess(tmp_path, restart_wait_s=10, poll_s=0.05).restart(stop_timeout_s=1)
     assert time.monotonic() - started >= 1
-    assert o.procs[0].returncode == -signal.SIGKILL  # the launcher, after the server's whole group
+    assert o.procs[0].returncode == 128 + signal.SIGKILL
     assert not pid_alive(first.server_pid, first.server_start_ticks)
     assert read_process_record(tmp_path).starts == 2
+    assert (
+        "did not stop within the restart request's stop_timeout_s: SIGKILL" in log_path(tmp_path).read_text()
+    )
+
+
+def test_a_restart_request_nobody_acts_on_is_a_failure_naming_the_fix(tmp_path):
+    """A launcher that writes its heartbeat but never acts (hung, or an entrypoint of another version)."""
+    now = time.time()
+    write_process_record(
+        tmp_path, ServerProcessRecord(pid=1, pid_ns="pid:[1]", started_at=now, heartbeat_at=now)
+    )
+    started = time.monotonic()
+    with pytest.raises(
+        ProcessControlError, match=r"did not act on the restart request .* within 0.5s.*by hand"
+    ):
+        ServerProcess(tmp_path, restart_wait_s=5, poll_s=0.05, ack_s=0.5).restart(stop_timeout_s=5)
+    assert time.monotonic() - started < 2
+    assert read_restart_request(tmp_path).start == 1
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare (util-linux)")
+def test_as_pid_1_the_launcher_reaps_orphans(tmp_path):
+    """In its own PID namespace (a container without an init), orphans come to the launcher: none stays a zombie."""
+    script = tmp_path / "orphans.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, time
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            for _ in range(3):  # grandchildren whose parent exits at once: orphans, reparented to pid 1
+                child = os.fork()
+                if child == 0:
+                    if os.fork() == 0:
+                        time.sleep(0.5)
+                        os._exit(0)
+                    os._exit(0)
+                os.waitpid(child, 0)
+            time.sleep(1.5)
+            zombies = [p for p in os.listdir("/proc") if p.isdigit()
+                       and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"]
+            print("zombies", len(zombies), flush=True)
+            time.sleep(120)
+            """
+        )
+    )
+    env = {**os.environ, "KDTREE_STATE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "entrypoint.supervise",
+           sys.executable, str(script)]  # fmt: skip
+    p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = p.stdout.readline().decode()
+    finally:
+        p.kill()  # --kill-child: unshare's death SIGKILLs the namespace's pid 1, and with it the namespace
+        p.communicate(timeout=30)
+    if not line:
+        pytest.skip("unshare --pid is not permitted here")
+    assert line.strip() == "zombies 0"
 
 
 def test_restart_names_the_restart_policy_when_nothing_starts_the_server(tmp_path):
