@@ -219,7 +219,10 @@ def test_verify_metadata_in_the_real_runner_is_what_the_unit_tests_assume(fleet,
         expected_scaling,
     )
 
-    seen = fleet[f"{algo}-validate"].record(0).verify_inputs
+    server = fleet[f"{algo}-validate"]
+    server.token_ids(PROMPTS, max_tokens=8)  # batch 8 > 4: eager verify calls, whichever tests ran before
+    verify_counts(server)  # a fresh heartbeat
+    seen = server.record(0).verify_inputs
     for kind, expected in (("eager", EXPECTED_EAGER), ("captured", EXPECTED_CAPTURED)):
         got = seen[kind]
         assert described_dtypes(got) == expected, f"{kind}: {got}"
