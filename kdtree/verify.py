@@ -140,16 +140,10 @@ def describe_call(c: VerifyCall, capturing: bool) -> dict:
         "kv_pool": [str(kbuf.dtype).removeprefix("torch."), list(kbuf.shape[1:]), kbuf.stride(0)],
         "page_size": getattr(c.backend, "page_size", None),
     }
-    if not capturing and md.custom_mask is not None:  # SGLang's FULL layout: n x (prefix + n) a request
-        n, fb = md.max_extend_len, c.forward_batch
-        seq, total = getattr(fb, "seq_lens_cpu", None), getattr(fb, "seq_lens_sum", None)
-        if seq is not None:  # host values only, no device read (NEXTN's verify batch may carry just the sum)
-            d["full_mask_numel"], d["prefix_lengths_from"] = (
-                sum(n * (int(p) + n) for p in seq.tolist()),
-                "seq_lens_cpu",
-            )
-        elif isinstance(total, int):
-            d["full_mask_numel"], d["prefix_lengths_from"] = n * total + d["batch"] * n * n, "seq_lens_sum"
+    seq = getattr(c.forward_batch, "seq_lens_cpu", None)
+    if not capturing and md.custom_mask is not None and seq is not None:  # a host tensor: no device read
+        n = md.max_extend_len
+        d["full_mask_numel"] = sum(n * (int(p) + n) for p in seq.tolist())  # SGLang's FULL layout
     return d
 
 
