@@ -30,6 +30,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from real_server import RealServer, ServerSpec, divergence, unavailable  # noqa: E402
+from source_id import source_id  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import config, prompt_of, write_model  # noqa: E402
 
 from kdtree.config import Mode  # noqa: E402
@@ -156,7 +157,8 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     cfg = config(layers=args.layers[0])
     head = [
-        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {_commit()}",
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {_commit()}; "
+        f"sources {source_id()} (source_id.py: the device copy's HEAD may be older than its files)",
         f"Command: {' '.join(sys.argv)}",
         f"Model: tiny DeepSeek-V3 architecture, random weights (--load-format dummy), layers {args.layers}, hidden "
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA kv_lora_rank {cfg['kv_lora_rank']} + rope "
