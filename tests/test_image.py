@@ -915,8 +915,14 @@ def test_compose_off_without_the_sidecar_by_the_readmes_runbook(stack):
     assert stack.wait_transition(n)["outcome"] == "succeeded"
 
 
+def started_at(status: dict) -> float | None:
+    """The server start the sidecar's status speaks of."""
+    return (status["container"]["state"] or {}).get("started_at")
+
+
 def test_compose_failed_restart_rolls_back_to_validate(stack):
     # Recreate the server so that it crashes at start whenever it starts in mode `on`.
+    before = started_at(stack.status())
     stack.compose(
         "up",
         "-d",
@@ -924,7 +930,11 @@ def test_compose_failed_restart_rolls_back_to_validate(stack):
         "server",
         extra_env={"KDTREE_CI_STANDIN_ARGS": "--fault crash-on-start --fault-in-mode on"},
     )
-    stack.wait("ready in validate", lambda s: s["ready"] and s["mode"]["current"] == "validate", timeout=90)
+    stack.wait(  # the new server's start seen (the sidecar's view of the server is up to a second old)
+        "the new server ready in validate",
+        lambda s: s["ready"] and s["mode"]["current"] == "validate" and started_at(s) != before,
+        timeout=90,
+    )
     n = stack.next_transition()
     r = stack.post_mode("on", restart=True)  # where a live switch would do, the restart path on request
     assert r.status_code == 202 and r.json()["method"] == "restart", r.text
