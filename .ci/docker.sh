@@ -34,8 +34,15 @@ tools() {
 engine() {
   if docker info >/dev/null 2>&1; then return; fi
   log "starting dockerd (log: /tmp/dockerd.log)"
-  # Its own session, so it outlives the shell that started it.
-  setsid nohup dockerd >/tmp/dockerd.log 2>&1 </dev/null &
+  # Its own session, so it outlives the shell that started it; and none of this shell's other open files (a
+  # caller's `flock` lock among them, which the daemon would otherwise hold for as long as it runs).
+  (
+    for fd in /proc/self/fd/*; do
+      fd=${fd##*/}
+      [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+    done
+    exec setsid nohup dockerd >/tmp/dockerd.log 2>&1 </dev/null
+  ) &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && return; sleep 1; done
   log "dockerd did not answer within 60 s; see /tmp/dockerd.log"; exit 1
 }
