@@ -34,8 +34,15 @@ tools() {
 engine() {
   if docker info >/dev/null 2>&1; then return; fi
   log "starting dockerd (log: /tmp/dockerd.log)"
-  # Its own session, so it outlives the shell that started it.
-  setsid nohup dockerd >/tmp/dockerd.log 2>&1 </dev/null &
+  # Its own session, so it outlives the shell that started it, and none of that shell's descriptors past
+  # stdio: a caller's lock (`flock LOCK .ci/docker.sh ...`) would otherwise stay held for dockerd's life.
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+    done
+    exec setsid nohup dockerd >/tmp/dockerd.log 2>&1 </dev/null
+  ) &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && return; sleep 1; done
   log "dockerd did not answer within 60 s; see /tmp/dockerd.log"; exit 1
 }
