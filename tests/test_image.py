@@ -5,9 +5,8 @@ with that command as the reason. Nothing here builds an image.
 
 The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compose.ci.yaml replaces the
 server's command with tests/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
-and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor, and the
-test drops the server's GPU reservation from its copy of compose.yaml, since this machine has no GPU
-runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
+and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor; the GPU
+reservation (compose.override.yaml) is left out, since this machine has no GPU runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
 shared PID namespace; it reads the server's state file and log from the shared volume and restarts it with a
 request in that volume, which the supervisor acts on before it exits, and the server's restart policy starts
 it again. Both join the network namespace of compose.yaml's `netns`. (Docker control is tested against the
@@ -292,18 +291,8 @@ def test_sidecar_image_has_kdtreectl_on_its_path(sidecar_image):
 # ---- compose ----------------------------------------------------------------------------------------
 
 
-def compose_files_for_cpu(tmp: Path) -> list[Path]:
-    """compose.yaml without the server's GPU reservation (its `deploy:` block), plus tests/compose.ci.yaml."""
-    lines = (REPO / "compose.yaml").read_text().splitlines(keepends=True)
-    assert lines.count("    deploy:\n") == 1, "compose.yaml: expected one `deploy:` block (the server's)"
-    start = lines.index("    deploy:\n")
-    end = start + 1
-    while end < len(lines) and (lines[end].startswith("      ") or not lines[end].strip()):
-        end += 1
-    assert "capabilities: [gpu]" in "".join(lines[start:end])
-    cpu = tmp / "compose.cpu.yaml"
-    cpu.write_text("".join(lines[:start] + lines[end:]))
-    return [cpu, REPO / "tests" / "compose.ci.yaml"]
+# compose.yaml without a GPU file (compose.override.yaml holds the reservation), with the CPU override.
+CPU_FILES = [REPO / "compose.yaml", REPO / "tests" / "compose.ci.yaml"]
 
 
 class Stack:
@@ -312,7 +301,7 @@ class Stack:
     def __init__(self, tmp: Path, models: Path, files: list[Path] | None = None):
         self.project = f"kdtree-e2e-{uuid.uuid4().hex[:8]}"
         self.server = f"{self.project}-server"
-        self.files = files or compose_files_for_cpu(tmp)
+        self.files = files or CPU_FILES
         self.env_file = tmp / "empty.env"  # a developer's .env must not leak into the test
         self.env_file.write_text("")
         sidecar_port, self.server_port = free_port(), free_port()
@@ -578,7 +567,7 @@ def test_the_server_writes_every_cache_into_the_stacks_volumes_as_its_user(
         f.chmod(0o644)
     memlock = tmp_path / "memlock.yaml"
     memlock.write_text("services:\n  server:\n    ulimits:\n      memlock: 65536\n")
-    s = Stack(tmp_path, models, files=[compose_files_for_cpu(tmp_path)[0], memlock])
+    s = Stack(tmp_path, models, files=[REPO / "compose.yaml", memlock])
     try:
         s.compose("up", "-d", "sidecar")
         runs = {}
@@ -956,10 +945,11 @@ def test_compose_crash_at_start_shows_the_traceback(stack):
 
 def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_image, server_image, tmp_path):
     """The README's troubleshooting row, on this GPU-less engine: `up` fails with Docker's own message, and the
-    sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S."""
+    sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S. The files are what
+    `docker compose up` reads with no -f: compose.yaml and its GPU file."""
     require_compose()
     models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
-    s = Stack(tmp_path, models, files=[REPO / "compose.yaml"])
+    s = Stack(tmp_path, models, files=[REPO / "compose.yaml", REPO / "compose.override.yaml"])
     s.env["KDTREE_START_GRACE_S"] = "3"
     try:
         cmd = [
@@ -972,7 +962,7 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
             str(s.env_file),
         ]
         up = subprocess.run(
-            [*cmd, "-f", str(REPO / "compose.yaml"), "up", "-d"],
+            [*cmd, *(a for f in s.files for a in ("-f", str(f))), "up", "-d"],
             env=s.env,
             capture_output=True,
             text=True,
