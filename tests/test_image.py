@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -980,3 +981,112 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
     finally:
         s.down()
         shutil.rmtree(models)
+
+
+# ---- the README's demo, as written ------------------------------------------------------------------------
+
+DEMO_HEADING = "### Try it without a GPU\n"
+# What the demo's commands read from a checkout (compose.yaml's server reads server.env even while left out).
+DEMO_FILES = ("compose.yaml", "compose.demo.yaml", ".env.example", "server.env", "tests/standin_engine.py")
+
+
+def readme_demo() -> list[tuple[str, list[str]]]:
+    """The README's demo section: each command of its bash blocks, with the lines written under it as comments
+    (what it prints; `...` stands for anything)."""
+    section = (REPO / "README.md").read_text().split(DEMO_HEADING, 1)[1].split("\n### ", 1)[0]
+    steps: list[tuple[str, list[str]]] = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.splitlines():
+            if line.startswith("# "):
+                steps[-1][1].append(line[2:].strip())
+            elif line.strip():
+                steps.append((line, []))
+    return steps
+
+
+def printed(expected: str, output: str) -> bool:
+    pattern = ".*".join(map(re.escape, expected.split("...")))
+    return any(re.fullmatch(pattern, line.strip()) for line in output.splitlines())
+
+
+def in_a_terminal(command: str, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """`bash -c command` with a pseudo-terminal for its stdin, stdout and stderr, as a user's shell has (compose v1's
+    `exec` refuses to run without one); what it printed, one line per terminal line, without colours."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # no wrapped lines
+    proc = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=cwd,
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every writer of the terminal has closed it
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+        else:
+            proc.kill()
+            pytest.fail(
+                f"{command}: still running after {timeout} s:\n{b''.join(chunks).decode(errors='replace')}"
+            )
+        code = proc.wait(timeout=30)
+    finally:
+        os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    return code, "\n".join(re.split(r"\r\n|\r|\n", text))
+
+
+def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
+    """ "Try it without a GPU", command by command, in a copy of the files it reads: each must exit 0 and print what
+    the README writes under it. The environment says only what CI's setup needs: the images' CI tag, a project
+    name of its own, and compose v1 for `docker compose` where the v2 plugin is absent (the README says either
+    works). The ports are the README's, 8080 and 30000, so they must be free."""
+    require_compose()
+    steps = readme_demo()
+    assert [c for c, _ in steps][:2] == [
+        '[ -f .env ] || sed "s/^KDTREE_ADMIN_TOKEN=.*/KDTREE_ADMIN_TOKEN=$(openssl rand -hex 24)/" .env.example > .env',
+        "docker compose -f compose.yaml -f compose.demo.yaml up -d",
+    ], steps[:2]
+    assert steps[-1][0] == "docker compose -f compose.yaml -f compose.demo.yaml down -v", steps[-1]
+    for port in (8080, 30000):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is in use: the demo publishes it"
+    for name in DEMO_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    project = f"kdtree-demo-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "KDTREE_SIDECAR_IMAGE": SIDECAR}
+    env.pop("COMPOSE_FILE", None)
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    try:
+        for command, expected in steps:
+            run = command if v2 else command.replace("docker compose ", "docker-compose ")
+            start = time.monotonic()
+            code, out = in_a_terminal(run, tmp_path, env, timeout=300)
+            print(f"$ {command}  ({time.monotonic() - start:.1f} s)\n{out}")
+            assert code == 0, f"{command}\nexited {code}:\n{out}"
+            missing = [e for e in expected if not printed(e, out)]
+            assert not missing, f"{command}\ndid not print {missing}:\n{out}"
+        assert "KDTREE_ADMIN_TOKEN=\n" not in (tmp_path / ".env").read_text()  # the first line set a token
+    finally:
+        subprocess.run(
+            ["docker-compose", "-p", project, "-f", "compose.yaml", "-f", "compose.demo.yaml", "down", "-v", "-t", "2"],
+            cwd=tmp_path, env=env, capture_output=True, timeout=120,
+        )  # fmt: skip
