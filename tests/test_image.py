@@ -5,9 +5,8 @@ with that command as the reason. Nothing here builds an image.
 
 The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compose.ci.yaml replaces the
 server's command with tests/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
-and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor, and the
-test drops the server's GPU reservation from its copy of compose.yaml, since this machine has no GPU
-runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
+and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor; the GPU
+reservation (compose.override.yaml) is left out, since this machine has no GPU runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
 shared PID namespace; it reads the server's state file and log from the shared volume and restarts it with a
 request in that volume, which the supervisor acts on before it exits, and the server's restart policy starts
 it again. Both join the network namespace of compose.yaml's `netns`. (Docker control is tested against the
@@ -20,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -292,18 +292,8 @@ def test_sidecar_image_has_kdtreectl_on_its_path(sidecar_image):
 # ---- compose ----------------------------------------------------------------------------------------
 
 
-def compose_files_for_cpu(tmp: Path) -> list[Path]:
-    """compose.yaml without the server's GPU reservation (its `deploy:` block), plus tests/compose.ci.yaml."""
-    lines = (REPO / "compose.yaml").read_text().splitlines(keepends=True)
-    assert lines.count("    deploy:\n") == 1, "compose.yaml: expected one `deploy:` block (the server's)"
-    start = lines.index("    deploy:\n")
-    end = start + 1
-    while end < len(lines) and (lines[end].startswith("      ") or not lines[end].strip()):
-        end += 1
-    assert "capabilities: [gpu]" in "".join(lines[start:end])
-    cpu = tmp / "compose.cpu.yaml"
-    cpu.write_text("".join(lines[:start] + lines[end:]))
-    return [cpu, REPO / "tests" / "compose.ci.yaml"]
+# compose.yaml without a GPU file (compose.override.yaml holds the reservation), with the CPU override.
+CPU_FILES = [REPO / "compose.yaml", REPO / "tests" / "compose.ci.yaml"]
 
 
 class Stack:
@@ -312,7 +302,7 @@ class Stack:
     def __init__(self, tmp: Path, models: Path, files: list[Path] | None = None):
         self.project = f"kdtree-e2e-{uuid.uuid4().hex[:8]}"
         self.server = f"{self.project}-server"
-        self.files = files or compose_files_for_cpu(tmp)
+        self.files = files or CPU_FILES
         self.env_file = tmp / "empty.env"  # a developer's .env must not leak into the test
         self.env_file.write_text("")
         sidecar_port, self.server_port = free_port(), free_port()
@@ -578,7 +568,7 @@ def test_the_server_writes_every_cache_into_the_stacks_volumes_as_its_user(
         f.chmod(0o644)
     memlock = tmp_path / "memlock.yaml"
     memlock.write_text("services:\n  server:\n    ulimits:\n      memlock: 65536\n")
-    s = Stack(tmp_path, models, files=[compose_files_for_cpu(tmp_path)[0], memlock])
+    s = Stack(tmp_path, models, files=[REPO / "compose.yaml", memlock])
     try:
         s.compose("up", "-d", "sidecar")
         runs = {}
@@ -966,10 +956,11 @@ def test_compose_crash_at_start_shows_the_traceback(stack):
 
 def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_image, server_image, tmp_path):
     """The README's troubleshooting row, on this GPU-less engine: `up` fails with Docker's own message, and the
-    sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S."""
+    sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S. The files are what
+    `docker compose up` reads with no -f: compose.yaml and its GPU file."""
     require_compose()
     models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
-    s = Stack(tmp_path, models, files=[REPO / "compose.yaml"])
+    s = Stack(tmp_path, models, files=[REPO / "compose.yaml", REPO / "compose.override.yaml"])
     s.env["KDTREE_START_GRACE_S"] = "3"
     try:
         cmd = [
@@ -982,7 +973,7 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
             str(s.env_file),
         ]
         up = subprocess.run(
-            [*cmd, "-f", str(REPO / "compose.yaml"), "up", "-d"],
+            [*cmd, *(a for f in s.files for a in ("-f", str(f))), "up", "-d"],
             env=s.env,
             capture_output=True,
             text=True,
@@ -1000,3 +991,112 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
     finally:
         s.down()
         shutil.rmtree(models)
+
+
+# ---- the README's demo, as written ------------------------------------------------------------------------
+
+DEMO_HEADING = "### Try it without a GPU\n"
+# What the demo's commands read from a checkout (compose.yaml's server reads server.env even while left out).
+DEMO_FILES = ("compose.yaml", "compose.demo.yaml", ".env.example", "server.env", "tests/standin_engine.py")
+
+
+def readme_demo() -> list[tuple[str, list[str]]]:
+    """The README's demo section: each command of its bash blocks, with the lines written under it as comments
+    (what it prints; `...` stands for anything)."""
+    section = (REPO / "README.md").read_text().split(DEMO_HEADING, 1)[1].split("\n### ", 1)[0]
+    steps: list[tuple[str, list[str]]] = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.splitlines():
+            if line.startswith("# "):
+                steps[-1][1].append(line[2:].strip())
+            elif line.strip():
+                steps.append((line, []))
+    return steps
+
+
+def printed(expected: str, output: str) -> bool:
+    pattern = ".*".join(map(re.escape, expected.split("...")))
+    return any(re.fullmatch(pattern, line.strip()) for line in output.splitlines())
+
+
+def in_a_terminal(command: str, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """`bash -c command` with a pseudo-terminal for its stdin, stdout and stderr, as a user's shell has (compose v1's
+    `exec` refuses to run without one); what it printed, one line per terminal line, without colours."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # no wrapped lines
+    proc = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=cwd,
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every writer of the terminal has closed it
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+        else:
+            proc.kill()
+            pytest.fail(
+                f"{command}: still running after {timeout} s:\n{b''.join(chunks).decode(errors='replace')}"
+            )
+        code = proc.wait(timeout=30)
+    finally:
+        os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    return code, "\n".join(re.split(r"\r\n|\r|\n", text))
+
+
+def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
+    """ "Try it without a GPU", command by command, in a copy of the files it reads: each must exit 0 and print what
+    the README writes under it. The environment says only what CI's setup needs: the images' CI tag, a project
+    name of its own, and compose v1 for `docker compose` where the v2 plugin is absent (the README says either
+    works). The ports are the README's, 8080 and 30000, so they must be free."""
+    require_compose()
+    steps = readme_demo()
+    assert [c for c, _ in steps][:2] == [
+        '[ -f .env ] || sed "s/^KDTREE_ADMIN_TOKEN=.*/KDTREE_ADMIN_TOKEN=$(openssl rand -hex 24)/" .env.example > .env',
+        "docker compose -f compose.yaml -f compose.demo.yaml up -d",
+    ], steps[:2]
+    assert steps[-1][0] == "docker compose -f compose.yaml -f compose.demo.yaml down -v", steps[-1]
+    for port in (8080, 30000):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is in use: the demo publishes it"
+    for name in DEMO_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    project = f"kdtree-demo-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "KDTREE_SIDECAR_IMAGE": SIDECAR}
+    env.pop("COMPOSE_FILE", None)
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    try:
+        for command, expected in steps:
+            run = command if v2 else command.replace("docker compose ", "docker-compose ")
+            start = time.monotonic()
+            code, out = in_a_terminal(run, tmp_path, env, timeout=300)
+            print(f"$ {command}  ({time.monotonic() - start:.1f} s)\n{out}")
+            assert code == 0, f"{command}\nexited {code}:\n{out}"
+            missing = [e for e in expected if not printed(e, out)]
+            assert not missing, f"{command}\ndid not print {missing}:\n{out}"
+        assert "KDTREE_ADMIN_TOKEN=\n" not in (tmp_path / ".env").read_text()  # the first line set a token
+    finally:
+        subprocess.run(
+            ["docker-compose", "-p", project, "-f", "compose.yaml", "-f", "compose.demo.yaml", "down", "-v", "-t", "2"],
+            cwd=tmp_path, env=env, capture_output=True, timeout=120,
+        )  # fmt: skip

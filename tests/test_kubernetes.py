@@ -37,7 +37,7 @@ from sidecar.settings import SidecarSettings  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"
 COMPOSE = REPO / "compose.yaml"
-ENV_EXAMPLE = REPO / ".env.example"
+ONE_GPU = REPO / "compose.one-gpu.yaml"  # the one-GPU overlay's counterpart
 DOCKERFILE = REPO / "Dockerfile"
 
 # The oldest Kubernetes the manifests promise, and the newest the pinned kubernetes-validate knows.
@@ -173,21 +173,17 @@ def expand(value, env: dict[str, str]) -> str:
     return _VAR.sub(sub, str(value))
 
 
-def one_gpu_env() -> dict[str, str]:
-    """The single-GPU block of .env.example: its commented KEY=value lines."""
-    text = ENV_EXAMPLE.read_text()
-    block = text.split("# --- Single GPU", 1)[1].split("\n# ---", 1)[0]
-    found = dict(re.findall(r"^#\s*(KDTREE_\w+)=(.*)$", block, re.M))
-    assert found.get("KDTREE_TP_SIZE") == "1", block  # the block was found and still says what it did
-    return found
-
-
-COMPOSE_SETTINGS = {"default": {}, "one-gpu": one_gpu_env()}
-
-
 def compose_for(target: str) -> tuple[dict, dict[str, str]]:
-    """compose.yaml's services and the variables of the same setting as the render `target`."""
-    return yaml.safe_load(COMPOSE.read_text())["services"], COMPOSE_SETTINGS[target.split("+")[0]]
+    """compose.yaml's services for the render `target`, and the .env it is read with (none: the defaults). For
+    the one-GPU overlay, with compose.one-gpu.yaml over them as compose merges its keys: the server's command
+    replaced whole, environment entries by name (tests/test_compose_files.py renders it with compose itself)."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    if target.startswith("one-gpu"):
+        for name, override in yaml.safe_load(ONE_GPU.read_text())["services"].items():
+            environment = {**services[name].get("environment", {}), **override.pop("environment", {})}
+            services[name].update(override, environment=environment)
+        assert "--tp-size 1" in services["server"]["command"]
+    return services, {}
 
 
 # --- schemas ---------------------------------------------------------------------------------------
