@@ -183,7 +183,7 @@ def _local_path(flag: str, path: str | None) -> Path | None:
             raise LaunchError(
                 f"{flag} {path} is no local folder, and as a Hugging Face repo id it cannot be downloaded: "
                 f"{offline} and it is not in the local Hugging Face cache",
-                f"download it where there is network (huggingface-cli download {path} --local-dir "
+                f"download it where there is network (hf download {path} --local-dir "
                 f"models/{name}) and pass the folder; the stack never downloads (compose: KDTREE_MODEL_DIR=./models, "
                 f"KDTREE_MODEL={name})",
             )
@@ -383,14 +383,14 @@ def plan(
             + (f" x --pp-size {args.pp_size}" if args.pp_size > 1 else "")
             + (f" x --dp-size {replicas}" if replicas > 1 else "")
             + f" needs {per_node} GPUs on this node, {len(found)} visible",
-            "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count) "
+            "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose.override.yaml) "
             "or lower --tp-size (KDTREE_TP_SIZE) to match",
         )
     if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
         raise LaunchError(
             f"{len(found)} GPUs are visible and --tp-size {args.tp_size} uses {per_node}",
-            f"reserve {per_node} (compose.yaml: `count:` under the server's deploy.resources.reservations."
-            f"devices; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
+            f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
+            f"in compose.override.yaml or compose.one-gpu.yaml; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
         )
 
     have = archs()

@@ -252,10 +252,7 @@ def test_hub_model_id_offline_is_refused_naming_the_download(model, monkeypatch,
         "--model-path deepseek-ai/DeepSeek-V2-Lite is no local folder" in line
         and f"{var}=1 and it is not in" in line
     )
-    assert (
-        "fix: download it where there is network (huggingface-cli download deepseek-ai/DeepSeek-V2-Lite "
-        in line
-    )
+    assert "fix: download it where there is network (hf download deepseek-ai/DeepSeek-V2-Lite " in line
     assert "KDTREE_MODEL=DeepSeek-V2-Lite" in line
     draft = spec(model, "EAGLE3", "--speculative-draft-model-path", "org/draft")
     assert run(draft)[0] == EXIT_CONFIG
