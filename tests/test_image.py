@@ -736,18 +736,36 @@ def test_compose_killed_server_is_reported_crashed_with_its_log(stack):
     stack.wait("ready after the manual start", lambda s: s["ready"], timeout=90)
 
 
-class Traffic:
+class Background:
+    """A loop (`_run`, until `_stop` is set) in a daemon thread for the length of a `with` block."""
+
+    def __init__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+
+class Traffic(Background):
     """Completions sent without pause to the server's published port (what clients do during a flip), each
     checked against the answer the same prompt got before: the stand-in's completions are deterministic."""
 
     def __init__(self, port: int, prompts: list[str]):
-        import threading
-
+        super().__init__()
         self.url, self.prompts = f"http://127.0.0.1:{port}/v1/completions", prompts
         self.expected = {p: self._complete(httpx.Client(timeout=30), p) for p in prompts}
         self.sent, self.bad = 0, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
     def _request(prompt: str) -> dict:
@@ -770,14 +788,6 @@ class Traffic:
                     continue
                 if text != self.expected[prompt]:
                     self.bad.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(30)
 
 
 def test_compose_mode_on_is_live_while_requests_flow(stack):
@@ -805,15 +815,12 @@ def test_compose_mode_on_is_live_while_requests_flow(stack):
     assert traffic.sent > 20 and traffic.bad == [], traffic.bad[:5]
 
 
-class ReadyPolls:
+class ReadyPolls(Background):
     """GET /ready every 0.1 s in a thread: (epoch time the answer came, status, reasons)."""
 
     def __init__(self, http_base: str):
-        import threading
-
+        super().__init__()
         self.base, self.seen = http_base, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         with httpx.Client(base_url=self.base, timeout=30) as client:
@@ -824,14 +831,6 @@ class ReadyPolls:
                 except (httpx.HTTPError, ValueError):
                     self.seen.append((time.time(), None, []))
                 self._stop.wait(0.1)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(30)
 
 
 def test_compose_off_restarts_the_server_after_a_drain_and_back(stack):
