@@ -259,10 +259,11 @@ def _index_type(t: torch.Tensor, arg: str, allowed=(torch.int32, torch.int64)) -
 
 
 def _aligned(t: torch.Tensor, arg: str, *strides: int) -> None:
+    per16 = 16 // t.element_size()  # elements in 16 bytes: 8 bf16, 16 fp8
     _need(
-        t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides),
+        t.data_ptr() % 16 == 0 and all(s % per16 == 0 for s in strides),
         arg,
-        "16-byte aligned rows (pointer and row strides multiples of 8 elements)",
+        f"16-byte aligned rows (pointer and row strides multiples of {per16} elements)",
         lambda: f"strides {t.stride()}",
     )
 
