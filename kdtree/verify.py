@@ -46,12 +46,13 @@ QK_HEAD_DIM = 576
 V_HEAD_DIM = 512
 # Pool dtypes the kernel reads: SGLang's MLA pool for --kv-cache-dtype auto (bf16), fp8_e4m3 and fp8_e5m2.
 KV_POOL_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-# Validate's bound on an fp8 pool, per dtype: the original (SGLang's Triton kernel) quantises q and P to the pool's
-# fp8 dtype and lands this far (relative L2) from the fp64 of the dequantised pool, where kdtree's widened bf16 path
-# lands ~100x closer; so kdtree against the original differs by the original's fp8 error, and the bound is that
-# error as measured on the H200 with a margin (kernel_build/NOTES.md, "fp8 pools"). The setting's rtol applies when
-# it is the larger.
-FP8_PARITY_RTOL = {torch.float8_e4m3fn: 0.15, torch.float8_e5m2: 0.25}
+# Validate's bound on an fp8 pool, per dtype. The original (SGLang's Triton kernel) casts q and P to the pool's fp8
+# dtype and lands 0.4-9.2% (relative L2, e4m3 and e5m2 together, scales 0.05-2.5) from the fp64 of the dequantised
+# pool on the H200, while kdtree widens the pool exactly and stays within its bf16 bound (1e-2); so kdtree against the
+# original differs by the original's fp8 error, and the bound is the largest measured with a margin: 1.6 x 9.2%.
+# Provisional until device_run.sh fp8 measures each dtype apart (kernel_build/NOTES.md, "fp8 pools"). The setting's
+# rtol applies when it is the larger.
+FP8_PARITY_RTOL = {torch.float8_e4m3fn: 0.15, torch.float8_e5m2: 0.15}
 # Captured graphs one process can switch between modes (SGLang captures one per batch size; a recapture, as after
 # a weight update, takes new ones). Beyond it, a captured call falls back to the original ("no_step_slot").
 STEP_SLOTS = 1024
