@@ -42,6 +42,9 @@ QUICK = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768), (8, 8, 16, 13
 L2_BYTES = 60e6
 MAX_SETS = 8
 KV_ROW_BYTES = 576 * 2  # one latent KV row, bf16
+CALLS_PER_ROUND = (
+    200  # calls a timed round of graph replays makes (bench_verify --calls lowers it for short runs)
+)
 FLOP_PER_KEY_ROW = 2 * (576 + 512)  # per (draft token x head): QK^T and PV
 
 
@@ -55,9 +58,10 @@ def input_sets(kv_bytes: int, l2_bytes: float = L2_BYTES) -> int:
     return max(1, min(math.ceil(MAX_SETS * l2 / L2_BYTES), math.ceil(3 * l2 / kv_bytes)))
 
 
-def shape_costs(bs: int, h: int, n: int, p: int) -> tuple[int, int, int]:
-    """(KV bytes read once, all bytes: KV + q + out, FLOPs) of one call."""
-    kv_bytes = bs * (p + n) * KV_ROW_BYTES
+def shape_costs(bs: int, h: int, n: int, p: int, pool_bytes: int = 2) -> tuple[int, int, int]:
+    """(KV bytes read once, all bytes: KV + q + out, FLOPs) of one call; pool_bytes per element of the prefix's
+    pool rows (2: bf16, 1: fp8; the draft rows are bf16 either way)."""
+    kv_bytes = bs * (p * pool_bytes * KV_ROW_BYTES // 2 + n * KV_ROW_BYTES)
     io_bytes = kv_bytes + bs * n * h * 576 * 2 + bs * n * h * 512 * 2
     return kv_bytes, io_bytes, FLOP_PER_KEY_ROW * h * n * (p + n) * bs
 
@@ -117,7 +121,7 @@ def _time_graph(batches) -> float:
         run()
     for _ in range(3):
         g.replay()
-    return replay_us(g, max(1, math.ceil(200 / len(batches))), len(batches))
+    return replay_us(g, max(1, math.ceil(CALLS_PER_ROUND / len(batches))), len(batches))
 
 
 def replay_us(g, reps: int, calls: int) -> float:
@@ -181,13 +185,16 @@ def measure(
     triton: bool = True,
     torch_sdpa: bool = True,
     compact: bool = False,
+    fp8: bool = False,
     l2_bytes: float = L2_BYTES,
 ) -> dict:
     """One row of the table: kdtree, the baselines asked for (nan otherwise), and the roofline; with `compact`,
-    also kdtree forced into the compact configuration (sm_120's) on the same inputs."""
+    also kdtree forced into the compact configuration (sm_120's) on the same inputs; with `fp8`, also kdtree (and
+    the Triton baseline, if asked for) on the same inputs with an fp8 e4m3 pool (scales 0.5: any scale costs the
+    same), beside the bf16 times."""
     import torch
 
-    from kdtree.reference import make_batch
+    from kdtree.reference import fp8_pool, make_batch
 
     bs, h, n, p = shape
     kv_bytes, io_bytes, flops = shape_costs(bs, h, n, p)
@@ -196,12 +203,20 @@ def measure(
     compact_us = time_ours(batches, "compact") if compact else None
     tri = time_triton(batches[0]) if triton else float("nan")
     tch = time_torch(batches[0]) if torch_sdpa else float("nan")
+    extra = {}
+    if fp8:
+        batches = [fp8_pool(b, torch.float8_e4m3fn, 0.5, 0.5) for b in batches]
+        extra["fp8_us"] = time_ours(batches)
+        extra["fp8_vs_ours"] = extra["fp8_us"] / ours
+        if compact:
+            extra["compact_fp8_us"] = time_ours(batches, "compact")
+            extra["compact_fp8_vs_compact"] = extra["compact_fp8_us"] / compact_us
+        extra["triton_fp8_us"] = time_triton(batches[0]) if triton else float("nan")
     del batches
     torch.cuda.empty_cache()
     roof = max(io_bytes / copy_bw, flops / (mma_tflops * 1e12)) * 1e6
-    extra = {}
     if compact_us is not None:
-        extra = dict(
+        extra |= dict(
             compact_us=compact_us,
             compact_pct_roofline=100 * roof / compact_us,
             compact_vs_ours=compact_us / ours,
@@ -232,6 +247,10 @@ def progress(r: dict) -> str:
     )
     if "compact_us" in r:
         line += f"; compact {r['compact_us']:.1f} us ({r['compact_vs_ours']:.2f}x), {r['compact_pct_roofline']:.0f}%"
+    if "fp8_us" in r:
+        line += f"; fp8 {r['fp8_us']:.1f} us ({r['fp8_vs_ours']:.2f}x)"
+        if "compact_fp8_us" in r:
+            line += f", compact fp8 {r['compact_fp8_us']:.1f} us ({r['compact_fp8_vs_compact']:.2f}x)"
     return line
 
 
@@ -240,9 +259,14 @@ def table(rows: list[dict]) -> list[str]:
     significant digits, so a goal missed by a few percent does not round up to it. Rows measured with compact
     beside the device's configuration get three more columns."""
     compact = any("compact_us" in r for r in rows)
+    fp8 = any("fp8_us" in r for r in rows)
     head = "| batch | H | N | prefix | ours (us) | Triton (us) | PyTorch (us) | speedup vs Triton | KV GB/s | TFLOP/s | roofline (us) | % of roofline |"
     if compact:
         head += " compact (us) | compact, % of roofline | compact / ours |"
+    if fp8:
+        head += " fp8 (us) | fp8 / ours | Triton fp8 (us) |"
+        if compact:
+            head += " compact fp8 (us) | compact fp8 / compact |"
 
     def cells(r: dict) -> str:
         line = (
@@ -256,6 +280,18 @@ def table(rows: list[dict]) -> list[str]:
                 if "compact_us" in r
                 else " - | - | - |"
             )
+        if fp8:
+            line += (
+                f" {r['fp8_us']:.1f} | {r['fp8_vs_ours']:.2f}x | {r['triton_fp8_us']:.0f} |"
+                if "fp8_us" in r
+                else " - | - | - |"
+            )
+            if compact:
+                line += (
+                    f" {r['compact_fp8_us']:.1f} | {r['compact_fp8_vs_compact']:.2f}x |"
+                    if "compact_fp8_us" in r
+                    else " - | - |"
+                )
         return line
 
     return [head, "|---" * head.count(" |") + "|"] + [cells(r) for r in rows]

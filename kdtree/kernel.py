@@ -21,8 +21,10 @@ import torch
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
-ABI_VERSION = 4  # kernel_build/include/kdtree_verify.h
+ABI_VERSION = 5  # kernel_build/include/kdtree_verify.h
 CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
+# Pool dtypes (enum kdtree_kv_dtype): SGLang's MLA pool for --kv-cache-dtype auto, fp8_e4m3 and fp8_e5m2.
+KV_DTYPES = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 _I32, _I64 = 0, 1
 
 
@@ -31,7 +33,7 @@ class KernelUnavailable(RuntimeError):
 
 
 class Unsupported(ValueError):
-    """Valid inputs that the kernel does not compute (e.g. fp8 KV); the caller falls back."""
+    """Valid inputs that the kernel does not compute (e.g. an fp16 KV pool); the caller falls back."""
 
 
 class _Args(ctypes.Structure):
@@ -67,6 +69,9 @@ class _Args(ctypes.Structure):
         ("max_q_len", ctypes.c_int),
         ("cta_slots", ctypes.c_int),
         ("config", ctypes.c_int),
+        ("kv_dtype", ctypes.c_int),
+        ("k_scale", ctypes.c_float),
+        ("v_scale", ctypes.c_float),
     ]
 
 
@@ -254,10 +259,11 @@ def _index_type(t: torch.Tensor, arg: str, allowed=(torch.int32, torch.int64)) -
 
 
 def _aligned(t: torch.Tensor, arg: str, *strides: int) -> None:
+    per16 = 16 // t.element_size()  # elements in 16 bytes: 8 bf16, 16 fp8
     _need(
-        t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides),
+        t.data_ptr() % 16 == 0 and all(s % per16 == 0 for s in strides),
         arg,
-        "16-byte aligned rows (pointer and row strides multiples of 8 elements)",
+        f"16-byte aligned rows (pointer and row strides multiples of {per16} elements)",
         lambda: f"strides {t.stride()}",
     )
 
@@ -293,6 +299,8 @@ def _tree_verify_op(
     workspace: torch.Tensor,
     counter_ptr: int,
     counter_mirror_ptr: int,
+    k_scale: float,
+    v_scale: float,
 ) -> None:
     lib = library()
     cta_slots, config = _device_plan(q.device.index)
@@ -328,6 +336,9 @@ def _tree_verify_op(
         max_q_len=max_q_len,
         cta_slots=cta_slots,
         config=config,
+        kv_dtype=KV_DTYPES[k_buf.dtype],
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     rc = lib.kdtree_verify_launch(ctypes.byref(a), torch.cuda.current_stream(q.device).cuda_stream)
     if rc != 0:
@@ -350,17 +361,25 @@ def tree_verify(
     out,
     workspace,
     counter: DeviceCounter | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """MLA tree-verify attention into `out` ([T, H, 512] bf16, or a [T, H*512] buffer).
 
     Same function as SGLang 0.5.23's extend_attention_fwd for absorbed-MLA target-verify: every draft
     token sees its request's whole prefix (pool slots kv_indices[kv_indptr[b]:kv_indptr[b+1]]) and the
     draft tokens its mask row allows (custom_mask, FULL layout at mask_indptr[b]; None = causal chain).
+    An fp8 pool (float8_e4m3fn, float8_e5m2) is read as its values times kv_scales = (k_descale, v_descale),
+    the scales SGLang passes its kernel; a bf16 pool is read unscaled.
     """
-    if k_buf.dtype != torch.bfloat16:
+    if k_buf.dtype not in KV_DTYPES:
         raise Unsupported(
-            f"k_buf: KV cache dtype {k_buf.dtype} is not supported (bf16 only; fp8 KV falls back)"
+            f"k_buf: KV cache dtype {k_buf.dtype} is not supported (bf16, float8_e4m3fn or float8_e5m2)"
         )
+    k_scale, v_scale = kv_scales
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _need(isinstance(x, numbers.Real) and math.isfinite(x) and x > 0, name, "a positive finite float", x)
+    if k_buf.dtype == torch.bfloat16 and (k_scale, v_scale) != (1.0, 1.0):
+        raise Unsupported(f"kv_scales {kv_scales} on a bf16 pool: kdtree reads a bf16 pool unscaled")
     _need(q.dtype == torch.bfloat16, "q", "bfloat16", q.dtype)
     _need(q.is_cuda, "q", "a CUDA tensor", q.device)
     dev = q.device
@@ -410,7 +429,11 @@ def tree_verify(
     _aligned(k_rows, "k_buf", k_rows.stride(0))
     _need(k_rows.stride(0) < 2**31, "k_buf", "a row stride below 2^31 elements", k_rows.stride(0))
     v_rows = _as_rows(v_buf, "v_buf", V_DIM)
-    if v_rows.data_ptr() != k_rows.data_ptr() or v_rows.stride(0) != k_rows.stride(0):
+    if (
+        v_rows.data_ptr() != k_rows.data_ptr()
+        or v_rows.stride(0) != k_rows.stride(0)
+        or v_rows.dtype != k_rows.dtype
+    ):
         raise Unsupported("v_buf must be the first 512 dims of k_buf (MLATokenToKVPool's layout)")
     if v_ext is not None:
         v_ext = _as_rows(v_ext, "v_ext", V_DIM)
@@ -496,6 +519,8 @@ def tree_verify(
         workspace,
         counter.device_ptr if counter else 0,
         counter.mirror_ptr if counter else 0,
+        float(k_scale),
+        float(v_scale),
     )
 
 
@@ -553,7 +578,8 @@ class ParityStats(_Mirrored):
         super().__init__(device, library().kdtree_parity_stats_bytes())
         self.rtol = float(rtol)
 
-    def update(self, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    def update(self, ours: torch.Tensor, ref: torch.Tensor, rtol: float | None = None) -> None:
+        """Compare one call; `rtol` (default: the stats' own) is the bound it counts calls_over_tol against."""
         _need(
             ours.shape == ref.shape
             and ours.dtype == ref.dtype == torch.bfloat16
@@ -563,7 +589,7 @@ class ParityStats(_Mirrored):
             "two contiguous bf16 tensors of one shape",
             f"{ours.dtype}{tuple(ours.shape)} / {ref.dtype}{tuple(ref.shape)}",
         )
-        torch.ops.kdtree.parity_update(ours, ref, self.device_ptr, self.mirror_ptr, self.rtol)
+        torch.ops.kdtree.parity_update(ours, ref, self.device_ptr, self.mirror_ptr, rtol or self.rtol)
 
     def snapshot(self) -> dict:
         t = ParityTotals.from_address(self.host.data_ptr())
@@ -699,7 +725,9 @@ def _mode_post_op(
         raise RuntimeError(f"kdtree_mode_post failed ({rc})")
 
 
-def mode_post(mode: torch.Tensor, ours: torch.Tensor, orig: torch.Tensor, parity: ParityStats) -> None:
+def mode_post(
+    mode: torch.Tensor, ours: torch.Tensor, orig: torch.Tensor, parity: ParityStats, rtol: float | None = None
+) -> None:
     """After a captured call's paths, in validate only (by the latched mode): compare `ours` with `orig`."""
     _need(
         ours.shape == orig.shape
@@ -710,4 +738,4 @@ def mode_post(mode: torch.Tensor, ours: torch.Tensor, orig: torch.Tensor, parity
         "two contiguous bf16 tensors of one shape",
         lambda: f"{ours.dtype}{tuple(ours.shape)} / {orig.dtype}{tuple(orig.shape)}",
     )
-    torch.ops.kdtree.mode_post(mode, ours, orig, parity.device_ptr, parity.mirror_ptr, parity.rtol)
+    torch.ops.kdtree.mode_post(mode, ours, orig, parity.device_ptr, parity.mirror_ptr, rtol or parity.rtol)

@@ -7,6 +7,7 @@ draft rows in k_ext/v_ext, and a FULL-layout mask ([q_len, prefix + q_len] per r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ class VerifyBatch:
     q: torch.Tensor  # [T, H, 576] bf16
     k_ext: torch.Tensor  # [T, 1, 576]
     v_ext: torch.Tensor  # [T, 1, 512], a separate tensor holding k_ext[..., :512] (as SGLang passes it)
-    k_buf: torch.Tensor  # [S, 1, 576]
+    k_buf: torch.Tensor  # [S, 1, 576]: bf16, or an fp8 pool (fp8_pool)
     v_buf: torch.Tensor  # view k_buf[..., :512]
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -30,6 +31,10 @@ class VerifyBatch:
     q_lens: list[int]
     parents: list[list[int]]  # parents[b][i] (-1 for the root); chains when the mask is None
     sm_scale: float
+    k_scale: float = (
+        1.0  # the pool's scales (k_descale, v_descale): an fp8 pool reads as its values times these
+    )
+    v_scale: float = 1.0
 
     @property
     def max_q_len(self) -> int:
@@ -121,8 +126,16 @@ def make_batch(
     )
 
 
+def fp8_pool(b: VerifyBatch, dtype: torch.dtype, k_scale: float = 1.0, v_scale: float = 1.0) -> VerifyBatch:
+    """The batch with its pool quantised as SGLang's MLA path writes it (`k / k_scale`, cast to the pool's fp8
+    dtype) and read back with (k_scale, v_scale); the draft rows stay bf16."""
+    k_buf = (b.k_buf / k_scale).to(dtype)
+    return dataclasses.replace(b, k_buf=k_buf, v_buf=k_buf[..., :V_DIM], k_scale=k_scale, v_scale=v_scale)
+
+
 def reference(b: VerifyBatch) -> torch.Tensor:
-    """fp64 attention, independent of any kernel: [T, H, 512] float64."""
+    """fp64 attention, independent of any kernel: [T, H, 512] float64. An fp8 pool is dequantised exactly
+    (its values times the batch's scales), so this is the reference of the same fp8 inputs."""
     H = b.q.shape[1]
     out = torch.empty(b.q.shape[0], H, V_DIM, dtype=torch.float64, device=b.q.device)
     qo, kv = b.qo_indptr.tolist(), b.kv_indptr.tolist()
@@ -130,8 +143,8 @@ def reference(b: VerifyBatch) -> torch.Tensor:
         qs, qe, ks, ke = qo[r], qo[r + 1], kv[r], kv[r + 1]
         n, P = qe - qs, ke - ks
         idx = b.kv_indices[ks:ke].long()
-        K = torch.cat([b.k_buf[idx, 0], b.k_ext[qs:qe, 0]]).double()
-        V = torch.cat([b.v_buf[idx, 0], b.v_ext[qs:qe, 0]]).double()
+        K = torch.cat([b.k_buf[idx, 0].double() * b.k_scale, b.k_ext[qs:qe, 0].double()])
+        V = torch.cat([b.v_buf[idx, 0].double() * b.v_scale, b.v_ext[qs:qe, 0].double()])
         s = torch.einsum("ihd,nd->hin", b.q[qs:qe].double(), K) * b.sm_scale
         allow = torch.ones(n, P + n, dtype=torch.bool, device=s.device)
         allow[:, P:] = tree_mask_rows(b.parents[r]).to(s.device)
@@ -171,6 +184,7 @@ def kdtree_call(
         out,
         workspace,
         counter,
+        kv_scales=(b.k_scale, b.v_scale),
     )
 
 
@@ -192,7 +206,7 @@ def triton_call(b: VerifyBatch, out: torch.Tensor) -> None:
         True,
         b.mask_indptr,
         b.max_q_len,
-        1.0,
-        1.0,
+        b.k_scale,
+        b.v_scale,
         sm_scale=b.sm_scale,
     )

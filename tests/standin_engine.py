@@ -36,7 +36,7 @@ Faults (--fault, optionally only while the server is in --fault-in-mode, optiona
   crash-on-start   a traceback during CUDA graph capture, then exit with --exit-code (port never opens)
   rank-error       the ranks report a last_error
   no-verify-count  the ranks count no verify call (kdtree installed but never reached)
-  fallback         every verify call falls back to the original, counted as fp8_kv
+  fallback         every verify call falls back to the original, counted as kv_dtype
   stuck-rank       rank 1 keeps its mode: it never follows the mode file (never confirms a live switch)
   diverge          completions differ from position --diverge-at on (a wrong kdtree result)
 
@@ -217,7 +217,7 @@ class Engine:
         with self.lock:
             for holder, c in zip(self.holders, self.ranks, strict=True):
                 if fault == "fallback" and holder.mode in (Mode.ON, Mode.VALIDATE):
-                    c["fallbacks"] = {**c["fallbacks"], "fp8_kv": c["fallbacks"].get("fp8_kv", 0) + calls}
+                    c["fallbacks"] = {**c["fallbacks"], "kv_dtype": c["fallbacks"].get("kv_dtype", 0) + calls}
                     c["served_original"] += calls
                 elif holder.mode == Mode.ON:
                     c["served_kdtree"] += calls

@@ -87,7 +87,7 @@ def test_the_check_sends_the_servers_api_key(stack, tmp_path):
     ("fault", "named"),
     [
         ("no-verify-count", "no fallback either: did any target-verify call reach the override?"),
-        ("fallback", "fallbacks grew instead: fp8_kv +"),
+        ("fallback", "fallbacks grew instead: kv_dtype +"),
     ],
 )
 def test_ranks_whose_counters_do_not_move_fail_the_check_naming_the_fallbacks(stack, tmp_path, fault, named):

@@ -205,7 +205,7 @@ def _call(**changes):
         xai_temperature_len=-1, scaling=0.1,
     )  # fmt: skip
     backend = SimpleNamespace(
-        is_draft_runner=False, dcp_size=1, enable_deterministic=False, dllm_attention=None,
+        is_draft_runner=False, dcp_size=1, enable_deterministic=False, dllm_attention=None, use_mla=True,
         token_to_kv_pool=StandInPool(torch.bfloat16),
         forward_metadata=SimpleNamespace(custom_mask=torch.ones(16, dtype=torch.bool)),
     )  # fmt: skip
@@ -247,8 +247,9 @@ FALLBACKS = [
     ({"score_mod": object()}, "score_mod"),
     ({"layer.sliding_window_size": 4096}, "sliding_window"),
     ({"backend.dcp_size": 2}, "dcp"),
-    ({"layer.k_scale": 0.5}, "fp8_kv"),
-    ({"backend.token_to_kv_pool": lambda _: StandInPool(__import__("torch").float8_e4m3fn)}, "fp8_kv"),
+    ({"layer.k_scale": 0.5, "layer.v_scale": 0.5}, "kv_scale"),  # no k_scale_float: weights not processed
+    ({"backend.token_to_kv_pool": lambda _: StandInPool(__import__("torch").float16)}, "kv_dtype"),
+    ({"backend.token_to_kv_pool": lambda _: StandInPool(__import__("torch").float8_e4m3fn)}, "not_cuda"),
     ({"layer.logit_cap": 30.0}, "logit_cap"),
     ({"layer.is_cross_attention": True}, "not_causal"),
     ({"backend.enable_deterministic": True}, "deterministic"),
@@ -395,3 +396,148 @@ def test_tp_rank_lookup_reads_sglang_runtime_context_without_publish():
     assert callable(runtime_context.publish_role) and callable(runtime_context.get_parallel)
     assert runtime_context.publish_role() is None
     assert scheduler_tp_rank() is None  # not a published scheduler: no record, no guess
+
+
+# ---- fp8 KV pools, with SGLang's real MLATokenToKVPool, RadixAttention, kv-scale loading and forward_extend ------
+
+# (pool dtype, the checkpoint's k_scale and v_scale as loaded, or None: no kv-cache quantisation method) ->
+# the fallback reason on this CPU machine (not_cuda: everything but the device is served).
+KV_CASES = [
+    ("bfloat16", None, "not_cuda"),
+    ("bfloat16", (-1.0, -1.0), "not_cuda"),  # no scales in the checkpoint: SGLang loads 1.0
+    ("bfloat16", (0.5, 0.5), "kv_scale"),  # kdtree reads a bf16 pool unscaled
+    ("float8_e4m3fn", None, "not_cuda"),
+    ("float8_e4m3fn", (-1.0, -1.0), "not_cuda"),
+    ("float8_e4m3fn", (0.05, 2.5), "not_cuda"),
+    ("float8_e4m3fn", (0.75, -1.0), "not_cuda"),  # one scale: SGLang uses it for both
+    ("float8_e5m2", (1.5, 0.25), "not_cuda"),
+    ("float16", None, "kv_dtype"),
+    ("float32", None, "kv_dtype"),
+]
+
+
+def _real_call(pool_dtype: str, scales):
+    """A target-verify call on SGLang's own MLA pool (CPU) and RadixAttention, its kv scales loaded by SGLang's
+    BaseKVCacheMethod as from a checkpoint; the backend is the stand-in of _call with that pool."""
+    import torch
+    from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(size=32, page_size=1, dtype=getattr(torch, pool_dtype), kv_lora_rank=512,
+                            qk_rope_head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False)  # fmt: skip
+    layer = RadixAttention(8, 576, scaling=0.1, num_kv_heads=1, layer_id=0, v_head_dim=512)
+    if scales is not None:
+        method = BaseKVCacheMethod(quant_config=None)
+        method.create_weights(layer)
+        layer.k_scale.data.fill_(scales[0])
+        layer.v_scale.data.fill_(scales[1])
+        method.process_weights_after_loading(layer)
+    c = _call(**{"backend.token_to_kv_pool": pool})
+    c.layer = layer
+    return c
+
+
+@pytest.mark.parametrize("pool_dtype,scales,reason", KV_CASES, ids=[f"{d}-{s}" for d, s, _ in KV_CASES])
+def test_dispatch_on_each_kv_pool_dtype_and_scale(pool_dtype, scales, reason):
+    from kdtree.verify import fallback_reason, kv_descales
+
+    c = _real_call(pool_dtype, scales)
+    assert fallback_reason(c) == reason
+    if reason == "not_cuda":
+        loaded = (c.layer.k_scale_float, c.layer.v_scale_float) if scales is not None else (1.0, 1.0)
+        assert kv_descales(c.layer) == loaded
+
+
+def test_a_scale_that_is_not_a_positive_float_falls_back_by_name():
+    import torch
+
+    from kdtree.verify import fallback_reason
+
+    c = _real_call("float8_e4m3fn", (0.5, 0.5))
+    c.layer.v_scale_float = torch.tensor(0.5)  # a tensor where SGLang keeps a float: never read from a device
+    assert fallback_reason(c) == "kv_scale"
+    c.layer.v_scale_float = float("nan")
+    assert fallback_reason(c) == "kv_scale"
+    c = _real_call("float8_e4m3fn", (0.5, 0.5))
+    c.backend.use_mla = False  # a non-MLA pool quantises through the scaled write kdtree does not make
+    assert fallback_reason(c) == "kv_scale"
+
+
+class TritonBackendOnCpu:
+    """SGLang's own TritonAttnBackend.forward_extend and _set_kv_buffer on a CPU pool; the kernel launch at its end
+    is recorded instead of run (no Triton on a CPU), so a test reads what it wrote into the pool and the scales it
+    hands its kernel."""
+
+    def __init__(self, pool, forward_metadata):
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+        from kdtree import install
+
+        assert install.override_layers(TritonAttnBackend.forward_extend) == 0  # the original, unwrapped
+        self.forward_extend = TritonAttnBackend.forward_extend.__get__(self)
+        self._set_kv_buffer = TritonAttnBackend._set_kv_buffer.__get__(self)
+        self._can_run_dense_fp8_chunked_mha = TritonAttnBackend._can_run_dense_fp8_chunked_mha.__get__(self)
+        self.token_to_kv_pool, self.forward_metadata = pool, forward_metadata
+        self.use_dense_fp8_chunked_prefill = False
+        self.use_mla, self.dcp_size, self.enable_deterministic, self.dllm_attention = True, 1, False, None
+        self.use_verify_shared_kv = self.use_verify_splitkv = False
+        self.allow_bidirectional_attention_in_extend = False
+        self.page_size, self.is_draft_runner = 1, False
+        self.kernel_args = None
+
+    def _forward_extend_kernel(self, *args, **kwargs):
+        self.kernel_args = args
+
+
+@pytest.mark.parametrize("pool_dtype,scales", [
+    ("float8_e4m3fn", None), ("float8_e4m3fn", (0.05, 2.5)), ("float8_e5m2", (1.5, 0.25)),
+    ("float8_e4m3fn", (0.75, -1.0)), ("bfloat16", None), ("bfloat16", (-1.0, -1.0)),
+])  # fmt: skip
+def test_the_draft_kv_goes_into_the_pool_as_forward_extend_writes_it(pool_dtype, scales):
+    """kdtree's write (write_draft_kv) against SGLang's forward_extend on the same call: the same bytes in the pool,
+    and kdtree reads the prefix with the scales forward_extend hands its kernel."""
+    import torch
+    from sglang.srt.runtime_context import get_parallel
+
+    from kdtree.verify import kv_descales, write_draft_kv
+
+    c = _real_call(pool_dtype, scales)
+    gen = torch.Generator().manual_seed(0)
+    c.k = (torch.randn(4, 1, 576, generator=gen) * 3).to(torch.bfloat16)
+    c.v = c.k[..., :512].clone()
+    md = SimpleNamespace(
+        swa_out_cache_loc=None, qo_indptr=torch.tensor([0, 4]), kv_indptr=torch.tensor([0, 3]),
+        kv_indices=torch.tensor([1, 2, 9]), custom_mask=torch.ones(28, dtype=torch.bool),
+        mask_indptr=torch.tensor([0, 28]), max_extend_len=4,
+    )  # fmt: skip
+    c.forward_batch.out_cache_loc = torch.tensor([11, 5, 20, 7])
+    c.forward_batch.out_cache_loc_is_physical = True
+    c.forward_batch.attn_attend_prefix_cache = None
+    c.forward_batch.extend_seq_lens_cpu = [4]
+    sglang = TritonBackendOnCpu(c.backend.token_to_kv_pool, md)
+    with get_parallel().override(dcp_enabled=False):
+        sglang.forward_extend(c.q.view(4, -1), c.k, c.v, c.layer, c.forward_batch)
+        theirs = sglang.token_to_kv_pool.kv_buffer[0].clone()
+        sglang.token_to_kv_pool.kv_buffer[0].zero_()
+        c.backend = sglang
+        write_draft_kv(c)
+        ours = sglang.token_to_kv_pool.kv_buffer[0]
+    assert theirs[[11, 5, 20, 7]].any()  # the draft rows were written
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    k_descale, v_descale = sglang.kernel_args[14:16]
+    assert kv_descales(c.layer) == (k_descale, v_descale)
+
+
+@pytest.mark.parametrize("pool_dtype,setting,bound", [
+    ("bfloat16", 0.02, 0.02), ("float8_e4m3fn", 0.02, "fp8"), ("float8_e5m2", 0.02, "fp8"), ("float8_e4m3fn", 0.9, 0.9),
+])  # fmt: skip
+def test_validate_compares_an_fp8_pool_against_its_dtype_bound(pool_dtype, setting, bound):
+    import torch
+
+    from kdtree.verify import FP8_PARITY_RTOL, parity_rtol
+
+    c = _real_call(pool_dtype, None)
+    want = FP8_PARITY_RTOL[getattr(torch, pool_dtype)] if bound == "fp8" else bound
+    assert parity_rtol(c, setting) == want
+    assert bound != "fp8" or want > setting

@@ -488,7 +488,7 @@ async def test_a_rank_that_never_confirms_is_rolled_back_live(engine, tmp_path):
             "on",
             "rank 0: kdtree served no verify call during the bake (served_kdtree 0 -> 0)",
         ),
-        ("fallback", "on", "rank 1: fallbacks grew during the bake: fp8_kv +"),
+        ("fallback", "on", "rank 1: fallbacks grew during the bake: kv_dtype +"),
     ],
 )
 async def test_a_bake_without_evidence_that_kdtree_served_rolls_back(engine, tmp_path, fault, to, failure):

@@ -29,7 +29,7 @@ import torch
 import triton.testing
 from source_id import SOURCES, source_id  # this script's folder is on sys.path
 
-from kdtree import kernel
+from kdtree import bench, kernel
 from kdtree.bench import GRID, QUICK, copy_bandwidth, device_info, measure, progress, table
 
 
@@ -94,7 +94,12 @@ def main() -> None:
     ap.add_argument(
         "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
     )
+    ap.add_argument("--fp8", action="store_true", help="also time every row on an fp8 (e4m3) pool")
+    ap.add_argument(
+        "--calls", type=int, default=bench.CALLS_PER_ROUND, help="calls per timed round of graph replays"
+    )
     args = ap.parse_args()
+    bench.CALLS_PER_ROUND = args.calls
     if args.config:
         os.environ["KDTREE_KERNEL_CONFIG"] = args.config
 
@@ -115,6 +120,7 @@ def main() -> None:
                 triton=not args.ours_only,
                 torch_sdpa=not args.ours_only,
                 compact=compact,
+                fp8=args.fp8,
                 l2_bytes=l2,
             )
         )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|fp8|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
@@ -11,14 +11,23 @@
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
 # 'modes' measures what live mode switching costs per verify call (bench_modes.py: modes.md + modes.json).
+# 'fp8' (one call of under 540 s on an H200, build included) runs the fp8 GPU tests (tests/gpu/test_fp8_gpu.py and
+# the fp8 pool tests of test_hook_gpu.py) in the device's configuration and with compact forced, the fp8 benchmark
+# (bench_verify.py --fp8 --ours-only: fp8 columns beside bf16 on every row of the grid; fp8-bench.md + .json), then
+# the rest of the GPU suite in both configurations (what 'tests' runs), each stage cut off (SIGINT: its junit
+# report is still written) before the call's limit. $OUT gets at most 8 files: fp8-tests{,-compact}.xml,
+# fp8-errors.jsonl (each exactness case's relative L2 errors), fp8-bench.{md,json}, suite{,-compact}.xml, and
+# fp8.log.
 # 'profile' (and 'all') profiles one batch-1 launch with Nsight Compute when ncu is present: ncu.txt (the
 # summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
 set -uo pipefail
 what=${1:-all}; shift || true
 t0=$SECONDS
 source kernel_build/bench/gpu_env.sh
-cmake -S kernel_build -B kernel_build/build -DCMAKE_CUDA_ARCHITECTURES="${cc}-real" >"$out/cmake.log" 2>&1 \
-  && cmake --build kernel_build/build -j8 >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+logs=$out
+[ "$what" = fp8 ] && logs=$(mktemp -d)  # fp8 keeps $OUT to its eight files
+cmake -S kernel_build -B kernel_build/build -DCMAKE_CUDA_ARCHITECTURES="${cc}-real" >"$logs/cmake.log" 2>&1 \
+  && cmake --build kernel_build/build -j16 >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log"; exit 1; }
 echo "build: $((SECONDS - t0)) s"
 rc=0
 install_site() {  # kdtree as a package (entry point included) with the library, beside SGLang's wheels
@@ -62,6 +71,30 @@ fi
 if [ "$what" = modes ] || [ "$what" = all ]; then
   python3 kernel_build/bench/bench_modes.py --out "$out/modes.md" 2>&1 | tee "$out/modes.log"
   echo "modes: $((SECONDS - t0)) s"
+fi
+if [ "$what" = fp8 ]; then
+  left() { local l=$((${KDTREE_FP8_BUDGET_S:-525} - (SECONDS - t0))); echo $((l > 1 ? l : 1)); }  # to the limit
+  stage() {  # stage NAME JUNIT PYTEST_ARGS...: pytest cut off by SIGINT before the limit, its junit still written
+    local name=$1 xml=$2; shift 2
+    timeout -s INT -k 10 "$(left)" python3 -m pytest -p no:cacheprovider -q -rs --junitxml="$out/$xml" "$@"
+    local r=$?; echo "$name: $((SECONDS - t0)) s (rc=$r)"; [ "$rc" = 0 ] && rc=$r
+  }
+  export KDTREE_FP8_ERRORS=$out/fp8-errors.jsonl
+  fp8_tests=(tests/gpu/test_fp8_gpu.py tests/gpu/test_hook_gpu.py -k "fp8")
+  {
+    stage "fp8 tests" fp8-tests.xml "${fp8_tests[@]}" "$@"
+    if [ "$cc" -lt 120 ]; then  # test_fp8_gpu forces both configurations itself; the hook tests run in auto
+      KDTREE_KERNEL_CONFIG=compact stage "fp8 tests, compact forced" fp8-tests-compact.xml \
+        tests/gpu/test_hook_gpu.py -k fp8 "$@"
+    fi
+    timeout -s INT -k 10 "$(left)" python3 kernel_build/bench/bench_verify.py --fp8 --ours-only --calls 20 \
+      --out "$out/fp8-bench.md"
+    echo "fp8 bench: $((SECONDS - t0)) s (rc=$?)"
+    stage "suite" suite.xml -m "not engine" tests/gpu -k "not fp8" "$@"
+    [ "$cc" -lt 120 ] && KDTREE_KERNEL_CONFIG=compact stage "suite, compact forced" suite-compact.xml \
+      -m "not engine" tests/gpu -k "not fp8" "$@"
+  } 2>&1 | tee "$out/fp8.log"
+  grep -q "(rc=[1-9]" "$out/fp8.log" && rc=1
 fi
 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if { [ "$what" = profile ] || [ "$what" = all ]; } && [ -n "$ncu_bin" ]; then

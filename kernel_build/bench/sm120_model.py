@@ -13,7 +13,10 @@ Per shape of the benchmark grid (kdtree.bench.GRID):
 - fixed cost per launch, scaled from compact's on the H200 (fixed_us below);
 - predicted = max(memory roofline, compute roofline / compact's H200 efficiency) + fixed: the steady state runs at
   the fraction of the mma.sync rate that compact reaches on the H200 (conservative: see best_case);
-- best case = the same with compact's H200 rate per SM and clock instead, capped by sm_120's tensor pipe.
+- best case = the same with compact's H200 rate per SM and clock instead, capped by sm_120's tensor pipe;
+- fp8 pools (e4m3 / e5m2): path (a), built, reads half the prefix bytes into the same bf16 mma.sync, so the
+  predicted time with the memory roofline of the fp8 bytes; path (b), not built, would also run QK^T and PV as fp8
+  mma.sync at twice the bf16 rate, so the compute part halved as well.
 Pure Python: no GPU, no torch.
 """
 
@@ -117,6 +120,7 @@ def model(
     for shape in GRID:
         _, io_bytes, flops = shape_costs(*shape)
         memory = io_bytes / (copy_tbps * 1e12) * 1e6
+        memory_fp8 = shape_costs(*shape, pool_bytes=1)[1] / (copy_tbps * 1e12) * 1e6
         compute = flops / (mma_tflops * 1e12) * 1e6
         rows.append(
             dict(
@@ -127,6 +131,8 @@ def model(
                 fixed_us=fixed,
                 predicted_us=max(memory, compute / eff) + fixed,
                 best_case_us=max(memory, flops / (best * 1e12) * 1e6) + fixed,
+                fp8_a_us=max(memory_fp8, compute / eff) + fixed,
+                fp8_b_us=max(memory_fp8, compute / (2 * eff)) + fixed,
                 h200_wide_us=wide[shape],
             )
         )
@@ -136,14 +142,16 @@ def model(
 def markdown(rows: list[dict]) -> list[str]:
     out = [
         "| batch | H | N | prefix | memory roofline (us) | compute roofline (us) | bound at the rooflines "
-        "| fixed (us) | predicted compact (us) | best case (us) | H200 wide, measured (us) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fixed (us) | predicted compact (us) | best case (us) | fp8 pool, path (a) (us) | fp8 pool, path (b) (us) "
+        "| H200 wide, measured (us) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         bs, h, n, p = r["shape"]
         out.append(
             f"| {bs} | {h} | {n} | {p} | {r['memory_us']:.1f} | {r['compute_us']:.1f} | {r['bound']} "
-            f"| {r['fixed_us']:.1f} | {r['predicted_us']:.0f} | {r['best_case_us']:.0f} | {r['h200_wide_us']:.1f} |"
+            f"| {r['fixed_us']:.1f} | {r['predicted_us']:.0f} | {r['best_case_us']:.0f} | {r['fp8_a_us']:.0f} "
+            f"| {r['fp8_b_us']:.0f} | {r['h200_wide_us']:.1f} |"
         )
     return out
 

@@ -5,6 +5,8 @@
  * all visible, followed by the request's draft tokens (rows of k_ext), visible where
  * mask[mask_indptr[b] + i*(P+N) + P + j] != 0 (SGLang's FULL layout), or j <= i when mask is NULL.
  * Values are the first 512 dims of each key row (the pool) or v_ext rows (the draft tokens).
+ * An fp8 pool (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2) is read as its values times k_scale (keys) and
+ * v_scale (values), the per-layer scales SGLang's Triton path applies; the draft rows are bf16 and unscaled.
  */
 #ifndef KDTREE_VERIFY_H
 #define KDTREE_VERIFY_H
@@ -16,7 +18,7 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 4
+#define KDTREE_ABI_VERSION 5
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
@@ -26,6 +28,9 @@ enum kdtree_mode { KDTREE_MODE_OFF = 0, KDTREE_MODE_VALIDATE = 1, KDTREE_MODE_ON
 /* Tile configurations. WIDE needs ~191 KB of shared memory per block (sm_90, sm_100);
  * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
 enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
+/* The pool's element type. fp8 rows are widened to bf16 (exactly) in shared memory, on the way into the bf16
+ * mma.sync path; the scales are applied in fp32 to the prefix's scores (k_scale) and probabilities (v_scale). */
+enum kdtree_kv_dtype { KDTREE_KV_BF16 = 0, KDTREE_KV_FP8_E4M3 = 1, KDTREE_KV_FP8_E5M2 = 2 };
 
 enum kdtree_status {
   KDTREE_OK = 0,
@@ -41,7 +46,7 @@ typedef struct {
   int64_t k_ext_stride;
   const void* v_ext; /* bf16 [T, 1, 512] draft values, or NULL: values are k_ext[..., :512] */
   int64_t v_ext_stride;
-  const void* k_buf; /* bf16 pool [S, 1, 576]; prefix values are k_buf[..., :512] */
+  const void* k_buf; /* pool [S, 1, 576] of kv_dtype; prefix values are k_buf[..., :512] */
   int64_t k_buf_stride;
   const void* qo_indptr; int qo_indptr_type; /* [B+1] */
   const void* kv_indptr; int kv_indptr_type; /* [B+1] */
@@ -57,6 +62,8 @@ typedef struct {
   int batch, num_heads, max_q_len;
   int cta_slots; /* multiprocessors x resident CTAs of `config` per multiprocessor (sizes the prefix split) */
   int config; /* enum kdtree_config */
+  int kv_dtype; /* enum kdtree_kv_dtype */
+  float k_scale, v_scale; /* positive, finite; 1 for a bf16 pool */
 } kdtree_verify_args;
 
 int kdtree_abi_version(void);

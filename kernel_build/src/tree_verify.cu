@@ -2,7 +2,8 @@
 // (draft token x head) rows packed into the MMA M dimension so every key row is read once per row
 // tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of
 // two CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate),
-// the instruction sm_90, sm_100 and sm_120 all have.
+// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool is widened to bf16 in shared memory as its
+// tiles land (exactly: every e4m3 / e5m2 value is a bf16 value) and its scales applied in fp32.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -149,6 +150,30 @@ __device__ __forceinline__ void stamp(Stamp) {}
 __device__ __forceinline__ void stamp_combine(int) {}
 #endif
 
+// The pool's element type (enum kdtree_kv_dtype), a template parameter of the main kernel.
+enum Kv : int { kKvBf16 = KDTREE_KV_BF16, kKvE4m3 = KDTREE_KV_FP8_E4M3, kKvE5m2 = KDTREE_KV_FP8_E5M2 };
+
+// 16 fp8 values (one 16-byte chunk of a pool row) as 16 bf16 values, exactly: each byte moved into the high byte
+// of a 16-bit lane (prmt), its exponent and mantissa bits shifted into bf16's places and the sign kept, which is
+// the value times 2^-120 (e4m3) or 2^-112 (e5m2) with fp8's subnormals landing on bf16's, then one bf16 multiply
+// by the power of two. Integer ops and one HMUL2 per two values; a NaN or inf (e5m2) byte reads as a finite value.
+template <Kv KV>
+__device__ __forceinline__ void widen_fp8(const uint4& raw, uint4& lo, uint4& hi) {
+  constexpr int SHIFT = KV == kKvE4m3 ? 4 : 3;
+  constexpr uint32_t BITS = KV == kKvE4m3 ? 0x07f007f0u : 0x0fe00fe0u;
+  const __nv_bfloat162 pow2 = __halves2bfloat162(__ushort_as_bfloat16(KV == kKvE4m3 ? 0x7b80 : 0x7780),
+                                                 __ushort_as_bfloat16(KV == kKvE4m3 ? 0x7b80 : 0x7780));
+  auto two = [&](uint32_t w, uint32_t sel) {
+    uint32_t x;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(w), "r"(sel));
+    const uint32_t b = (x & 0x80008000u) | ((x >> SHIFT) & BITS);
+    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), pow2);
+    return *reinterpret_cast<uint32_t*>(&v);
+  };
+  lo = make_uint4(two(raw.x, 0x1404), two(raw.x, 0x3424), two(raw.y, 0x1404), two(raw.y, 0x3424));
+  hi = make_uint4(two(raw.z, 0x1404), two(raw.z, 0x3424), two(raw.w, 0x1404), two(raw.w, 0x3424));
+}
+
 struct Params {
   const __nv_bfloat16* q; int64_t q_st, q_sh;
   const __nv_bfloat16* k_ext; int64_t k_ext_st;
@@ -161,6 +186,7 @@ struct Params {
   float* part_o; float* part_lse;
   unsigned long long* counter; unsigned long long* counter_mirror;
   float scale_log2;
+  float k_scale, v_scale;  // an fp8 pool's scales (the bf16 kernel reads neither)
   int H, splits, m_tiles;
   int pair;  // two splits, launched in clusters of two CTAs that merge on chip (see the kernel's epilogue)
 };
@@ -220,7 +246,7 @@ struct Smem {
 // Score warp `sw`: rows sw*16.., every key of each tile. Row max / sum stay in registers (the warp owns
 // whole rows); P (bf16, as SGLang's Triton kernel feeds its P.V product) and the rescale factor go to
 // shared memory for the output warps.
-template <class C>
+template <class C, Kv KV>
 __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const Smem<C>& sm, int sw, int lane) {
   // The warp's 16 Q rows, consecutive lanes on consecutive chunks of a row; rows past this request's rows
   // are zero-filled. One row address per row, stepped from the first: a division by H per chunk made Q
@@ -311,7 +337,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     }
   };
 
-  // Sum the two sets; mask draft keys (tree or causal) and keys past the range.
+  // Sum the two sets; mask draft keys (tree or causal) and keys past the range. An fp8 pool's prefix keys
+  // were widened without their scale: it multiplies their scores here, in fp32.
   auto mask = [&](int t, float (&sc)[C::NB_QK][4], const float (&s2)[C::NB_QK][4]) {
     const int kt0 = w.k_lo + t * C::BN;
     const bool edge = kt0 + C::BN > w.P;
@@ -320,6 +347,9 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = sc[j][e] + s2[j][e];
+        if constexpr (KV != kKvBf16) {
+          if (!edge || kt0 + j * 8 + 2 * (lane & 3) + (e & 1) < w.P) v *= p.k_scale;
+        }
         if (edge) {
           const int h = e >> 1;
           const int kp = kt0 + j * 8 + 2 * (lane & 3) + (e & 1);
@@ -384,7 +414,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     }
   };
 
-  // P (bf16) and the rescale factor of tile t into P buffer t & 1 for the output warps.
+  // P (bf16) and the rescale factor of tile t into P buffer t & 1 for the output warps. An fp8 pool's value
+  // scale multiplies the prefix keys' P here (the row sum l stays unscaled).
   auto publish = [&](int t, const float (&pr)[C::NB_QK][4], const float (&alpha)[2]) {
     const int buf = t & 1;
     if (t >= 2) bar_sync(C::BAR_P_FREE + buf, C::NT);  // the output warps are done with tile t-2's P
@@ -392,8 +423,16 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j) {
       const int col = j * 8 + 2 * (lane & 3);
-      *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(pr[j][0], pr[j][1]);
-      *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) = __floats2bfloat162_rn(pr[j][2], pr[j][3]);
+      float f0 = 1.f, f1 = 1.f;
+      if constexpr (KV != kKvBf16) {
+        const int kp = w.k_lo + t * C::BN + col;
+        f0 = kp < w.P ? p.v_scale : 1.f;
+        f1 = kp + 1 < w.P ? p.v_scale : 1.f;
+      }
+      *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) =
+          __floats2bfloat162_rn(pr[j][0] * f0, pr[j][1] * f1);
+      *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
+          __floats2bfloat162_rn(pr[j][2] * f0, pr[j][3] * f1);
     }
     if ((lane & 3) == 0) {
       sm.alpha[buf * C::BM + r0] = alpha[0];
@@ -457,7 +496,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 // Output warp `ow`: loads its share of every key tile (its own value dims of each key row, so no other
 // output warp reads what it overwrites, plus an even share of the rope dims), then O = O * alpha + P V
 // for all BM rows x its DV_W dims.
-template <class C>
+template <class C, Kv KV>
 __device__ __forceinline__ void output_warp(const Params& p, const Work& w, const Smem<C>& sm, int ow, int lane,
                                             float (&o)[C::RB][C::NB_PV][4]) {
   // Lane k reads the pool slot of key row k of a tile (a tile ahead); the copies themselves go out in
@@ -467,7 +506,69 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     const int kp = w.k_lo + t * C::BN + key;
     return kp < w.P && kp < w.k_hi ? static_cast<int>(load_idx(p.kv_indices, p.kvi_t, w.kv0 + kp)) : 0;
   };
+  // fp8 pools: one 16-byte chunk of a pool row holds the values of bf16 chunks c and c + 1 (c even). Lane `idx`
+  // of copy i takes such a pair of key row r (the warp's own dims, then its share of the rope rows: the same
+  // rows as in bf16), copies the pool's chunk into the stage slot of chunk c + 1 and, once it landed, widens it
+  // in place into slots c and c + 1 (widen below). The same lane does both: cp.async's wait covers only the
+  // copies of the thread that waits. Draft rows are bf16: both slots copied from k_ext.
+  constexpr int LAT_PAIRS = C::BN * C::CW / 2 / 32, ROPE_PAIRS = C::ROPE_PER_WARP / 2;
+  static_assert(KV == kKvBf16 || (C::CW % 2 == 0 && (C::BN * C::CW / 2) % 32 == 0 && ROPE_PAIRS <= 32),
+                "fp8 chunk pairs spread evenly over the lanes");
+  auto pair_at = [&](int i, int& r, int& c, bool& mine) {
+    if (i < LAT_PAIRS) {
+      const int idx = lane + 32 * i;
+      r = idx / (C::CW / 2), c = ow * C::CW + 2 * (idx % (C::CW / 2)), mine = true;
+    } else {
+      const int g = ow * ROPE_PAIRS + lane;
+      r = g / (ROPE_CHUNKS / 2), c = DV / 8 + 2 * (g % (ROPE_CHUNKS / 2)), mine = lane < ROPE_PAIRS;
+    }
+  };
+  auto load_tile_fp8 = [&](int t, int slot) {
+    const int k0 = w.k_lo + t * C::BN;
+    uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+    const uint8_t* pool = reinterpret_cast<const uint8_t*>(p.k_buf);
+    const bool all_pool = k0 + C::BN <= min(w.P, w.k_hi);
+    const uint32_t st = static_cast<uint32_t>(p.k_buf_st);  // < 2^31, checked at launch
+#pragma unroll
+    for (int i = 0; i < LAT_PAIRS + 1; ++i) {
+      int r, c;
+      bool mine;
+      pair_at(i, r, c, mine);
+      const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));  // every lane shuffles
+      const int kp = k0 + r;
+      if (all_pool || (kp < w.P && kp < w.k_hi)) {
+        if (mine) cp_async16(stage + swz(r, c + 1), pool + static_cast<uint64_t>(sl) * st + c * 8, true);
+      } else {
+        const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
+        const __nv_bfloat16* src = ok ? p.k_ext + (w.qs + kp - w.P) * p.k_ext_st + c * 8 : p.k_ext;
+        if (mine) {
+          cp_async16(stage + swz(r, c), src, ok);
+          cp_async16(stage + swz(r, c + 1), ok ? src + 8 : src, ok);
+        }
+      }
+    }
+  };
+  auto widen = [&](int t) {
+    const int k0 = w.k_lo + t * C::BN, pool_rows = min(w.P, w.k_hi) - k0;
+    uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+#pragma unroll 1  // one chunk at a time: unrolled, its loads were hoisted and wide's output warps spilled
+    for (int i = 0; i < LAT_PAIRS + 1; ++i) {
+      int r, c;
+      bool mine;
+      pair_at(i, r, c, mine);
+      if (mine && r < pool_rows) {
+        uint4 lo, hi;
+        widen_fp8<KV>(*reinterpret_cast<const uint4*>(stage + swz(r, c + 1)), lo, hi);
+        *reinterpret_cast<uint4*>(stage + swz(r, c)) = lo;
+        *reinterpret_cast<uint4*>(stage + swz(r, c + 1)) = hi;
+      }
+    }
+  };
   auto load_tile = [&](int t, int slot) {
+    if constexpr (KV != kKvBf16) {
+      load_tile_fp8(t, slot);
+      return;
+    }
     const int k0 = w.k_lo + t * C::BN;
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
     // Lane `idx` of copy i takes chunk idx % CW of key row idx / CW (its own dims), then the rope chunks.
@@ -521,6 +622,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   load_tile(0, slot_of(0));  // ntiles >= 1
   cp_async_commit();
   cp_async_wait<0>();
+  if constexpr (KV != kKvBf16) widen(0);
   if (ow == 0 && lane == 0) stamp(kTile0Landed);
   bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
 #pragma unroll
@@ -534,6 +636,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   for (int t = 0; t < w.ntiles; ++t) {
     if (t + 1 < w.ntiles) {
       cp_async_wait<C::STAGES - 2>();
+      if constexpr (KV != kKvBf16) widen(t + 1);
       bar_arrive(C::BAR_K + (t + 1) % C::STAGES, C::NT);
     }
     const int buf = t & 1;
@@ -645,7 +748,7 @@ __device__ __noinline__ void merge_pair(__nv_bfloat16* out, int64_t o_st, int64_
   }
 }
 
-template <class C>
+template <class C, Kv KV>
 __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #ifdef __CUDA_ARCH__
   if constexpr (C::SMEM > SMEM_PER_BLOCK) return;  // a config this architecture cannot launch: no code
@@ -691,7 +794,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   }
 
   if (warp < C::NS) {
-    score_warp<C>(p, w, sm, warp, lane);
+    score_warp<C, KV>(p, w, sm, warp, lane);
     if (tid == 0) stamp(kScoreLoopDone);
     __syncthreads();  // row sums and maxima are in shared memory
     if (sm.epi->mode == Epilogue::kPair) {  // the cluster barriers count every thread of both CTAs
@@ -706,7 +809,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   for (int i = 0; i < C::RB; ++i)
 #pragma unroll
     for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
-  output_warp<C>(p, w, sm, ow, lane, o);
+  output_warp<C, KV>(p, w, sm, ow, lane, o);
   if (ow == 0 && lane == 0) stamp(kOutputLoopDone);
   __syncthreads();
   const Epilogue epi = *sm.epi;
@@ -889,13 +992,13 @@ static cudaLaunchAttribute pair_cluster() {
 // and count the clusters of two CTAs the device holds at once. A cluster's CTAs share a GPC, so that can be
 // fewer than half the CTA slots (a GPC with an odd number of SMs, a MIG slice); pairs are only planned
 // when all of them fit in one wave.
-template <class C>
+template <class C, Kv KV>
 static int prepare(int* pair_slots) {
   static thread_local int prepared_device = -1, pairs = 0;
   int dev = 0;
   cudaGetDevice(&dev);
   if (prepared_device != dev) {
-    cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
     pairs = 0;  // a config that stages its rows in rounds does not pair (Cfg::PAIR)
     cudaLaunchConfig_t cfg = {};
@@ -905,7 +1008,7 @@ static int prepare(int* pair_slots) {
     cudaLaunchAttribute cluster = pair_cluster();
     cfg.attrs = &cluster;
     cfg.numAttrs = 1;
-    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C>, &cfg) != cudaSuccess) {
+    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C, KV>, &cfg) != cudaSuccess) {
       pairs = 0;  // no clusters here: two splits go through the combine, as more do
       cudaGetLastError();
     }
@@ -919,17 +1022,18 @@ static int prepare(int* pair_slots) {
 // and threads all counted): the split sizing fills exactly one wave of them.
 template <class C>
 static int resident_ctas(int* ctas) {
-  if (int rc = prepare<C>(nullptr); rc != KDTREE_OK) return rc;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C>, C::NT, C::SMEM);
+  if (int rc = prepare<C, kKvBf16>(nullptr); rc != KDTREE_OK) return rc;
+  // The fp8 kernels have the same threads and shared memory, and the launch bounds cap every one's registers.
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C, kKvBf16>, C::NT, C::SMEM);
   if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   if (*ctas < 1) return fail(KDTREE_ERR_CUDA, "the kernel does not fit on this device");
   return KDTREE_OK;
 }
 
-template <class C>
+template <class C, Kv KV>
 static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   int pair_slots = 0;
-  if (int rc = prepare<C>(&pair_slots); rc != KDTREE_OK) return rc;
+  if (int rc = prepare<C, KV>(&pair_slots); rc != KDTREE_OK) return rc;
   const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots, pair_slots);
   if (a->workspace_bytes < pl.ws_bytes || (pl.ws_bytes > 0 && a->workspace == nullptr))
     return fail(KDTREE_ERR_WORKSPACE, "workspace is smaller than kdtree_verify_workspace_bytes()");
@@ -947,6 +1051,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   p.part_lse = pl.ws_bytes ? p.part_o + static_cast<size_t>(a->batch) * pl.m_tiles * pl.splits * C::BM * DV : nullptr;
   p.counter = a->counter; p.counter_mirror = a->counter_mirror;
   p.scale_log2 = a->sm_scale * 1.4426950408889634f;
+  p.k_scale = a->k_scale; p.v_scale = a->v_scale;
   p.H = a->num_heads; p.splits = pl.splits; p.m_tiles = pl.m_tiles; p.pair = pl.pair;
 
   cudaLaunchConfig_t main_cfg = {};
@@ -957,7 +1062,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   cudaLaunchAttribute cluster = pair_cluster();
   main_cfg.attrs = &cluster;
   main_cfg.numAttrs = pl.pair ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C>, p);
+  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C, KV>, p);
   if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   if (pl.splits > 1 && !pl.pair) {  // a pair merged on chip
     cudaLaunchConfig_t cfg = {};
@@ -976,6 +1081,13 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
     if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
   }
   return KDTREE_OK;
+}
+
+template <class C>
+static int launch_kv(const kdtree_verify_args* a, cudaStream_t stream) {
+  if (a->kv_dtype == KDTREE_KV_FP8_E4M3) return launch<C, kKvE4m3>(a, stream);
+  if (a->kv_dtype == KDTREE_KV_FP8_E5M2) return launch<C, kKvE5m2>(a, stream);
+  return launch<C, kKvBf16>(a, stream);
 }
 
 }  // namespace kdtree
@@ -1022,9 +1134,15 @@ __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_ver
   if (static_cast<long>(a->max_q_len) * a->num_heads > (1L << 24)) return fail(KDTREE_ERR_ARGUMENT, "max_q_len * num_heads too large");
   if (!(a->sm_scale > 0.f) || !std::isfinite(a->sm_scale)) return fail(KDTREE_ERR_ARGUMENT, "sm_scale must be positive and finite");
   if (a->k_buf_stride <= 0 || a->k_buf_stride >= (1L << 31)) return fail(KDTREE_ERR_ARGUMENT, "k_buf_stride must be in 1..2^31-1");
+  if (a->kv_dtype != KDTREE_KV_BF16 && a->kv_dtype != KDTREE_KV_FP8_E4M3 && a->kv_dtype != KDTREE_KV_FP8_E5M2)
+    return fail(KDTREE_ERR_ARGUMENT, "kv_dtype must be KDTREE_KV_BF16, KDTREE_KV_FP8_E4M3 or KDTREE_KV_FP8_E5M2");
+  if (!(a->k_scale > 0.f) || !std::isfinite(a->k_scale) || !(a->v_scale > 0.f) || !std::isfinite(a->v_scale))
+    return fail(KDTREE_ERR_ARGUMENT, "k_scale and v_scale must be positive and finite");
+  if (a->kv_dtype == KDTREE_KV_BF16 && (a->k_scale != 1.f || a->v_scale != 1.f))
+    return fail(KDTREE_ERR_ARGUMENT, "a bf16 pool is read unscaled: k_scale and v_scale must be 1");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a->config == KDTREE_CONFIG_WIDE) return launch<Wide>(a, s);
-  if (a->config == KDTREE_CONFIG_COMPACT) return launch<Compact>(a, s);
+  if (a->config == KDTREE_CONFIG_WIDE) return launch_kv<Wide>(a, s);
+  if (a->config == KDTREE_CONFIG_COMPACT) return launch_kv<Compact>(a, s);
   return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
 }
 

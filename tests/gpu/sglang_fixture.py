@@ -4,7 +4,9 @@ kernel_build/bench/bench_modes.py.
 Built with SGLang's attention test kit (MockMLAModelRunner via build_mla_attention_fixture): kv_lora_rank 512 +
 rope 64, bf16, one KV head, random topologically ordered draft trees (EAGLE FULL-mask layout), shuffled prefix
 slots, k and v passed, save_kv_cache=True. With `layers` > 1 the pool holds that many layers (each its own KV,
-random), as one verify step of a model calls every layer's attention with the same metadata.
+random), as one verify step of a model calls every layer's attention with the same metadata. With `kv_dtype` (fp8)
+the pool is SGLang's MLATokenToKVPool of that dtype (as --kv-cache-dtype fp8_e4m3 / fp8_e5m2 makes it) and
+`kv_scales` the checkpoint's k_scale / v_scale, loaded into each layer by SGLang's own BaseKVCacheMethod.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def full_mask(prefix_lens, ancestors):
     return full_layout_mask(prefix_lens, ancestors).cuda()
 
 
-def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0, max_context_len=256, layers=1) -> Setup:
+def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0, max_context_len=256, layers=1, kv_dtype=None,
+          kv_scales=None) -> Setup:  # fmt: skip
     import pytest
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -118,9 +121,9 @@ def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0, max_context_len
     fx = build_mla_attention_fixture(kit, case, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                                      max_context_len=max_context_len, disable_cuda_graph=not graphs,
                                      runner_batch_size=bs, loc_layout="shuffled_pages")  # fmt: skip
-    if layers > 1:  # the kit's pool has one layer: a pool of `layers`, each with random KV
+    if layers > 1 or kv_dtype is not None:  # a pool of `layers` (the kit's has one) or of kv_dtype, random KV
         one = fx.runner.token_to_kv_pool
-        pool = MLATokenToKVPool(size=one.size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=512,
+        pool = MLATokenToKVPool(size=one.size, page_size=1, dtype=kv_dtype or torch.bfloat16, kv_lora_rank=512,
                                 qk_rope_head_dim=64, layer_num=layers, device="cuda", enable_memory_saver=False)  # fmt: skip
         gen = torch.Generator(device="cuda").manual_seed(seed)
         for i in range(layers):
@@ -145,6 +148,16 @@ def build(torch, heads, prefix_lens, n, *, graphs=False, seed=0, max_context_len
         RadixAttention(heads, 576, scaling=SCALE, num_kv_heads=1, layer_id=i, v_head_dim=512)
         for i in range(layers)
     ]
+    if kv_scales is not None:
+        from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+
+        method = BaseKVCacheMethod(quant_config=None)
+        for layer in attn:
+            method.create_weights(layer)
+            layer.k_scale.data.fill_(kv_scales[0])
+            layer.v_scale.data.fill_(kv_scales[1])
+            method.process_weights_after_loading(layer)
+            layer.k_scale.data, layer.v_scale.data = layer.k_scale.data.cuda(), layer.v_scale.data.cuda()
     k = torch.randn(t, 1, 576, dtype=torch.bfloat16, device="cuda")
     s = Setup(fx.backend, fx.runner, fb, attn, torch.randn(t, heads, 576, dtype=torch.bfloat16, device="cuda"),
               k, k[..., :512].clone(), tuple(prefix_lens), n, ancestors)  # fmt: skip
@@ -166,17 +179,23 @@ def eager(s):
 
 
 def reference(torch, s):
-    """fp32 PyTorch attention over the pool's prefix rows and the passed draft rows, with the tree mask."""
+    """fp32 PyTorch attention over the pool's prefix rows and the passed draft rows, with the tree mask; an fp8
+    pool's rows dequantised with the layer's scales (keys by k_scale, values by v_scale)."""
+    from kdtree.verify import kv_descales
+
+    k_scale, v_scale = kv_descales(s.layer)
     req_to_token = s.runner.req_to_token_pool.req_to_token
     outs = []
     for b, (p, anc) in enumerate(zip(s.prefix_lens, s.ancestors, strict=True)):
         rows = slice(b * s.n, (b + 1) * s.n)
-        keys = torch.cat([s.kv[req_to_token[b, :p].long(), 0], s.k[rows, 0]]).float()
+        prefix = s.kv[req_to_token[b, :p].long(), 0].float()
+        keys = torch.cat([prefix * k_scale, s.k[rows, 0].float()])
+        values = torch.cat([prefix[:, :512] * v_scale, s.v[rows, 0].float()])
         scores = torch.einsum("ihd,nd->hin", s.q[rows].float(), keys) * SCALE
         allow = torch.ones(s.n, p + s.n, dtype=torch.bool, device="cuda")
         allow[:, p:] = anc.cuda()
         probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), dim=-1)
-        outs.append(torch.einsum("hin,nd->ihd", probs, keys[:, :512]))
+        outs.append(torch.einsum("hin,nd->ihd", probs, values))
     return torch.cat(outs).to(torch.bfloat16).view(-1, s.q.shape[1] * 512)
 
 

@@ -441,3 +441,88 @@ def test_the_fixture_builds_the_calls_sglangs_runner_makes(torch, installed, nee
             and d["scaling"] == pytest.approx(SCALE)
             and d["max_extend_len"] == 8
         )
+
+
+# ---- fp8 KV pools -------------------------------------------------------------------------------------
+
+FP8_POOLS = [  # (pool dtype, the checkpoint's k_scale / v_scale, or None: --kv-cache-dtype fp8 without scales)
+    pytest.param("float8_e4m3fn", None, id="e4m3"),
+    pytest.param("float8_e4m3fn", (0.05, 2.5), id="e4m3-scaled"),
+    pytest.param("float8_e5m2", (1.5, 0.25), id="e5m2-scaled"),
+]
+
+
+def fp8_setup(torch, kv_dtype, kv_scales, graphs=False):
+    args = dict(kv_dtype=getattr(torch, kv_dtype), kv_scales=kv_scales)
+    return (
+        graph_setup(torch, 8, (70, 150, 3), 16, **args)
+        if graphs
+        else build(torch, 16, (64, 1, 130), 16, **args)
+    )
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scales", FP8_POOLS)
+def test_fp8_pool_on_serves_and_validate_compares(
+    torch, installed, needs_kernel, monkeypatch, kv_dtype, kv_scales
+):
+    """On an fp8 pool, eager: on serves (no fallback), writes the pool's bytes as the original does, and lands
+    nearer the fp32 reference of the dequantised pool than the original (SGLang's Triton kernel quantises q and P
+    to fp8); validate serves the original bit for bit and its comparison stays within the fp8 bound."""
+    s = fp8_setup(torch, kv_dtype, kv_scales)
+    pool0 = s.kv.clone()
+    with no_hook(installed):
+        ref = eager(s)
+    ref_pool = s.kv.clone()
+    exact = reference(torch, s)
+    s.kv.copy_(pool0)
+    with own_override(installed, "on", monkeypatch) as ov:
+        out = eager(s)
+        snap = snapshot(torch, ov)
+    assert snap["served_kdtree"] == 1 and snap["fallbacks"] == {}, snap
+    assert torch.equal(s.kv.view(torch.uint8), ref_pool.view(torch.uint8))
+    assert not torch.equal(ref_pool.view(torch.uint8), pool0.view(torch.uint8))  # the draft KV was written
+    ours, theirs = rel_l2(out, exact), rel_l2(ref, exact)
+    print(f"{kv_dtype} {kv_scales}: ours {ours:.2e} original {theirs:.2e} from the fp32 reference")
+    assert ours <= REL_L2_TOL and ours <= max(theirs, 1e-3)
+    s.kv.copy_(pool0)
+    with own_override(installed, "validate", monkeypatch) as ov:
+        out_v = eager(s)
+        snap = snapshot(torch, ov)
+    assert torch.equal(out_v, ref) and snap["fallbacks"] == {}
+    parity = snap["parity"]
+    assert parity["calls_compared"] == 1 and parity["calls_over_tol"] == 0 and parity["nan_inf"] == 0, parity
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scales", FP8_POOLS)
+def test_fp8_pool_graph_serves_every_live_mode_without_recapture(
+    torch, installed, needs_kernel, monkeypatch, kv_dtype, kv_scales
+):
+    """One graph captured once on an fp8 pool, replayed in validate, on, standby and validate again with new inputs
+    each time: on serves kdtree's path (device counter), validate compares every replay within the fp8 bound, the
+    original serves bit for bit elsewhere, and the pool's bytes are the original's in every mode."""
+    s = fp8_setup(torch, kv_dtype, kv_scales, graphs=True)
+    with no_hook(installed):
+        g_orig, out_orig = capture(torch, s, lambda: forward(s))
+    with own_override(installed, "validate", monkeypatch) as ov:
+        g_live, out = capture(torch, s, lambda: forward(s))
+        for step, mode in enumerate(["validate", "on", "standby", "validate"]):
+            ov.mode.set(mode)
+            change_inputs_in_place(torch, s, step)
+            pool0 = s.kv.clone()
+            g_orig.replay()
+            pool_orig = s.kv.clone()
+            s.kv.copy_(pool0)
+            before = snapshot(torch, ov)
+            g_live.replay()
+            after = snapshot(torch, ov)
+            served = after["served_kdtree"] - before["served_kdtree"]
+            compared = after["parity"]["calls_compared"] - before["parity"]["calls_compared"]
+            assert (served, compared) == {"on": (1, 0), "validate": (0, 1), "standby": (0, 0)}[mode], mode
+            if mode == "on":
+                exact = reference(torch, s)
+                assert rel_l2(out, exact) <= max(REL_L2_TOL, rel_l2(out_orig, exact)), mode
+            else:
+                assert torch.equal(out, out_orig), mode
+            assert torch.equal(s.kv.view(torch.uint8), pool_orig.view(torch.uint8)), mode
+        snap = snapshot(torch, ov)
+    assert snap["fallbacks"] == {} and snap["parity"]["calls_over_tol"] == 0, snap

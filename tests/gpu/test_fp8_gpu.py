@@ -1,0 +1,163 @@
+"""The kernel on fp8 KV pools (e4m3, e5m2) with scales: against an fp64 reference of the dequantised pool (the same
+fp8 inputs) and against SGLang's own Triton extend kernel on the same pool, on the cases of test_kernel_gpu.
+
+kdtree widens the pool to bf16 exactly and applies the scales in fp32, so it must land as close to the fp64 as on a
+bf16 pool, and no further than Triton, which quantises q and P to the pool's fp8 dtype (kernel_build/NOTES.md, "fp8
+pools"). Validate compares kdtree with Triton against kdtree.verify.FP8_PARITY_RTOL, so that bound must hold here.
+With KDTREE_FP8_ERRORS set, each case's errors are appended to that file as JSON lines (device_run.sh fp8 keeps them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_kernel_gpu import CASES, run_ours, run_triton  # noqa: E402
+
+from kdtree import kernel  # noqa: E402
+from kdtree.reference import fp8_pool, kdtree_call, make_batch, reference, rel_l2  # noqa: E402
+from kdtree.verify import FP8_PARITY_RTOL  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# (k_scale, v_scale): none, SGLang's default, and checkpoint-like scales apart (the pool holds k / k_scale)
+SCALES = [(1.0, 1.0), (0.05, 2.5), (2.5, 0.3), (0.4, 0.4)]
+BOUND = 1e-2  # kdtree's relative L2 from fp64 on an fp8 pool: the bf16 suite's bound
+
+
+def record(**fields) -> None:
+    path = os.environ.get("KDTREE_FP8_ERRORS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
+def assert_fp8_exact(b, config, label):
+    """kdtree within BOUND of the fp64 of the dequantised pool and no further than Triton; Triton within
+    validate's bound of kdtree."""
+    ref = reference(b)
+    with kernel.forced_config(config):
+        ours = run_ours(b)
+    tri = run_triton(b)
+    err, tri_err, apart = rel_l2(ours, ref), rel_l2(tri, ref), rel_l2(tri, ours)
+    dtype = str(b.k_buf.dtype).removeprefix("torch.")
+    record(label=label, config=config, dtype=dtype, k_scale=b.k_scale, v_scale=b.v_scale, ours=err,
+           triton=tri_err, triton_vs_ours=apart)  # fmt: skip
+    print(f"{label}: ours {err:.2e} triton {tri_err:.2e} apart {apart:.2e}")
+    assert err < BOUND, f"ours {err:.3e} from fp64"
+    assert err <= max(tri_err, 1e-3), f"ours {err:.3e} vs triton {tri_err:.3e}"
+    assert apart <= FP8_PARITY_RTOL[b.k_buf.dtype], f"triton {apart:.3e} from ours: over validate's bound"
+
+
+@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
+def test_fp8_matches_fp64_and_triton(case, dtype, config):
+    batch, heads, q_len, prefix, tree = case
+    i = CASES.index(case)
+    k_scale, v_scale = SCALES[i % len(SCALES)]
+    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"fp8{case}{config}")))
+    b = fp8_pool(b, DTYPES[dtype], k_scale, v_scale)
+    assert_fp8_exact(b, config, f"{case} {dtype} scales {k_scale}/{v_scale}")
+
+
+@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scales", SCALES[1:], ids=lambda s: f"{s[0]}-{s[1]}")
+def test_fp8_scales_and_dag_masks(scales, dtype, config):
+    """A DAG mask (a draft token may see tokens that are not its ancestors, as a FULL mask allows) and a causal
+    chain given as a mask, at every scale: the kernel reads the mask as it is, whatever the tree."""
+    b = make_batch(3, 16, 16, [900, 70, 2500], seed=sum(map(ord, f"dag{scales}{dtype}{config}")))
+    gen = torch.Generator().manual_seed(5)
+    off = 0
+    for P, n in zip(b.prefix_lens, b.q_lens, strict=True):
+        block = b.custom_mask[off : off + n * (P + n)].view(n, P + n)
+        extra = torch.rand(n, n, generator=gen) < 0.3  # any extra edges: a DAG, not a tree
+        block[:, P:] |= extra.to(block.device)
+        off += n * (P + n)
+    b.parents = None  # the reference reads the mask below
+    b = fp8_pool(b, DTYPES[dtype], *scales)
+    ref = reference_from_mask(b)
+    with kernel.forced_config(config):
+        ours = run_ours(b)
+    tri = run_triton(b)
+    assert rel_l2(ours, ref) < BOUND and rel_l2(ours, ref) <= max(rel_l2(tri, ref), 1e-3)
+    record(label=f"dag {scales}", config=config, dtype=dtype, k_scale=scales[0], v_scale=scales[1],
+           ours=rel_l2(ours, ref), triton=rel_l2(tri, ref), triton_vs_ours=rel_l2(tri, ours))  # fmt: skip
+
+
+def reference_from_mask(b):
+    """The fp64 reference with the draft columns taken from the batch's FULL mask (any DAG)."""
+    H = b.q.shape[1]
+    out = torch.empty(b.q.shape[0], H, 512, dtype=torch.float64, device="cuda")
+    qo, kv, mp = b.qo_indptr.tolist(), b.kv_indptr.tolist(), b.mask_indptr.tolist()
+    for r in range(len(b.q_lens)):
+        qs, qe, ks, ke = qo[r], qo[r + 1], kv[r], kv[r + 1]
+        n, P = qe - qs, ke - ks
+        idx = b.kv_indices[ks:ke].long()
+        K = torch.cat([b.k_buf[idx, 0].double() * b.k_scale, b.k_ext[qs:qe, 0].double()])
+        V = torch.cat([b.v_buf[idx, 0].double() * b.v_scale, b.v_ext[qs:qe, 0].double()])
+        s = torch.einsum("ihd,nd->hin", b.q[qs:qe].double(), K) * b.sm_scale
+        allow = b.custom_mask[mp[r] : mp[r] + n * (P + n)].view(n, P + n).bool()
+        out[qs:qe] = torch.einsum("hin,nd->ihd", torch.softmax(s.masked_fill(~allow, float("-inf")), -1), V)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", ["wide", "compact"])
+def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(dtype, config):
+    """One CUDA graph captured while the batch's prefixes are short, replayed after they grew to 30k (indptr,
+    indices and mask rewritten in place, as SGLang's graph runner does): the replay equals an eager call and the
+    fp64; the workspace depends on sizes only, never on the prefix."""
+    long = fp8_pool(make_batch(2, 8, 16, [30000, 12000], seed=61), DTYPES[dtype], 0.05, 2.5)
+    short = fp8_pool(make_batch(2, 8, 16, [100, 7], seed=62), DTYPES[dtype], 0.05, 2.5)
+    b = long  # the graph's buffers: the long batch's, with the short batch's values in them at capture
+    saved = {name: getattr(b, name).clone() for name in ("kv_indptr", "mask_indptr", "custom_mask")}
+    for name in ("kv_indptr", "mask_indptr"):
+        getattr(b, name).copy_(getattr(short, name))
+    b.custom_mask[: short.custom_mask.numel()].copy_(short.custom_mask)
+    T, H = b.q.shape[:2]
+    out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with kernel.forced_config(config):
+        ws = torch.empty(kernel.workspace_bytes(2, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            kdtree_call(b, out, ws)  # warm-up outside capture, at the short prefix
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            kdtree_call(b, out, ws)
+        for name, t in saved.items():
+            getattr(b, name).copy_(t)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        eager = run_ours(b)
+    assert torch.equal(out.view_as(eager), eager)
+    assert rel_l2(eager, reference(b)) < BOUND
+
+
+def test_fp8_pool_widening_is_exact_for_every_byte():
+    """Every e4m3 / e5m2 byte value (but NaN and inf) as a prefix row, with one draft token whose query picks
+    one dim: the output is the pool's value times the scale, exactly as torch dequantises it."""
+    for dtype in DTYPES.values():
+        b = make_batch(1, 1, 1, 1, tree=False, seed=3)
+        codes = torch.arange(256, dtype=torch.int32)
+        vals = codes.to(torch.uint8).view(dtype).float()
+        finite = codes[vals.isfinite()].to(torch.uint8)
+        row = torch.zeros(576, dtype=torch.uint8)  # every finite byte once among the value dims
+        row[: finite.numel()] = finite
+        pool = fp8_pool(b, dtype, 1.0, 0.5)
+        pool.k_buf[:, 0] = row.to("cuda").view(dtype)
+        pool.q.zero_()  # every score 0: the prefix row and the draft row weigh 1/2 each
+        pool.k_ext.zero_()
+        pool.v_ext.zero_()
+        out = run_ours(pool)[0, 0].float()  # 0.5 * value * v_scale + 0.5 * 0
+        want = row[:512].cuda().view(dtype).float() * 0.5 / 2
+        assert torch.equal(out, want), dtype
