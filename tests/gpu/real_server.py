@@ -130,6 +130,7 @@ class ServerSpec:
     install: str = "plugin"  # plugin | sitecustomize
     layers: int = 8
     max_total_tokens: int = 65536
+    kv_cache_dtype: str = "auto"  # SGLang's --kv-cache-dtype: auto (bf16 here), fp8_e4m3, fp8_e5m2
     extra_args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
     own_library: bool = False  # a copy of the kernel library of its own (KDTREE_KERNEL_LIB), for fault tests
@@ -177,7 +178,7 @@ class RealServer(Orchestrated):
             "--cuda-graph-bs-decode", *map(str, CAPTURED_BS), "--log-level", "info",
             # SGLang's piecewise prefill graph (breakable) calls sgl_kernel.weak_ref_tensor, a compiled function
             # with no torch-native equivalent here; prefill is not target-verify, so kdtree never serves it.
-            "--disable-prefill-cuda-graph",
+            "--disable-prefill-cuda-graph", "--kv-cache-dtype", s.kv_cache_dtype,
             *SPECULATIVE[s.algorithm], *s.extra_args,
         ]  # fmt: skip
 

@@ -28,6 +28,9 @@ DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # (k_scale, v_scale): none, SGLang's default, and checkpoint-like scales apart (the pool holds k / k_scale)
 SCALES = [(1.0, 1.0), (0.05, 2.5), (2.5, 0.3), (0.4, 0.4)]
 BOUND = 1e-2  # kdtree's relative L2 from fp64 on an fp8 pool: the bf16 suite's bound
+# Both kernels round their fp32 result to bf16 (unit roundoff 2^-9): with no prefix (no fp8 read) the two are equally
+# exact and their errors differ in the last bit.
+BF16_ROUNDING = 2.0**-9
 
 
 def record(**fields) -> None:
@@ -38,8 +41,8 @@ def record(**fields) -> None:
 
 
 def assert_fp8_exact(b, config, label):
-    """kdtree within BOUND of the fp64 of the dequantised pool and no further than Triton; Triton within
-    validate's bound of kdtree."""
+    """kdtree within BOUND of the fp64 of the dequantised pool and no further than Triton (beyond the output's bf16
+    rounding); Triton within validate's bound of kdtree."""
     ref = reference(b)
     with kernel.forced_config(config):
         ours = run_ours(b)
@@ -50,7 +53,7 @@ def assert_fp8_exact(b, config, label):
            triton=tri_err, triton_vs_ours=apart)  # fmt: skip
     print(f"{label}: ours {err:.2e} triton {tri_err:.2e} apart {apart:.2e}")
     assert err < BOUND, f"ours {err:.3e} from fp64"
-    assert err <= max(tri_err, 1e-3), f"ours {err:.3e} vs triton {tri_err:.3e}"
+    assert err <= tri_err + BF16_ROUNDING, f"ours {err:.3e} vs triton {tri_err:.3e}"
     assert apart <= FP8_PARITY_RTOL[b.k_buf.dtype], f"triton {apart:.3e} from ours: over validate's bound"
 
 
