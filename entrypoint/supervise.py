@@ -2,7 +2,7 @@
 
 The launcher (entrypoint.launch) checks the configuration, then runs SGLang as its child through a
 Supervisor instead of exec'ing it, so that the sidecar can follow and restart the server without the
-Docker socket (KDTREE_SERVER_CONTROL=process, sidecar/process_control.py):
+Docker socket (KDTREE_SERVER_CONTROL=process, sidecar/server_control/process.py):
 
 - output: each chunk the server writes goes straight on to the launcher's own stdout or stderr (what
   `docker logs` and `kubectl logs` show is unchanged), and line by line into KDTREE_STATE_DIR/server.log,

@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from kdtree.status import json_safe
 
 from .controller import Controller, ModeRequest
-from .docker_control import ServerContainer, ServerControl
 from .metrics import Metrics
-from .process_control import ServerProcess
+from .server_control import ServerControl
+from .server_control.docker import ServerContainer
+from .server_control.process import ServerProcess
 from .settings import SidecarSettings, load_sidecar_settings
 
 MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread

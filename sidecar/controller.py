@@ -55,7 +55,6 @@ from kdtree.config import LIVE_MODES, Mode
 from kdtree.control import mode_path, read_desired_mode, write_desired_mode
 from kdtree.status import RankRecord, RankView
 
-from .docker_control import ContainerMissing, ContainerState, DockerError, ServerControl
 from .evidence import LogMarker, crash_excerpt, latest_marker
 from .gate import (
     Criterion,
@@ -68,6 +67,7 @@ from .gate import (
 )
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
+from .server_control import ContainerMissing, ContainerState, ServerControl, ServerControlError
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
 from .volume import StateVolume, VolumeWriteFailed
@@ -305,7 +305,7 @@ class Controller:
             return ContainerView(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
         try:
             return ContainerView(state=await asyncio.to_thread(self.server.inspect))
-        except DockerError as e:
+        except ServerControlError as e:
             return ContainerView(error=str(e), missing=isinstance(e, ContainerMissing))
 
     def expected_mode(self) -> Mode:
@@ -586,7 +586,7 @@ class Controller:
                     marker = latest_marker(text)
                     if c.crashed or a.phase == "crashed":
                         excerpt = crash_excerpt(text)
-            except DockerError as e:
+            except ServerControlError as e:
                 log_error = str(e)
         problem = self.volume.problem
         return {
@@ -916,7 +916,7 @@ class Controller:
         self._restart_call = call
         try:
             await asyncio.shield(call)  # a preempted transition's restart runs to its end on its thread
-        except DockerError as e:
+        except ServerControlError as e:
             raise StepFailed(f"restart failed: {e}") from None
         finally:
             self.prober.invalidate()  # answers from before the restart say nothing about the new server

@@ -511,7 +511,7 @@ class StandinProcess:
     # ---- the ServerControl interface (imports the sidecar only here: the engine itself does not need it)
 
     def inspect(self):
-        from sidecar.docker_control import ContainerState
+        from sidecar.server_control import ContainerState
 
         rc = self.proc.poll() if self.proc else None
         return ContainerState(
@@ -527,11 +527,11 @@ class StandinProcess:
         return "\n".join(lines[-tail:])
 
     def restart(self, stop_timeout_s: int) -> None:
-        from sidecar.docker_control import DockerError
+        from sidecar.server_control import ServerControlError
 
         if self.restart_failures:
             self.restart_failures -= 1
-            raise DockerError("stand-in: injected restart failure")
+            raise ServerControlError("stand-in: injected restart failure")
         self.stop(stop_timeout_s)
         self.start()
 

@@ -293,7 +293,7 @@ def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
 
 
 def test_docker_timestamps_parse_with_nanoseconds_and_zero_time():
-    from sidecar.docker_control import _docker_time
+    from sidecar.server_control.docker import _docker_time
 
     assert _docker_time("2026-11-29T09:20:00.123456789Z") == pytest.approx(1795944000.123456)
     assert _docker_time("2026-11-29T10:20:00.5+01:00") == pytest.approx(1795944000.5)

@@ -33,7 +33,7 @@ from kdtree.status import RECORD_MAX, new_record, own_pid_ns, read_records, reco
 from sidecar import controller as controller_module
 from sidecar import store as store_module
 from sidecar.controller import Controller
-from sidecar.process_control import ServerProcess
+from sidecar.server_control.process import ServerProcess
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 
 pytestmark = pytest.mark.anyio

@@ -38,9 +38,9 @@ from entrypoint.supervise import (
 )
 from kdtree.config import ConfigError, Mode
 from kdtree.status import own_pid_ns
-from sidecar.docker_control import ContainerMissing
 from sidecar.evidence import crash_excerpt
-from sidecar.process_control import STALE_S, ProcessControlError, ServerProcess
+from sidecar.server_control import ContainerMissing
+from sidecar.server_control.process import STALE_S, ProcessControlError, ServerProcess
 from sidecar.settings import load_sidecar_settings
 
 REPO = Path(__file__).resolve().parents[1]

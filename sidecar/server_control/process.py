@@ -51,7 +51,7 @@ from entrypoint.supervise import (
 )
 from kdtree.status import open_regular, own_pid_ns, read_bounded, tail_of
 
-from .docker_control import ContainerMissing, ContainerState, DockerError
+from .protocol import ContainerMissing, ContainerState, ServerControlError
 
 _MARK = re.compile(re.escape(START_MARK) + r" #\d+ at \S+ \(t=(\d+(?:\.\d+)?)\)")
 LOG_READ_CAP = 4 * 1024 * 1024  # bytes read from the end of the log files per logs() call
@@ -61,7 +61,7 @@ ACK_S = 10.0  # how long the launcher has to acknowledge a restart request (it l
 KILL_WAIT_S = 10.0  # after the stop timeout: how long the launcher may take to SIGKILL the server and exit
 
 
-class ProcessControlError(DockerError):
+class ProcessControlError(ServerControlError):
     """The server process could not be seen or signalled; the message names the fix."""
 
 
