@@ -17,8 +17,8 @@ import pytest
 from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
-from entrypoint.supervise import read_process_record
 from kdtree.config import ConfigError, Mode
+from kdtree.process_record import read_process_record
 from sidecar import probe as P
 from sidecar.app import create_app
 from sidecar.evidence import crash_excerpt, latest_marker

@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 
 from entrypoint import launch
-from entrypoint.supervise import (
+from entrypoint.supervise import MIN_LOG_MAX_BYTES, StopRequested, Supervisor
+from kdtree.config import ConfigError, Mode
+from kdtree.process_record import (
     HEARTBEAT_S,
-    MIN_LOG_MAX_BYTES,
     REQUEST_POLL_S,
     RestartRequest,
     ServerProcessRecord,
-    StopRequested,
-    Supervisor,
     log_path,
     pid_alive,
     process_path,
@@ -36,7 +35,6 @@ from entrypoint.supervise import (
     write_process_record,
     write_restart_request,
 )
-from kdtree.config import ConfigError, Mode
 from kdtree.status import own_pid_ns
 from sidecar.evidence import crash_excerpt
 from sidecar.server_control import ContainerMissing
