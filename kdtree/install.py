@@ -10,7 +10,7 @@ Whichever path comes first installs; the other then finds the install and does n
 `forward_extend` is wrapped once. The installing process prints one line:
 `[kdtree] installed verify override (mode=..., pid=..., tp_rank=..., via=entry-point|import-hook)`. SGLang publishes a scheduler's
 tp rank only after plugins load, so the line usually says `tp_rank=?`; the status record carries the
-rank as soon as it is known (see kdtree.evidence).
+rank as soon as it is known (see kdtree.heartbeat).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kdtree.config import ConfigError, load_settings
 
 if TYPE_CHECKING:
-    from kdtree.evidence import Evidence
+    from kdtree.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
 TARGET_MODULE = "sglang.srt.layers.attention.triton_backend"
@@ -37,7 +37,7 @@ MARKER = "__kdtree_override__"  # set on the wrapper the import hook makes
 _lock = threading.RLock()
 _installed_by: str | None = None  # "entry-point" | "import-hook"
 _override: VerifyOverride | None = None
-_evidence: Evidence | None = None
+_evidence: Heartbeat | None = None
 
 
 def forward_extend_override(original_fn, *args, **kwargs):
@@ -96,11 +96,11 @@ def install_on_import(module: ModuleType) -> bool:
 def _activate() -> None:
     global _override, _evidence
     settings = load_settings()  # ConfigError on a bad value, before anything is changed
-    from kdtree.evidence import Evidence
+    from kdtree.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
     _override = VerifyOverride(settings)
-    _evidence = Evidence(
+    _evidence = Heartbeat(
         settings.state_dir,
         snapshot=_override.snapshot,
         installed=is_installed,
@@ -159,5 +159,5 @@ def current_override() -> VerifyOverride | None:
     return _override
 
 
-def current_evidence() -> Evidence | None:
+def current_evidence() -> Heartbeat | None:
     return _evidence

@@ -55,7 +55,6 @@ from kdtree.config import LIVE_MODES, Mode
 from kdtree.control import mode_path, read_desired_mode, write_desired_mode
 from kdtree.status import RankRecord, RankView
 
-from .evidence import LogMarker, crash_excerpt, latest_marker
 from .gate import (
     Criterion,
     RankCheck,
@@ -68,6 +67,7 @@ from .gate import (
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
 from .server_control import ContainerMissing, ContainerState, ServerControl, ServerControlError
+from .server_log import LogMarker, crash_excerpt, latest_marker
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
 from .volume import StateVolume, VolumeWriteFailed

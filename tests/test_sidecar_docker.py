@@ -20,9 +20,9 @@ from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode
-from sidecar.evidence import crash_excerpt, latest_marker
 from sidecar.server_control import ContainerMissing
 from sidecar.server_control.docker import DockerError, ServerContainer
+from sidecar.server_log import crash_excerpt, latest_marker
 
 pytestmark = pytest.mark.docker
 IMAGE = "kdtree-test-base:bookworm"

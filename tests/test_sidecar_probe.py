@@ -21,7 +21,7 @@ from kdtree.config import ConfigError, Mode
 from kdtree.process_record import read_process_record
 from sidecar import probe as P
 from sidecar.app import create_app
-from sidecar.evidence import crash_excerpt, latest_marker
+from sidecar.server_log import crash_excerpt, latest_marker
 from sidecar.settings import load_sidecar_settings
 
 pytestmark = pytest.mark.anyio

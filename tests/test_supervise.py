@@ -36,9 +36,9 @@ from kdtree.process_record import (
     write_restart_request,
 )
 from kdtree.status import own_pid_ns
-from sidecar.evidence import crash_excerpt
 from sidecar.server_control import ContainerMissing
 from sidecar.server_control.process import STALE_S, ProcessControlError, ServerProcess
+from sidecar.server_log import crash_excerpt
 from sidecar.settings import load_sidecar_settings
 
 REPO = Path(__file__).resolve().parents[1]
