@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
-from .exit_codes import FAILED, OK, UNREACHABLE, USAGE
+from .exit_codes import FAILED, OK, UNREACHABLE, USAGE, listing
 
 DONE = ("succeeded", "already")  # a replica in the target mode
 
@@ -43,10 +43,14 @@ One line per replica as its outcome is known, then a table. Outcomes: succeeded,
 refused (gate), rolled_back / rollback_failed / aborted / preempted (by its sidecar), timeout, unreachable, busy,
 unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
 with --dry-run: allowed, refused, already.
-Exit codes: 0 every replica is in the mode (or, with --dry-run, would be allowed), 1 it stopped on a failure
-(or, with --dry-run, a gate would refuse or a replica cannot take part), 2 bad input, 7 a sidecar unreachable
-or not a sidecar.
-"""
+""" + listing(
+    {
+        OK: "every replica is in the mode (or, with --dry-run, would be allowed)",
+        FAILED: "it stopped on a failure (or, with --dry-run, a gate would refuse or a replica cannot take part)",
+        USAGE: "bad input",
+        UNREACHABLE: "a sidecar unreachable or not a sidecar",
+    }
+)
 
 
 def _normalized_url(url: str) -> str:

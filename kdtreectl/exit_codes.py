@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 OK, FAILED, USAGE, CRASHED, TIMED_OUT, BUSY, UNAUTHORIZED, UNREACHABLE, NOT_READY = range(9)
 
 MEANINGS = {
@@ -20,6 +22,12 @@ MEANINGS = {
 def help_text() -> str:
     """The codes as --help lists them."""
     return "Exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in MEANINGS.items())
+
+
+def listing(meanings: dict[int, str]) -> str:
+    """One command's own wording of the codes it returns, as its --help ends: "Exit codes: 0 ..., 1 ..."."""
+    text = ", ".join(f"{code} {meanings[code]}" for code in sorted(meanings))
+    return textwrap.fill(f"Exit codes: {text}.", width=110) + "\n"
 
 
 def readiness(status: dict) -> int:

@@ -28,7 +28,7 @@ import httpx
 from kdtree.config import Mode
 
 from .client import SidecarClient, Unreachable, criterion_line, short
-from .exit_codes import BUSY, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, readiness
+from .exit_codes import BUSY, CRASHED, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, listing, readiness
 
 
 class ServerUnreachable(Exception):
@@ -328,12 +328,12 @@ def now_iso() -> str:
 
 # ---- the command ---------------------------------------------------------------------------------------------
 
-CHECK_HELP = """\
+CHECK_HELP = f"""\
 Prove on this stack, in one command and one report, that tree verify runs through kdtree, whether `on` changes
 what the model says, and what it gains.
 
-1. Preflight: the sidecar's /status must be ready with every rank installed (else one line, and exit 8; 3 when
-   the server crashed, 5 while a transition runs).
+1. Preflight: the sidecar's /status must be ready with every rank installed (else one line, and exit {NOT_READY};
+   {CRASHED} when the server crashed, {BUSY} while a transition runs).
 2. Load: the built-in prompts (mixed lengths, one of thousands of tokens; nothing is downloaded) as greedy
    completions at each --concurrency level, asking SGLang for token ids and speculative-decoding details:
    tokens/s, p50/p99 latency, accept length.
@@ -344,10 +344,17 @@ what the model says, and what it gains.
    differs); tokens/s and latency ratios, the parity statistics, the flip's method and duration; then back to
    the starting mode unless --stay.
 Output: progress and a table here; report.json and report.md in --out.
-Exit codes: 0 everything checked holds, 1 a check failed (the reason in one line), 2 bad input, a server that
-is not reachable, or a stack in off, 3 the server crashed, 5 a transition is running, 7 the sidecar unreachable
-or not a sidecar, 8 a stack that is not ready (or has ranks missing or stale).
-"""
+""" + listing(
+    {
+        OK: "everything checked holds",
+        FAILED: "a check failed (the reason in one line)",
+        USAGE: "bad input, a server that is not reachable, or a stack in off",
+        CRASHED: "the server crashed",
+        BUSY: "a transition is running",
+        UNREACHABLE: "the sidecar unreachable or not a sidecar",
+        NOT_READY: "a stack that is not ready (or has ranks missing or stale)",
+    }
+)
 
 
 def _levels(text: str) -> list[int]:
