@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from kdtree.config import Mode
+from sidecar.vocabulary import Outcome
 
 from .client import SidecarClient, Unreachable, criterion_line, short
 from .exit_codes import BUSY, CRASHED, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, listing, readiness
@@ -509,7 +510,7 @@ def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
     for c in body.get("criteria") or []:
         say("  " + criterion_line(c))
     if code == 200 and body.get("changed") is False:
-        return {"outcome": "succeeded", "method": "none", "duration_s": 0.0, "to_mode": mode}
+        return {"outcome": Outcome.SUCCEEDED.value, "method": "none", "duration_s": 0.0, "to_mode": mode}
     if code != 202:
         failed = [c["name"] for c in body.get("criteria") or [] if not c.get("passed")]
         why = f"the gate refused the flip to {mode} ({', '.join(failed)})" if code == 412 else None
@@ -524,7 +525,7 @@ def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
         report["failure"] = f"the flip to {mode} did not finish within {args.timeout:g}s"
         return None
     say(f"flip to {mode}: {t.get('outcome')} ({t.get('method')}, {t.get('duration_s') or 0:.1f}s)")
-    if t.get("outcome") != "succeeded":
+    if t.get("outcome") != Outcome.SUCCEEDED:
         report["failure"] = f"the flip to {mode} {t.get('outcome')}: {short(t.get('failure'), 200)}"
     return t
 
@@ -578,14 +579,14 @@ def cmd_check(args) -> int:
                 report["flip"] = flip
                 t = _flip(side, args, Mode.ON.value, report)
                 flip["transition"] = t
-                if t is not None and t.get("outcome") == "succeeded":
+                if t is not None and t.get("outcome") == Outcome.SUCCEEDED:
                     runs["on"] = asyncio.run(_load(args, model, texts, "on", side))
                     flip["parity"] = {r: c["parity"] for r, c in rank_counts(side.status()).items()}
                     _compare(flip, runs[start_mode][0], runs["on"][0])
                     if not args.stay:
                         back = _flip(side, args, start_mode, {})
                         flip["returned"] = back.get("outcome") if back else "failed"
-                        if not back or back.get("outcome") != "succeeded":
+                        if not back or back.get("outcome") != Outcome.SUCCEEDED:
                             report["failure"] = (
                                 report["failure"] or f"the flip back to {start_mode} did not succeed"
                             )

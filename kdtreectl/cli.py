@@ -12,6 +12,7 @@ import sys
 import time
 
 from kdtree.config import Mode
+from sidecar.vocabulary import Outcome, Step
 
 from . import check, exit_codes, rollout
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed
@@ -206,7 +207,7 @@ def _follow(args, tid: str) -> int:
     def show(st: dict) -> None:
         t = st.get("active_transition") or {}
         step = t.get("step", "?")
-        if step == "awaiting_ranks":
+        if step == Step.AWAITING_RANKS:
             step += (
                 f" | {t.get('ranks_confirmed', 0)}/{st.get('expected_tp_size')} ranks in {t.get('to_mode')}"
             )
@@ -220,7 +221,7 @@ def _follow(args, tid: str) -> int:
     took = (
         f"{t.get('method')}, {t['duration_s']:.1f}s" if t.get("duration_s") is not None else t.get("method")
     )
-    if t.get("outcome") == "succeeded":
+    if t.get("outcome") == Outcome.SUCCEEDED:
         confirmed = f"; every rank confirmed after {t['confirmed_s']:.1f}s" if t.get("confirmed_s") else ""
         print(f"mode is now {t.get('to_mode')} ({took}{confirmed})")
         return OK

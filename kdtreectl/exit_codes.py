@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import textwrap
 
+from sidecar.vocabulary import Phase
+
 OK, FAILED, USAGE, CRASHED, TIMED_OUT, BUSY, UNAUTHORIZED, UNREACHABLE, NOT_READY = range(9)
 
 MEANINGS = {
@@ -32,6 +34,6 @@ def listing(meanings: dict[int, str]) -> str:
 
 def readiness(status: dict) -> int:
     """What a /status document means for a command that needs the stack ready: OK, CRASHED or NOT_READY."""
-    if status.get("ready") and status.get("phase") == "ready":
+    if status.get("ready") and status.get("phase") == Phase.READY:
         return OK
-    return CRASHED if status.get("phase") == "crashed" else NOT_READY
+    return CRASHED if status.get("phase") == Phase.CRASHED else NOT_READY

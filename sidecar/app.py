@@ -23,6 +23,7 @@ from .server_control import ServerControl
 from .server_control.docker import ServerContainer
 from .server_control.process import ServerProcess
 from .settings import SidecarSettings, load_sidecar_settings
+from .vocabulary import Condition
 
 MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread
 
@@ -88,7 +89,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
             return ApiJSON(
                 {
                     "ready": False,
-                    "condition": "not_ready_yet",
+                    "condition": Condition.NOT_READY_YET,
                     "condition_evidence": ["the sidecar's own check did not finish in time"],
                     "reasons": [f"no verdict within {settings.probe_deadline_s:g}s"],
                 },
