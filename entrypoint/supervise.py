@@ -50,10 +50,11 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import field_validator
 
+from kdtree.config import StateDirSettings
 from kdtree.process_record import (
     HEARTBEAT_S,
     READER_DRAIN_S,
@@ -79,12 +80,14 @@ FORWARDED = (*STOP_SIGNALS, signal.SIGUSR1, signal.SIGUSR2)
 EXIT_USAGE = 2
 
 
-class SupervisorSettings(BaseSettings):
-    """Where the state file and the log go, and the log's cap (KDTREE_SERVER_LOG_MAX_BYTES=0: no log file)."""
+class SupervisorSettings(StateDirSettings):
+    """Where the state file and the log go (state_dir), and the log's cap (KDTREE_SERVER_LOG_MAX_BYTES=0: no log
+    file)."""
 
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
+    fixes: ClassVar[dict[str, str]] = {
+        "KDTREE_SERVER_LOG_MAX_BYTES": "set it to a byte count, e.g. 10485760 (10 MiB), or 0 for no log file",
+    }
 
-    state_dir: str = "/var/run/kdtree"
     server_log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
 
     @field_validator("server_log_max_bytes")
@@ -481,17 +484,6 @@ def _killpg(pid: int) -> None:
         pass
 
 
-def load_supervisor_settings() -> SupervisorSettings:
-    try:
-        return SupervisorSettings()
-    except ValidationError as e:
-        err = e.errors()[0]
-        var = "KDTREE_" + str(err["loc"][0]).upper()
-        raise ValueError(
-            f"{var}={err.get('input')!r} is invalid: {err['msg'].removeprefix('Value error, ')}"
-        ) from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
@@ -500,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m entrypoint.supervise COMMAND [ARG...]", file=sys.stderr)
         return EXIT_USAGE
     try:
-        settings = load_supervisor_settings()
+        settings = SupervisorSettings.load()
     except ValueError as e:
         print(f"kdtree supervisor: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

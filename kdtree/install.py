@@ -22,7 +22,7 @@ import threading
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from kdtree.config import ConfigError, load_settings
+from kdtree.config import ConfigError, VerifySettings
 
 if TYPE_CHECKING:
     from kdtree.heartbeat import Heartbeat
@@ -95,7 +95,7 @@ def install_on_import(module: ModuleType) -> bool:
 
 def _activate() -> None:
     global _override, _evidence
-    settings = load_settings()  # ConfigError on a bad value, before anything is changed
+    settings = VerifySettings.load()  # ConfigError on a bad value, before anything is changed
     from kdtree.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 

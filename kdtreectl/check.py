@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from sidecar.vocabulary import Outcome
 
 from .client import SidecarClient, Unreachable, criterion_line, short
 from .exit_codes import BUSY, CRASHED, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, listing, readiness
+from .settings import CtlSettings
 
 
 class ServerUnreachable(Exception):
@@ -391,7 +391,7 @@ def add_parser(sub, common: dict) -> None:
     )
     c.add_argument(
         "--server-url",
-        default=os.environ.get("KDTREE_SERVER_URL", "http://127.0.0.1:30000"),
+        default=CtlSettings.load().server_url,
         help="the SGLang server's base URL (env KDTREE_SERVER_URL)",
     )
     c.add_argument(
@@ -479,8 +479,8 @@ def _fresh_counts(side: SidecarClient, at: float, timeout: float = 30.0) -> dict
 
 def server_headers() -> dict[str, str]:
     """SGLang's --api-key, as the sidecar's probe sends it (KDTREE_SERVER_API_KEY): Authorization: Bearer."""
-    key = os.environ.get("KDTREE_SERVER_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    key = CtlSettings.load().server_api_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
 
 def _model(args) -> str:

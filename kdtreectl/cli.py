@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -17,6 +16,7 @@ from sidecar.vocabulary import Outcome, Step
 from . import check, exit_codes, rollout
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed
 from .exit_codes import BUSY, CRASHED, FAILED, OK, TIMED_OUT, UNAUTHORIZED, UNREACHABLE, USAGE, readiness
+from .settings import CtlSettings
 
 
 def _client(args) -> SidecarClient:
@@ -274,15 +274,17 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
     def default(value):
         return value if defaults else argparse.SUPPRESS
 
+    env = CtlSettings.load()
+    token = env.admin_token.get_secret_value() if env.admin_token else None
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--url",
-        default=default(os.environ.get("KDTREE_SIDECAR_URL", "http://127.0.0.1:8080")),
+        default=default(env.sidecar_url),
         help="sidecar base URL (env KDTREE_SIDECAR_URL)",
     )
     p.add_argument(
         "--token",
-        default=default(os.environ.get("KDTREE_ADMIN_TOKEN") or None),
+        default=default(token),
         help="admin bearer token for mode changes (env KDTREE_ADMIN_TOKEN; never shown here)",
     )
     p.add_argument("--http-timeout", type=float, default=default(60.0), help="seconds per HTTP request")
