@@ -13,7 +13,7 @@ It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with
 - with --api-key KEY, as SGLang's --api-key: every endpoint but /health, /health_generate, /ready and /metrics
   wants `Authorization: Bearer KEY` and answers 401 {"error": "Unauthorized"} without it.
 It also stands in for the SGLang ranks with the kdtree plugin, through kdtree's own rank code: one
-kdtree.heartbeat.Heartbeat heartbeat and kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
+kdtree.heartbeat.Heartbeat and a kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
 its record into KDTREE_STATE_DIR and follows the sidecar's mode file live exactly as a real rank does. Each
 completion counts as ceil(tokens / --accept-length) verify steps of --layers calls on every rank, in that
 rank's mode: served_kdtree in on, compared (parity) in validate, served by the original otherwise.
