@@ -55,6 +55,7 @@ RUN pip install --require-hashes --no-deps -r /tmp/sidecar.lock
 COPY pyproject.toml README.m[d] ./
 COPY kdtree kdtree
 COPY sidecar sidecar
+COPY kdtreectl kdtreectl
 COPY entrypoint entrypoint
 # Its own user, not the server's: whatever runs in the server (model code under --trust-remote-code) cannot read
 # the sidecar's files. Both write the state volume (group-writable, setgid) through their group 10001.
@@ -133,6 +134,7 @@ COPY pyproject.toml README.m[d] ./
 COPY kdtree kdtree
 COPY --from=kernel /opt/kdtree/kernel/libkdtree_verify.so kdtree/lib/
 COPY sidecar sidecar
+COPY kdtreectl kdtreectl
 COPY entrypoint entrypoint
 # sitecustomize alone on PYTHONPATH (the entrypoint package itself is installed into the venv).
 # The state volume's mount point, group-writable and setgid (every file in it is group 10001's): the sidecar

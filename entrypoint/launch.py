@@ -26,12 +26,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import SecretStr, ValidationError
-from pydantic_settings import SettingsConfigDict
 
 from entrypoint.supervise import DEFAULT_LOG_MAX_BYTES, StopRequested, Supervisor, SupervisorSettings
-from kdtree.config import ConfigError, Mode, load_settings
+from kdtree.config import ConfigError, Mode, StateDirSettings, VerifySettings
 from kdtree.control import mode_path, read_desired_mode
 
 EXIT_CONFIG = 2
@@ -55,7 +55,10 @@ class LauncherSettings(SupervisorSettings):
     """The launcher's own knobs (KDTREE_VERIFY is kdtree.config's); KDTREE_STATE_DIR and
     KDTREE_SERVER_LOG_MAX_BYTES (the server log's cap, 0: no log file) come from SupervisorSettings."""
 
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
+    fixes: ClassVar[dict[str, str]] = {
+        **SupervisorSettings.fixes,
+        "KDTREE_ALLOW_OTHER_BACKEND": "set it to 1 or 0",
+    }
 
     allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
     # SGLang's --api-key, passed on by the launcher: the one place the key is set, which the sidecar reads too.
@@ -109,7 +112,7 @@ def compiled_archs() -> list[int]:
 
 
 def _cuobjdump_archs() -> list[int]:
-    lib = os.environ.get("KDTREE_KERNEL_LIB") or str(
+    lib = VerifySettings.load().kernel_lib or str(
         Path(__file__).resolve().parent.parent / "kdtree" / "lib" / "libkdtree_verify.so"
     )
     if not Path(lib).is_file() or shutil.which("cuobjdump") is None:
@@ -222,50 +225,31 @@ def _mtp_layers(model: Path | None) -> int | None:
 
 
 def _resolve_mode() -> tuple[Mode, str]:
-    settings = load_settings()  # validates KDTREE_VERIFY and every other KDTREE_* runtime value
+    settings = VerifySettings.load()  # validates KDTREE_VERIFY and every other KDTREE_* runtime value
     file_mode = read_desired_mode(settings.state_dir)
     if file_mode is not None:
         return file_mode, f"{mode_path(settings.state_dir)} (written by the sidecar)"
     return settings.verify, "KDTREE_VERIFY"
 
 
-_SETTING_FIX = {
-    "KDTREE_ALLOW_OTHER_BACKEND": "set it to 1 or 0",
-    "KDTREE_SERVER_LOG_MAX_BYTES": "set it to a byte count, e.g. 10485760 (10 MiB), or 0 for no log file",
-}
-
-
-def _launcher_settings() -> LauncherSettings:
-    try:
-        return LauncherSettings()
-    except ValidationError as e:
-        err = e.errors()[0]
-        var = "KDTREE_" + str(err["loc"][0]).upper()
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(
-            f"{var}={err.get('input')!r} is invalid ({msg}); fix: {_SETTING_FIX.get(var, 'correct it')}"
-        ) from None
-
-
-def _record_settings() -> tuple[str, int]:
-    """Where this start is recorded: the settings' state dir and log cap, or their defaults when they are
-    invalid (plan() then refuses them, and the refusal is recorded too)."""
+def _record_settings() -> tuple[StateDirSettings, int]:
+    """Where this start is recorded: the state dir, and the log cap or its default when the launcher's settings
+    are invalid (plan() then refuses them, and the refusal is recorded too)."""
     try:
         settings = LauncherSettings()
     except ValidationError:
-        default = LauncherSettings.model_fields["state_dir"].default
-        return os.environ.get("KDTREE_STATE_DIR") or default, DEFAULT_LOG_MAX_BYTES
-    return settings.state_dir, settings.server_log_max_bytes
+        return StateDirSettings(), DEFAULT_LOG_MAX_BYTES  # a state dir is any non-empty string
+    return settings, settings.server_log_max_bytes
 
 
-def check_state_dir(state_dir: str) -> None:
+def check_state_dir(state_dir: str, named: bool) -> None:
     """The state dir is a directory this user can write. It is never created here: in the image it exists, and
     compose and Kubernetes mount the state volume on it; anywhere else, making /var/run/kdtree would only hide
     that KDTREE_STATE_DIR is unset, and the sidecar would never read what lands there."""
     path = Path(state_dir)
-    named = (
+    named = (  # named: KDTREE_STATE_DIR is set
         f"KDTREE_STATE_DIR={state_dir}"
-        if os.environ.get("KDTREE_STATE_DIR")
+        if named
         else f"KDTREE_STATE_DIR is not set and its default {state_dir}"
     )
     fix = (
@@ -288,7 +272,7 @@ def plan(
     archs: Callable[[], list[int]] = compiled_archs,
 ) -> Plan:
     """Check everything; raise LaunchError (or ConfigError) naming the first problem and its fix."""
-    launcher = _launcher_settings()
+    launcher = LauncherSettings.load()
     mode, mode_source = _resolve_mode()
     args = _server_args(argv)
     if args.api_key is not None:
@@ -437,9 +421,10 @@ def main(
     if argv[:1] in (["-h"], ["--help"]):  # usage, without touching the GPU, torch or the state volume
         print(USAGE)
         return 0
-    state_dir, log_max_bytes = _record_settings()
+    recorded, log_max_bytes = _record_settings()
+    state_dir = recorded.state_dir
     try:
-        check_state_dir(state_dir)
+        check_state_dir(state_dir, named="state_dir" in recorded.model_fields_set)
     except LaunchError as e:  # nowhere to record it: this line is all
         print(f"kdtree launcher: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG

@@ -2,7 +2,7 @@
 
 The launcher (entrypoint.launch) checks the configuration, then runs SGLang as its child through a
 Supervisor instead of exec'ing it, so that the sidecar can follow and restart the server without the
-Docker socket (KDTREE_SERVER_CONTROL=process, sidecar/process_control.py):
+Docker socket (KDTREE_SERVER_CONTROL=process, sidecar/server_control/process.py):
 
 - output: each chunk the server writes goes straight on to the launcher's own stdout or stderr (what
   `docker logs` and `kubectl logs` show is unchanged), and line by line into KDTREE_STATE_DIR/server.log,
@@ -49,36 +49,45 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import field_validator
 
-from kdtree.status import own_pid_ns, read_bounded, write_atomically
+from kdtree.config import StateDirSettings
+from kdtree.process_record import (
+    HEARTBEAT_S,
+    READER_DRAIN_S,
+    REQUEST_POLL_S,
+    RestartRequest,
+    ServerProcessRecord,
+    iso_time,
+    log_path,
+    proc_stat,
+    process_path,
+    read_process_record,
+    read_restart_request,
+    start_mark,
+    write_process_record,
+)
+from kdtree.status import own_pid_ns
 
-LOG_FILE = "server.log"
-PROCESS_FILE = "server-process.json"
-REQUEST_FILE = "restart-request.json"
-HEARTBEAT_S = 2.0  # the state file's heartbeat_at is rewritten this often while the launcher runs
-REQUEST_POLL_S = 0.5  # how often the launcher looks for a restart request
-REQUEST_MAX = 4096  # bytes: a restart request is a few fields; a larger file is ignored unread
 DEFAULT_LOG_MAX_BYTES = 10 * 1024 * 1024
 MIN_LOG_MAX_BYTES = 64 * 1024
 MAX_LOG_LINE = 64 * 1024  # a longer run of output without a newline is written as several lines
-START_MARK = "kdtree launcher: server start"  # "... #3 at 2026-01-01T00:00:00.000Z (t=1767225600.000), pid 7"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 FORWARDED = (*STOP_SIGNALS, signal.SIGUSR1, signal.SIGUSR2)
-READER_DRAIN_S = 5.0  # after the server exits: how long its output may still take to arrive
 EXIT_USAGE = 2
 
 
-class SupervisorSettings(BaseSettings):
-    """Where the state file and the log go, and the log's cap (KDTREE_SERVER_LOG_MAX_BYTES=0: no log file)."""
+class SupervisorSettings(StateDirSettings):
+    """Where the state file and the log go (state_dir), and the log's cap (KDTREE_SERVER_LOG_MAX_BYTES=0: no log
+    file)."""
 
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
+    fixes: ClassVar[dict[str, str]] = {
+        "KDTREE_SERVER_LOG_MAX_BYTES": "set it to a byte count, e.g. 10485760 (10 MiB), or 0 for no log file",
+    }
 
-    state_dir: str = "/var/run/kdtree"
     server_log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
 
     @field_validator("server_log_max_bytes")
@@ -89,122 +98,11 @@ class SupervisorSettings(BaseSettings):
         return v
 
 
-class ServerProcessRecord(BaseModel):
-    """KDTREE_STATE_DIR/server-process.json: one start of the server, as the launcher saw it."""
-
-    schema_version: int = 1
-    pid: int  # the launcher: the container's main process, the one to signal
-    pid_ns: str = ""  # /proc/self/ns/pid of the launcher: its pids mean something only in that namespace
-    pid_start_ticks: int | None = None  # /proc/<pid>/stat starttime: tells a reused pid apart
-    server_pid: int | None = None  # the server (sglang.launch_server), leader of its own process group
-    server_start_ticks: int | None = None
-    hostname: str = ""
-    starts: int = Field(1, ge=1)  # launcher starts seen on this state volume, this one included
-    started_at: float
-    exited_at: float | None = None
-    exit_code: int | None = None  # the launcher's exit status: the server's, or 128+N when signal N killed it
-    signal: str | None = None  # the signal that killed the server, e.g. SIGKILL
-    stop_signal: str | None = None  # the first stop signal the launcher received (and passed on)
-    stop_signal_at: float | None = None  # when it arrived
-    restart_request: str | None = None  # the id of the sidecar's restart request this start acted on
-    heartbeat_at: float | None = None  # rewritten every HEARTBEAT_S while the launcher runs
-
-
-class RestartRequest(BaseModel):
-    """KDTREE_STATE_DIR/restart-request.json, written by the sidecar: stop start number `start` as the
-    orchestrator's SIGTERM would, SIGKILL the server's process group after stop_timeout_s, and exit."""
-
-    schema_version: int = 1
-    id: str = Field(min_length=1, max_length=64)
-    start: int = Field(ge=1)  # the start it is meant for (ServerProcessRecord.starts): a later one ignores it
-    requested_at: float
-    stop_timeout_s: float = Field(ge=0)
-    reason: str = Field("", max_length=500)
-
-
-def process_path(state_dir: str | os.PathLike) -> Path:
-    return Path(state_dir) / PROCESS_FILE
-
-
-def log_path(state_dir: str | os.PathLike) -> Path:
-    return Path(state_dir) / LOG_FILE
-
-
-def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | None:
-    """The latest start's record; None when no server has started on this volume. Raises ValueError
-    (with the path) when the file cannot be parsed."""
-    path = process_path(state_dir)
-    try:
-        with path.open("rb") as f:
-            data = f.read(64 * 1024)
-    except FileNotFoundError:
-        return None
-    try:
-        return ServerProcessRecord.model_validate_json(data)
-    except ValidationError as e:
-        raise ValueError(f"{path} is unreadable: {e.errors()[0]['msg']}") from None
-
-
-def write_process_record(state_dir: str | os.PathLike, record: ServerProcessRecord) -> Path:
-    """Atomically replace the record (a reader never sees half of one)."""
-    return write_atomically(process_path(state_dir), record.model_dump_json())
-
-
-def request_path(state_dir: str | os.PathLike) -> Path:
-    return Path(state_dir) / REQUEST_FILE
-
-
-def write_restart_request(state_dir: str | os.PathLike, request: RestartRequest) -> Path:
-    return write_atomically(request_path(state_dir), request.model_dump_json())
-
-
-def read_restart_request(state_dir: str | os.PathLike) -> RestartRequest | None:
-    """The standing restart request; None when there is none or it is unreadable (a request that cannot be read
-    is not acted on: the sidecar then reports that its request was not acted on)."""
-    try:
-        return RestartRequest.model_validate_json(read_bounded(request_path(state_dir), REQUEST_MAX))
-    except (OSError, ValueError):
-        return None
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot) of a pid in our namespace; None when gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-    return fields[0].decode(), int(fields[19])
-
-
-def pid_alive(pid: int, start_ticks: int | None) -> bool:
-    """The process is there, not a zombie, and (when start_ticks is known) the same one as recorded."""
-    stat = proc_stat(pid)
-    if stat is None:
-        if Path("/proc/self/stat").exists():
-            return False
-        try:  # no procfs: a plain existence check
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    state, ticks = stat
-    if state in ("Z", "X"):
-        return False
-    return start_ticks is None or ticks == start_ticks
-
-
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def start_mark(starts: int, started_at: float, pid: int) -> str:
-    return f"{START_MARK} #{starts} at {_iso(started_at)} (t={started_at:.3f}), pid {pid}"
 
 
 class RotatingLog:
@@ -453,7 +351,7 @@ class Supervisor:
         self._stop_noted = True
         at = self.record.stop_signal_at or time.time()
         self._say(
-            f"kdtree launcher: {self.record.stop_signal} at {_iso(at)} (t={at:.3f}): stopping the server"
+            f"kdtree launcher: {self.record.stop_signal} at {iso_time(at)} (t={at:.3f}): stopping the server"
         )
         return True
 
@@ -586,21 +484,6 @@ def _killpg(pid: int) -> None:
         pass
 
 
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def load_supervisor_settings() -> SupervisorSettings:
-    try:
-        return SupervisorSettings()
-    except ValidationError as e:
-        err = e.errors()[0]
-        var = "KDTREE_" + str(err["loc"][0]).upper()
-        raise ValueError(
-            f"{var}={err.get('input')!r} is invalid: {err['msg'].removeprefix('Value error, ')}"
-        ) from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
@@ -609,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m entrypoint.supervise COMMAND [ARG...]", file=sys.stderr)
         return EXIT_USAGE
     try:
-        settings = load_supervisor_settings()
+        settings = SupervisorSettings.load()
     except ValueError as e:
         print(f"kdtree supervisor: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

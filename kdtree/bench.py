@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -317,14 +316,15 @@ def device_info() -> dict:
 
     import kdtree
     from kdtree import kernel
+    from kdtree.config import ConfigError, KernelSettings
 
     try:
         kernel.library()
         _, config = kernel._device_plan(torch.cuda.current_device())
-    except (kernel.KernelUnavailable, OSError) as e:  # OSError: the library is there but does not load
+    except (kernel.KernelUnavailable, ConfigError, OSError) as e:  # OSError: the library is there but does not load
         raise EnvironmentProblem(f"{PROG}: {e}") from None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    forced = os.environ.get("KDTREE_KERNEL_CONFIG")
+    forced = KernelSettings.load().kernel_config
     return dict(
         gpu=props.name,
         sms=props.multi_processor_count,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum, StrEnum
+from typing import ClassVar, Literal, Self
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,24 +25,70 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the variable and the fix."""
 
 
-class VerifySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KDTREE_", extra="ignore", env_ignore_empty=True)
+class KdtreeSettings(BaseSettings):
+    """How every KDTREE_ variable is read: the base of each process's settings class (each variable one field of
+    one of them). A bad value is refused by load() with one line: the variable, its value, what is wrong and, where
+    the class's `fixes` has one, the fix."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KDTREE_", extra="ignore", populate_by_name=True, env_ignore_empty=True
+    )
+    fixes: ClassVar[
+        dict[str, str]
+    ] = {}  # variable -> the fix the refusal names, beyond the validator's message
+
+    @classmethod
+    def load(cls, **overrides) -> Self:
+        """The settings from the environment (and overrides); ConfigError naming the first bad value."""
+        try:
+            return cls(**overrides)
+        except ValidationError as e:
+            raise ConfigError(invalid_setting(cls, e)) from None
+
+
+def invalid_setting(cls: type[KdtreeSettings], e: ValidationError) -> str:
+    """The one line that refuses a settings class's first invalid value."""
+    err = e.errors()[0]
+    msg = err["msg"].removeprefix("Value error, ")
+    if not err.get("loc"):  # a check of several fields together: its message names them
+        return msg
+    name = str(err["loc"][0])
+    var = name.upper() if name.upper().startswith("KDTREE_") else "KDTREE_" + name.upper()
+    field = cls.model_fields.get(name)
+    kind = field.annotation if field is not None else None
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        msg = "set it to one of: " + ", ".join(m.value for m in kind)
+    fix = cls.fixes.get(var)
+    return f"{var}={err.get('input')!r} is invalid: {msg}" + (f"; fix: {fix}" if fix else "")
+
+
+class StateDirSettings(KdtreeSettings):
+    """The field every server-side process shares (SGLang's ranks, the launcher, the sidecar): the state volume."""
+
+    state_dir: str = Field(
+        "/var/run/kdtree",
+        min_length=1,
+        description="the state volume the ranks, the launcher and the sidecar share: mode file, records, logs",
+    )
+
+
+class KernelSettings(KdtreeSettings):
+    """The kernel binding's (kdtree.kernel): which library it loads and which tile configuration it plans in. Read
+    at each load and plan, so kdtree.kernel.forced_config can force a configuration within one process."""
+
+    kernel_config: Literal["wide", "compact"] | None = Field(
+        None, description="a tile configuration forced (kdtree.kernel.CONFIGS); unset: by shared memory"
+    )
+    kernel_lib: str | None = Field(
+        None, description="the kernel library's path; unset: kdtree/lib/, then kernel_build/build/"
+    )
+
+
+class VerifySettings(StateDirSettings, KernelSettings):
+    """The kdtree runtime inside each SGLang rank."""
 
     verify: Mode = Mode.OFF
     validate_rtol: float = Field(
         2e-2, gt=0, description="relative L2 error above which a compared call counts as over tolerance"
     )
-    state_dir: str = "/var/run/kdtree"
     heartbeat_s: float = Field(5.0, gt=0, description="how often each rank rewrites its status record")
-
-
-def load_settings() -> VerifySettings:
-    """Read KDTREE_* from the environment; a bad value raises ConfigError with a one-line fix."""
-    try:
-        return VerifySettings()
-    except ValidationError as e:
-        err = e.errors()[0]
-        var = "KDTREE_" + str(err["loc"][0]).upper() if err.get("loc") else "KDTREE_*"
-        allowed = ", ".join(m.value for m in Mode)
-        hint = f"set it to one of: {allowed}" if var == "KDTREE_VERIFY" else err["msg"]
-        raise ConfigError(f"{var}={err.get('input')!r} is invalid: {hint}") from None

@@ -3,7 +3,7 @@ the one a process serves now (ModeHolder).
 
 The sidecar writes KDTREE_STATE_DIR/mode. The server's entrypoint reads it at start and exports KDTREE_VERIFY
 for every SGLang process; while the server runs, each rank's heartbeat reads it too and switches live between
-validate, on and standby (kdtree.evidence). To or from off the sidecar restarts the server instead.
+validate, on and standby (kdtree.heartbeat). To or from off the sidecar restarts the server instead.
 When the file is absent, the container's KDTREE_VERIFY environment value stands.
 """
 

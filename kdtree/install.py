@@ -10,7 +10,7 @@ Whichever path comes first installs; the other then finds the install and does n
 `forward_extend` is wrapped once. The installing process prints one line:
 `[kdtree] installed verify override (mode=..., pid=..., tp_rank=..., via=entry-point|import-hook)`. SGLang publishes a scheduler's
 tp rank only after plugins load, so the line usually says `tp_rank=?`; the status record carries the
-rank as soon as it is known (see kdtree.evidence).
+rank as soon as it is known (see kdtree.heartbeat).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import threading
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from kdtree.config import ConfigError, load_settings
+from kdtree.config import ConfigError, VerifySettings
 
 if TYPE_CHECKING:
-    from kdtree.evidence import Evidence
+    from kdtree.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
 TARGET_MODULE = "sglang.srt.layers.attention.triton_backend"
@@ -37,7 +37,7 @@ MARKER = "__kdtree_override__"  # set on the wrapper the import hook makes
 _lock = threading.RLock()
 _installed_by: str | None = None  # "entry-point" | "import-hook"
 _override: VerifyOverride | None = None
-_evidence: Evidence | None = None
+_heartbeat: Heartbeat | None = None
 
 
 def forward_extend_override(original_fn, *args, **kwargs):
@@ -94,13 +94,13 @@ def install_on_import(module: ModuleType) -> bool:
 
 
 def _activate() -> None:
-    global _override, _evidence
-    settings = load_settings()  # ConfigError on a bad value, before anything is changed
-    from kdtree.evidence import Evidence
+    global _override, _heartbeat
+    settings = VerifySettings.load()  # ConfigError on a bad value, before anything is changed
+    from kdtree.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
     _override = VerifyOverride(settings)
-    _evidence = Evidence(
+    _heartbeat = Heartbeat(
         settings.state_dir,
         snapshot=_override.snapshot,
         installed=is_installed,
@@ -110,15 +110,15 @@ def _activate() -> None:
 
 
 def _announce() -> None:
-    rank = _evidence.resolve_rank()
+    rank = _heartbeat.resolve_rank()
     tp_rank = "?" if rank is None else rank[0]
     print(
         f"[kdtree] installed verify override (mode={_override.mode.mode.value}, pid={os.getpid()}, "
         f"tp_rank={tp_rank}, via={_installed_by})",
         flush=True,
     )
-    _evidence.beat()  # a record now if the rank is already known; the heartbeat keeps it fresh
-    _evidence.start(_override.settings.heartbeat_s)
+    _heartbeat.beat()  # a record now if the rank is already known; the heartbeat keeps it fresh
+    _heartbeat.start(_override.settings.heartbeat_s)
 
 
 def override_layers(fn) -> int:
@@ -157,7 +157,3 @@ def installed_by() -> str | None:
 
 def current_override() -> VerifyOverride | None:
     return _override
-
-
-def current_evidence() -> Evidence | None:
-    return _evidence

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kdtree.config import KernelSettings
+
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
@@ -88,9 +90,9 @@ class ParityTotals(ctypes.Structure):
 
 
 def _lib_candidates() -> list[Path]:
-    env = os.environ.get("KDTREE_KERNEL_LIB")
-    if env:
-        return [Path(env)]  # an explicit path is the only one tried: no surprise fallbacks
+    explicit = KernelSettings.load().kernel_lib
+    if explicit:
+        return [Path(explicit)]  # an explicit path is the only one tried: no surprise fallbacks
     here = Path(__file__).resolve().parent
     return [here / "lib" / LIB_NAME, here.parent / "kernel_build" / "build" / LIB_NAME]
 
@@ -157,11 +159,19 @@ def mma_peak_tflops(warps_per_sm: int = 0) -> float:
         raise ValueError(f"warps_per_sm: expected 0..32, got {warps_per_sm}")
     out = ctypes.c_float()
     rc = library().kdtree_mma_peak(warps_per_sm, ctypes.byref(out), torch.cuda.current_stream().cuda_stream)
-    if rc != 0:
-        raise RuntimeError(
-            f"kdtree_mma_peak failed ({rc}): a CUDA call failed on {torch.cuda.get_device_name()}"
-        )
+    _check(rc, "kdtree_mma_peak")
     return out.value
+
+
+# enum kdtree_status of kernel_build/include/kdtree_verify.h (tests/test_kernel_abi.py holds them to it)
+STATUS = {0: "KDTREE_OK", 1: "KDTREE_ERR_ARGUMENT", 2: "KDTREE_ERR_WORKSPACE", 3: "KDTREE_ERR_CUDA"}
+
+
+def _check(rc: int, name: str, error: type[Exception] = RuntimeError) -> None:
+    """The binding's one error path: unless `rc` is KDTREE_OK, raise `error` naming the entry point, its status and
+    the message the library recorded (kdtree_last_error)."""
+    if rc != 0:
+        raise error(f"{name} failed ({STATUS.get(rc, rc)}): {library().kdtree_last_error().decode()}")
 
 
 def smem_bytes(config: str) -> int:
@@ -179,12 +189,8 @@ def _device_plan(index: int) -> tuple[int, int]:
             f"the kdtree library has no code for sm_{cc} ({props.name}); it has {compiled_archs()}: "
             f"rebuild with -DCMAKE_CUDA_ARCHITECTURES including {cc} (image build arg KDTREE_CUDA_ARCHS)"
         )
-    forced = os.environ.get("KDTREE_KERNEL_CONFIG")
-    if forced:
-        if forced not in CONFIGS:
-            raise ValueError(f"KDTREE_KERNEL_CONFIG={forced!r}: expected one of {sorted(CONFIGS)}")
-        config = forced
-    else:
+    config = KernelSettings.load().kernel_config
+    if config is None:
         config = "wide" if props.shared_memory_per_block_optin >= smem_bytes("wide") else "compact"
     need = smem_bytes(config)
     if need > props.shared_memory_per_block_optin:
@@ -195,8 +201,7 @@ def _device_plan(index: int) -> tuple[int, int]:
     per_sm = ctypes.c_int(0)
     with torch.cuda.device(index):
         rc = library().kdtree_verify_ctas_per_sm(CONFIGS[config], ctypes.byref(per_sm))
-    if rc != 0:
-        raise KernelUnavailable(f"config {config}: {library().kdtree_last_error().decode()}")
+    _check(rc, f"kdtree_verify_ctas_per_sm (config {config})", KernelUnavailable)
     return props.multi_processor_count * per_sm.value, CONFIGS[config]
 
 
@@ -233,8 +238,7 @@ def workspace_bytes(batch: int, num_heads: int, max_q_len: int, device) -> int:
     rc = library().kdtree_verify_workspace_bytes(
         batch, num_heads, max_q_len, cta_slots, config, ctypes.byref(out)
     )
-    if rc != 0:
-        raise ValueError(library().kdtree_last_error().decode())
+    _check(rc, "kdtree_verify_workspace_bytes", ValueError)
     return out.value
 
 
@@ -341,8 +345,7 @@ def _tree_verify_op(
         v_scale=v_scale,
     )
     rc = lib.kdtree_verify_launch(ctypes.byref(a), torch.cuda.current_stream(q.device).cuda_stream)
-    if rc != 0:
-        raise RuntimeError(f"kdtree_verify_launch failed ({rc}): {lib.kdtree_last_error().decode()}")
+    _check(rc, "kdtree_verify_launch")
 
 
 def tree_verify(
@@ -528,8 +531,8 @@ def _pinned_mapped(nbytes: int) -> tuple[torch.Tensor, int]:
     """Zeroed pinned host memory and its address on the device (kernels read or write it there)."""
     host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     dptr = ctypes.c_void_p()
-    if library().kdtree_host_device_pointer(host.data_ptr(), ctypes.byref(dptr)) != 0:
-        raise KernelUnavailable("pinned host memory is not mapped into the device's address space")
+    rc = library().kdtree_host_device_pointer(host.data_ptr(), ctypes.byref(dptr))
+    _check(rc, "kdtree_host_device_pointer (pinned host memory mapped into the device)", KernelUnavailable)
     return host, dptr.value
 
 
@@ -567,8 +570,7 @@ def _parity_update_op(
         rtol,
         torch.cuda.current_stream(ours.device).cuda_stream,
     )
-    if rc != 0:
-        raise RuntimeError(f"kdtree_parity_update failed ({rc})")
+    _check(rc, "kdtree_parity_update")
 
 
 class ParityStats(_Mirrored):
@@ -626,8 +628,7 @@ class ModeWord:
 def capture_id(stream: torch.cuda.Stream) -> int:
     """The id of the CUDA graph capture running on `stream`; 0 when none runs."""
     out = ctypes.c_ulonglong(0)
-    if library().kdtree_capture_id(stream.cuda_stream, ctypes.byref(out)) != 0:
-        raise RuntimeError(f"cudaStreamGetCaptureInfo failed on {stream}")
+    _check(library().kdtree_capture_id(stream.cuda_stream, ctypes.byref(out)), f"kdtree_capture_id ({stream})")
     return out.value
 
 
@@ -679,8 +680,7 @@ def _mode_gate_op(
         counter_mirror_ptr or None,
         torch.cuda.current_stream(qo_indptr.device).cuda_stream,
     )
-    if rc != 0:
-        raise RuntimeError(f"kdtree_mode_gate failed ({rc})")
+    _check(rc, "kdtree_mode_gate")
 
 
 def mode_gate(
@@ -721,8 +721,7 @@ def _mode_post_op(
         rtol,
         torch.cuda.current_stream(ours.device).cuda_stream,
     )
-    if rc != 0:
-        raise RuntimeError(f"kdtree_mode_post failed ({rc})")
+    _check(rc, "kdtree_mode_post")
 
 
 def mode_post(

@@ -10,13 +10,13 @@ import uvicorn
 from kdtree.config import ConfigError
 
 from .app import create_app
-from .settings import load_sidecar_settings
+from .settings import SidecarSettings
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = load_sidecar_settings()
+        settings = SidecarSettings.load()
         app = create_app(settings)  # reads the state dir: a bad mode or state file stops here, named
     except ConfigError as e:
         print(f"kdtree sidecar: {e}", file=sys.stderr)

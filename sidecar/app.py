@@ -18,10 +18,12 @@ from pydantic import ValidationError
 from kdtree.status import json_safe
 
 from .controller import Controller, ModeRequest
-from .docker_control import ServerContainer, ServerControl
 from .metrics import Metrics
-from .process_control import ServerProcess
-from .settings import SidecarSettings, load_sidecar_settings
+from .server_control import ServerControl
+from .server_control.docker import ServerContainer
+from .server_control.process import ServerProcess
+from .settings import SidecarSettings
+from .vocabulary import Condition
 
 MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread
 
@@ -44,7 +46,7 @@ def server_control(settings: SidecarSettings) -> ServerControl | None:
 
 def create_app(settings: SidecarSettings | None = None, server: ServerControl | None = None) -> FastAPI:
     """server: what observes and restarts the SGLang server; by default the one the settings name."""
-    settings = settings or load_sidecar_settings()
+    settings = settings or SidecarSettings.load()
     if server is None:
         server = server_control(settings)
     metrics = Metrics(settings.expected_tp_size)
@@ -87,7 +89,7 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
             return ApiJSON(
                 {
                     "ready": False,
-                    "condition": "not_ready_yet",
+                    "condition": Condition.NOT_READY_YET,
                     "condition_evidence": ["the sidecar's own check did not finish in time"],
                     "reasons": [f"no verdict within {settings.probe_deadline_s:g}s"],
                 },

@@ -55,8 +55,6 @@ from kdtree.config import LIVE_MODES, Mode
 from kdtree.control import mode_path, read_desired_mode, write_desired_mode
 from kdtree.status import RankRecord, RankView
 
-from .docker_control import ContainerMissing, ContainerState, DockerError, ServerControl
-from .evidence import LogMarker, crash_excerpt, latest_marker
 from .gate import (
     Criterion,
     RankCheck,
@@ -68,8 +66,11 @@ from .gate import (
 )
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
+from .server_control import ContainerMissing, ContainerState, ServerControl, ServerControlError
+from .server_log import LogMarker, crash_excerpt, latest_marker
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
+from .vocabulary import Condition, Method, Outcome, Phase, Step
 from .volume import StateVolume, VolumeWriteFailed
 
 log = logging.getLogger("kdtree.sidecar")
@@ -109,12 +110,11 @@ def _mode_file_text(snap: VolumeSnapshot | None) -> str | None:
 
 
 class Assessment(BaseModel):
-    phase: str  # what /status reports (a running transition overrides the server's own phase)
-    server_phase: str  # what the server itself looks like
+    phase: Phase  # what /status reports (a running transition overrides the server's own phase)
+    server_phase: Phase  # what the server itself looks like
     ready: bool  # server_ready, and nothing wrong with the state volume or the mode file
     server_ready: bool  # the probe, the server's process and every rank as expected
-    # ready | not_ready_yet (starting within its budget, or a transition runs) | broken (needs someone)
-    condition: str
+    condition: Condition
     condition_evidence: list[str]
     reasons: list[str]
     notes: list[str] = []  # what is wrong but tolerated (probes failing under load), for people
@@ -195,7 +195,7 @@ class Controller:
             return
         t.interrupted = True
         self.store.audit("interrupted_transition_found", t, logging.WARNING, step=t.step)
-        if t.step in ("accepted", "writing_mode"):
+        if t.step in (Step.ACCEPTED, Step.WRITING_MODE):
             # The server was not restarted: putting the mode file back is the whole resolution.
             t.failure = t.failure or f"the sidecar stopped at step {t.step}, before the server was restarted"
             await self._abort(t)
@@ -217,7 +217,7 @@ class Controller:
         not_back = await self._restore_mode_file(t)
         if not_back:
             t.rollback_failure = not_back
-        self._finish(t, "rollback_failed" if not_back else "aborted")
+        self._finish(t, Outcome.ROLLBACK_FAILED if not_back else Outcome.ABORTED)
 
     async def stop(self) -> None:
         """Stop the background probe and a running transition (its persisted state makes the next start resolve it)."""
@@ -251,7 +251,7 @@ class Controller:
         t = self.state.active
         if t is not None and task is self._task:
             t.rollback_failure = t.rollback_failure or f"the sidecar failed: {type(e).__name__}: {e}"
-            self._finish(t, "rollback_failed")
+            self._finish(t, Outcome.ROLLBACK_FAILED)
 
     def _save(self, *, fatal: bool) -> None:
         """Persist the state. fatal (a forward flip): a failed save ends the flip (VolumeWriteFailed). Else (a
@@ -305,20 +305,24 @@ class Controller:
             return ContainerView(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
         try:
             return ContainerView(state=await asyncio.to_thread(self.server.inspect))
-        except DockerError as e:
+        except ServerControlError as e:
             return ContainerView(error=str(e), missing=isinstance(e, ContainerMissing))
 
     def expected_mode(self) -> Mode:
         """The mode the server should be in now (by a transition still running, or the settled one)."""
         t = self.state.active
-        if t is None or t.step == "accepted" or (t.method == "restart" and t.step == "writing_mode"):
+        if (
+            t is None
+            or t.step == Step.ACCEPTED
+            or (t.method == Method.RESTART and t.step == Step.WRITING_MODE)
+        ):
             return self.state.current_mode
-        return t.from_mode if t.step == "rolling_back" else t.to_mode
+        return t.from_mode if t.step == Step.ROLLING_BACK else t.to_mode
 
     def expected_modes(self) -> set[Mode]:
         """The modes the ranks may report now: both ends while a live switch runs (each rank switches on its own)."""
         t = self.state.active
-        if t is not None and t.method == "live" and t.step != "accepted":
+        if t is not None and t.method == Method.LIVE and t.step != Step.ACCEPTED:
             return {t.from_mode, t.to_mode}
         return {self.expected_mode()}
 
@@ -392,10 +396,10 @@ class Controller:
         t = self.state.active
         if t is None:
             phase = server_phase
-        elif t.step == "rolling_back":
-            phase = "rolling_back"
+        elif t.step == Step.ROLLING_BACK:
+            phase = Phase.ROLLING_BACK
         else:
-            phase = "switching" if t.method == "live" else "restarting"
+            phase = Phase.SWITCHING if t.method == Method.LIVE else Phase.RESTARTING
         self.metrics.phase.state(phase)
         ready = not reasons
         condition, evidence = self._condition(ready, container, current, state_problems)
@@ -482,43 +486,43 @@ class Controller:
 
     def _condition(
         self, ready: bool, container: ContainerView, probe: ProbeResult | None, state_problems: list[str]
-    ) -> tuple[str, list[str]]:
+    ) -> tuple[Condition, list[str]]:
         """Whether a server that is not ready will get there by itself (not_ready_yet) or needs someone
         (broken), with the facts behind the verdict. Unlike the phase, it does not depend on what happened
         before the server's latest start."""
         if ready:
-            return "ready", []
+            return Condition.READY, []
         if state_problems:
-            return "broken", state_problems
+            return Condition.BROKEN, state_problems
         t = self.state.active
         if t is not None:
-            return "not_ready_yet", [
+            return Condition.NOT_READY_YET, [
                 f"a {t.method} transition {t.from_mode} -> {t.to_mode} is at step {t.step}"
             ]
         s, c = self.settings, container.state
         if c is not None and c.crashed:
-            return "broken", [f"the server process is {c.status} (exit code {c.exit_code})"]
+            return Condition.BROKEN, [f"the server process is {c.status} (exit code {c.exit_code})"]
         if container.missing:
             up, grace = time.monotonic() - self._born, s.start_grace_s
             if up > grace:
-                return "broken", [
+                return Condition.BROKEN, [
                     f"no server has started in the {up:.0f}s since the sidecar started "
                     f"(KDTREE_START_GRACE_S={grace:g}): the server container is not running, or does not "
                     f"share the state volume {s.state_dir} with the sidecar",
                     str(container.error),
                 ]
-            return "not_ready_yet", [
+            return Condition.NOT_READY_YET, [
                 f"no server has started yet, {up:.0f}s after the sidecar (KDTREE_START_GRACE_S={grace:g})"
             ]
         started = c.started_at if c is not None else None
         if started is None:
-            return "not_ready_yet", [
+            return Condition.NOT_READY_YET, [
                 "the server's start time is unknown (no server control, or no start yet)"
             ]
         now, budget = time.time(), s.ready_timeout_s
         ok_at = self.prober.last_ok_at
         if ok_at is not None and ok_at > started:
-            return "broken", [
+            return Condition.BROKEN, [
                 f"it answered a completion {now - ok_at:.0f}s ago, {ok_at - started:.0f}s after its latest start, "
                 "and fails now"
             ]
@@ -527,43 +531,43 @@ class Controller:
             answering = self.prober.answering_since = None
         if answering is not None and probe is not None and not probe.ok:
             if now - answering > s.answering_budget_s:
-                return "broken", [
+                return Condition.BROKEN, [
                     f"it has answered HTTP for {now - answering:.0f}s since its latest start and failed every "
                     f"probe (KDTREE_ANSWERING_BUDGET_S={s.answering_budget_s:g}); the latest: {probe.reason}: "
                     f"{probe.detail}"
                 ]
         if now - started > budget:
-            return "broken", [
+            return Condition.BROKEN, [
                 f"started {now - started:.0f}s ago and never ready (KDTREE_READY_TIMEOUT_S={budget:g})"
             ]
-        return "not_ready_yet", [
+        return Condition.NOT_READY_YET, [
             f"started {now - started:.0f}s ago and not ready yet (KDTREE_READY_TIMEOUT_S={budget:g})"
         ]
 
     def _server_phase(
         self, probe: ProbeResult | None, container: ContainerState | None, ranks: RankCheck, tolerated: bool
-    ) -> str:
+    ) -> Phase:
         if container is not None:
             if container.crashed:
-                return "crashed"
+                return Phase.CRASHED
             if container.status == "created":
-                return "starting"
+                return Phase.STARTING
         if probe is None:
-            return "starting"
+            return Phase.STARTING
         if probe.ok or tolerated:
-            return "ready" if ranks.ok else "degraded"
+            return Phase.READY if ranks.ok else Phase.DEGRADED
         started = (container.started_at if container else None) or 0.0
         served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > started
         if probe.reason == REFUSED:
             # SGLang keeps its port closed until weights and CUDA graphs are in place; after serving, a closed
             # port means it stopped answering.
-            return "degraded" if served_since_start and container is not None else "loading"
+            return Phase.DEGRADED if served_since_start and container is not None else Phase.LOADING
         since = max(self.prober.last_refused_at or 0.0, started)
         served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > since
         answering_busy = probe.reason == TIMEOUT or (probe.reason == HTTP_STATUS and probe.status_code == 503)
         if answering_busy and not served_since_start:
-            return "warming"  # the port is open, the first completions are not through yet
-        return "degraded"
+            return Phase.WARMING  # the port is open, the first completions are not through yet
+        return Phase.DEGRADED
 
     async def _logs(self) -> str:
         c = self.container_flight.cached
@@ -584,9 +588,9 @@ class Controller:
                     log_error = f"reading the logs took longer than {self.settings.probe_deadline_s:g}s"
                 else:
                     marker = latest_marker(text)
-                    if c.crashed or a.phase == "crashed":
+                    if c.crashed or a.phase == Phase.CRASHED:
                         excerpt = crash_excerpt(text)
-            except DockerError as e:
+            except ServerControlError as e:
                 log_error = str(e)
         problem = self.volume.problem
         return {
@@ -653,7 +657,7 @@ class Controller:
         t = self.state.active
         if t is None:
             return self._requested
-        return t.from_mode if t.step == "rolling_back" else t.to_mode
+        return t.from_mode if t.step == Step.ROLLING_BACK else t.to_mode
 
     async def _serve(self, req: ModeRequest, answer: asyncio.Future, preempted: asyncio.Task | None) -> None:
         """The request's task: end what it preempts, decide, answer, and run the transition it accepted."""
@@ -687,9 +691,9 @@ class Controller:
             t.failure = why
         else:  # it was rolling back
             t.rollback_failure = why
-        self._finish(t, "preempted")
+        self._finish(t, Outcome.PREEMPTED)
 
-    def _method(self, current: Mode, target: Mode, restart: bool, views: list[RankView]) -> str:
+    def _method(self, current: Mode, target: Mode, restart: bool, views: list[RankView]) -> Method:
         """live when both modes are live modes and every expected rank says it can switch to the target."""
         if (
             restart
@@ -697,13 +701,13 @@ class Controller:
             or target not in LIVE_MODES
             or not self.settings.expected_tp_size
         ):
-            return "restart"
+            return Method.RESTART
         records = live_records(self.settings, views)
         able = all(
             r in records and target.value in records[r].live_modes
             for r in range(self.settings.expected_tp_size)
         )
-        return "live" if able else "restart"
+        return Method.LIVE if able else Method.RESTART
 
     async def _evaluate(self, req: ModeRequest) -> tuple[int, dict, Transition | None]:
         """The answer to a request, and the transition it starts (made active here) when it is accepted."""
@@ -753,7 +757,7 @@ class Controller:
                 },
                 None,
             )
-        if method == "restart" and self.server is None:
+        if method == Method.RESTART and self.server is None:
             return (
                 503,
                 {
@@ -801,7 +805,7 @@ class Controller:
 
     async def _transition(self, t: Transition) -> None:
         try:
-            self._step(t, "accepted", reason=t.reason, force=t.force)
+            self._step(t, Step.ACCEPTED, reason=t.reason, force=t.force)
             await self._flip(t)
         except asyncio.CancelledError:
             raise  # stopping (the persisted step makes the next start resolve it), or preempted
@@ -812,13 +816,13 @@ class Controller:
             await self._rollback_and_finish(t)
             return
         self.state.current_mode = t.to_mode
-        self._finish(t, "succeeded")
+        self._finish(t, Outcome.SUCCEEDED)
 
-    def _step(self, t: Transition, step: str, **details) -> None:
+    def _step(self, t: Transition, step: Step, **details) -> None:
         """Persist and audit the step. In a forward flip a write the volume does not take ends the flip; the
         rollback goes on regardless (its state stays in memory)."""
         t.step = step
-        forward = step != "rolling_back"
+        forward = step != Step.ROLLING_BACK
         self._save(fatal=forward)
         self.store.audit(step, t, **details)
         if forward and self.volume.problem is not None:  # the audit entry was not appended
@@ -847,19 +851,19 @@ class Controller:
         )
 
     async def _flip(self, t: Transition) -> None:
-        self._step(t, "writing_mode")
+        self._step(t, Step.WRITING_MODE)
         self._write_mode(t.to_mode)
-        if t.method == "live":
-            self._step(t, "awaiting_ranks", timeout_s=self.settings.live_flip_timeout_s)
+        if t.method == Method.LIVE:
+            self._step(t, Step.AWAITING_RANKS, timeout_s=self.settings.live_flip_timeout_s)
             await self._await_ranks(t, t.to_mode)
             t.confirmed_s = time.time() - t.requested_at
-            self._step(t, "baking", probes=self.settings.bake_probes, confirmed_s=round(t.confirmed_s, 3))
+            self._step(t, Step.BAKING, probes=self.settings.bake_probes, confirmed_s=round(t.confirmed_s, 3))
             await self._bake(t, None)
             return
         restarts = await self._restart(t)
-        self._step(t, "waiting_ready")
+        self._step(t, Step.WAITING_READY)
         await self._wait_ready(t.to_mode, t.restarted_at, restarts, forward=True)
-        self._step(t, "baking", probes=self.settings.bake_probes)
+        self._step(t, Step.BAKING, probes=self.settings.bake_probes)
         await self._bake(t, restarts)
 
     async def _await_ranks(self, t: Transition, mode: Mode) -> None:
@@ -886,7 +890,7 @@ class Controller:
             confirmed = s.expected_tp_size - len(waiting)
             if confirmed != t.ranks_confirmed:
                 t.ranks_confirmed = confirmed
-                self._save(fatal=t.step != "rolling_back")
+                self._save(fatal=t.step != Step.ROLLING_BACK)
             if not waiting:
                 return
             if time.monotonic() >= deadline:
@@ -899,14 +903,14 @@ class Controller:
 
     async def _restart(self, t: Transition) -> int | None:
         """Drain, then restart the server container; returns its restart count right after (to spot crash loops)."""
-        forward = t.step != "rolling_back"
+        forward = t.step != Step.ROLLING_BACK
         previous = self._restart_call
         if previous is not None and not previous.done():
             self.store.audit("awaiting_previous_restart", t, detail="a preempted transition's restart runs")
             await asyncio.wait([previous])  # it cannot be taken back: this restart comes after it
         await self._drain(t, forward)
         if forward:
-            self._step(t, "restarting")
+            self._step(t, Step.RESTARTING)
         t.restarted_at = time.time()  # rank records must come from processes started after this
         self._save(fatal=forward)
         call = asyncio.ensure_future(
@@ -916,7 +920,7 @@ class Controller:
         self._restart_call = call
         try:
             await asyncio.shield(call)  # a preempted transition's restart runs to its end on its thread
-        except DockerError as e:
+        except ServerControlError as e:
             raise StepFailed(f"restart failed: {e}") from None
         finally:
             self.prober.invalidate()  # answers from before the restart say nothing about the new server
@@ -934,9 +938,9 @@ class Controller:
         self._draining_until = time.monotonic() + s.drain_s
         try:
             if forward:
-                self._step(t, "draining", drain_s=s.drain_s)
+                self._step(t, Step.DRAINING, drain_s=s.drain_s)
             else:
-                self.store.audit("draining", t, drain_s=s.drain_s)
+                self.store.audit(Step.DRAINING, t, drain_s=s.drain_s)
             await asyncio.sleep(s.drain_s)
         finally:
             self._draining_until = None
@@ -1011,7 +1015,7 @@ class Controller:
             # them an error from before it, which says nothing about this flip: only a changed one counts.
             for v in a.ranks.ranks:
                 rec, old = v.record, before.get(v.record.tp_rank)
-                new = t.method == "restart" or old is None or old.last_error != rec.last_error
+                new = t.method == Method.RESTART or old is None or old.last_error != rec.last_error
                 if rec.last_error and rec.tp_rank < s.expected_tp_size and new:
                     raise StepFailed(f"{where}: rank {rec.tp_rank} reported an error: {rec.last_error}")
         after = await self._records_after(last_probe)
@@ -1037,17 +1041,17 @@ class Controller:
 
     async def _rollback_and_finish(self, t: Transition) -> None:
         try:
-            self._step(t, "rolling_back", failure=t.failure)
+            self._step(t, Step.ROLLING_BACK, failure=t.failure)
             not_back = await self._restore_mode_file(t)
             if not_back:
                 raise StepFailed(not_back)  # neither a live switch nor a restart can reach the old mode now
-            if t.method == "live":
+            if t.method == Method.LIVE:
                 try:
                     await self._await_ranks(t, t.from_mode)
                     a = await self.assess(fresh=True, mode=t.from_mode)
                     if not a.server_ready:
                         raise StepFailed("not ready after the live rollback: " + "; ".join(a.reasons))
-                    self._finish(t, "rolled_back")
+                    self._finish(t, Outcome.ROLLED_BACK)
                     return
                 except StepFailed as e:
                     t.rollback_note = (
@@ -1058,7 +1062,7 @@ class Controller:
                         raise StepFailed(f"{e}; and the sidecar cannot restart the server") from None
             elif t.restarted_at is None:
                 t.rollback_note = f"the server was not restarted: the mode file is back at {t.from_mode}"
-                self._finish(t, "rolled_back")
+                self._finish(t, Outcome.ROLLED_BACK)
                 return
             restarts = await self._restart(t)
             await self._wait_ready(t.from_mode, t.restarted_at, restarts, forward=False)
@@ -1067,11 +1071,11 @@ class Controller:
         except Exception as e:
             known = isinstance(e, StepFailed | VolumeWriteFailed)
             t.rollback_failure = str(e) if known else f"{type(e).__name__}: {e}"
-            self._finish(t, "rollback_failed")
+            self._finish(t, Outcome.ROLLBACK_FAILED)
             return
-        self._finish(t, "rolled_back")
+        self._finish(t, Outcome.ROLLED_BACK)
 
-    def _finish(self, t: Transition, outcome: str) -> None:
+    def _finish(self, t: Transition, outcome: Outcome) -> None:
         """Record the outcome; never raises: what the volume does not take stays in memory (/status shows it)."""
         t.outcome, t.finished_at = outcome, time.time()
         t.duration_s = t.finished_at - t.requested_at
@@ -1079,7 +1083,7 @@ class Controller:
         self.state.active = None
         self.state.history.append(t)
         self._save(fatal=False)
-        level = logging.INFO if outcome == "succeeded" else logging.ERROR
+        level = logging.INFO if outcome == Outcome.SUCCEEDED else logging.ERROR
         self.store.audit(
             outcome,
             t,

@@ -20,21 +20,7 @@ from kdtree.config import Mode
 from kdtree.status import RankView
 
 from .probe import REASONS as PROBE_FAILURE_REASONS
-
-PHASES = (
-    "starting",
-    "loading",
-    "warming",
-    "ready",
-    "degraded",
-    "crashed",
-    "switching",
-    "restarting",
-    "rolling_back",
-)
-METHODS = ("live", "restart")
-CONDITIONS = ("ready", "not_ready_yet", "broken")
-OUTCOMES = ("succeeded", "rolled_back", "rollback_failed", "aborted", "preempted")
+from .vocabulary import Condition, Method, Outcome, Phase
 
 
 class RankCollector(Collector):
@@ -118,13 +104,13 @@ class Metrics:
         self.phase = Enum(
             "kdtree_server_phase",
             "the server's phase as the sidecar sees it",
-            states=list(PHASES),
+            states=[p.value for p in Phase],
             registry=r,
         )
         self.condition = Enum(
             "kdtree_condition",
             "ready, not_ready_yet (starting within its budget, or a transition runs) or broken (needs someone)",
-            states=list(CONDITIONS),
+            states=[c.value for c in Condition],
             registry=r,
         )
         self.mode = Enum(
@@ -147,16 +133,16 @@ class Metrics:
             registry=r,
         )
         # Every known label value from the start, at 0: increase() then sees each first event.
-        for method in METHODS:
-            self.flip_duration.labels(method=method)
+        for method in Method:
+            self.flip_duration.labels(method=method.value)
         for reason in PROBE_FAILURE_REASONS:
             self.probe_failures.labels(reason=reason)
         modes = [m.value for m in Mode]
         for to_mode in modes:
             self.gate_refusals.labels(to_mode=to_mode)
             for from_mode in modes:
-                for outcome in OUTCOMES if from_mode != to_mode else ():
-                    self.transitions.labels(from_mode=from_mode, to_mode=to_mode, outcome=outcome)
+                for outcome in Outcome if from_mode != to_mode else ():
+                    self.transitions.labels(from_mode=from_mode, to_mode=to_mode, outcome=outcome.value)
         if expected_ranks is not None:
             Gauge(
                 "kdtree_expected_ranks",

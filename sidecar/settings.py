@@ -1,4 +1,5 @@
-"""Sidecar settings, read from KDTREE_* environment variables (one table in the README)."""
+"""Sidecar settings, read from KDTREE_* environment variables (one table in the README); SidecarSettings.load()
+refuses a bad or missing value with a ConfigError naming the fix."""
 
 from __future__ import annotations
 
@@ -6,17 +7,12 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 
-from kdtree.config import ConfigError, Mode
+from kdtree.config import Mode, StateDirSettings
 
 
-class SidecarSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="KDTREE_", extra="ignore", populate_by_name=True, env_ignore_empty=True
-    )
-
+class SidecarSettings(StateDirSettings):
     # Where the sidecar itself listens.
     sidecar_host: str = "0.0.0.0"
     sidecar_port: int = Field(8080, ge=1, le=65535)
@@ -51,10 +47,7 @@ class SidecarSettings(BaseSettings):
         None, description="SGLang's --api-key: the probe sends it as 'Authorization: Bearer'"
     )
 
-    # The tensor-parallel ranks and their records.
-    state_dir: str = Field(
-        "/var/run/kdtree", min_length=1, description="shared with the server: mode file, rank records"
-    )
+    # The tensor-parallel ranks and their records (in state_dir, StateDirSettings').
     verify: Mode = Field(
         Mode.OFF, description="the server's mode when no mode file and no sidecar state exist yet"
     )
@@ -173,17 +166,3 @@ def read_secret_file(path: Path, setting: str) -> str:
             f"{setting}={str(path)!r} must hold the secret alone, on one line of at most {SECRET_MAX} bytes"
         )
     return text
-
-
-def load_sidecar_settings(**overrides) -> SidecarSettings:
-    """Read KDTREE_* from the environment; a bad or missing value raises ConfigError naming the fix."""
-    try:
-        return SidecarSettings(**overrides)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if not err.get("loc"):
-            raise ConfigError(err["msg"].removeprefix("Value error, ")) from None
-        name = str(err["loc"][0]).upper()
-        var = name if name.startswith("KDTREE_") else "KDTREE_" + name
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{var}={err.get('input')!r} is invalid: {msg}") from None

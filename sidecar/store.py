@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kdtree.config import ConfigError, Mode
 from kdtree.status import json_safe, open_regular, read_bounded, tail_of, write_atomically
 
+from .vocabulary import Method, Outcome, Step
 from .volume import StateVolume, VolumeWriteFailed
 
 STATE_FILE = "sidecar-state.json"
@@ -38,16 +39,12 @@ class Transition(BaseModel):
     reason: str = ""
     force: bool = False
     requested_at: float = Field(default_factory=time.time)
-    # live:    accepted -> writing_mode -> awaiting_ranks -> baking -> (succeeded)
-    # restart: accepted -> writing_mode -> draining (when the server runs) -> restarting -> waiting_ready -> baking
-    #          -> (succeeded)
-    # any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed)
-    # POST /mode off while it runs -> (preempted), then the off transition runs
-    method: str = "restart"  # live | restart
-    step: str = "accepted"
+    # The steps of each method: vocabulary.Step. A value outside the vocabulary makes the file unreadable, named.
+    method: Method = Method.RESTART
+    step: Step = Step.ACCEPTED
     ranks_confirmed: int = 0  # live: ranks that report the mode being switched to (progress)
     confirmed_s: float | None = None  # live: seconds from the request until every rank confirmed
-    outcome: str | None = None  # succeeded | rolled_back | rollback_failed | aborted | preempted
+    outcome: Outcome | None = None
     failure: str | None = None  # why the forward flip failed
     rollback_failure: str | None = None
     restarted_at: float | None = None
@@ -93,9 +90,14 @@ class Store:
             return SidecarState(current_mode=initial_mode)
         except ValidationError as e:
             err = e.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            got = (
+                f", got {err['input']!r}"
+                if "input" in err and not isinstance(err["input"], dict | list)
+                else ""
+            )
             raise ConfigError(
-                f"{self.path} is unreadable ({err['msg']} at {err.get('loc')}); "
-                "move it aside to start from the mode file"
+                f"{self.path} is unreadable ({err['msg']} at {where}{got}); move it aside to start from the mode file"
             ) from None
         except ValueError as e:  # not a regular file, or too large
             raise ConfigError(f"{e}; move it aside to start from the mode file") from None

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from standin_engine import wait_port
 
-from entrypoint.supervise import read_process_record
-from sidecar.process_control import ServerProcess
+from kdtree.process_record import read_process_record
+from sidecar.server_control.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "standin_engine.py"
@@ -33,7 +33,7 @@ class Orchestrated:
     is started again, after restart_delay_s when it was stopped on request (the sidecar's SIGTERM) and after
     crash_restart_delay_s when it ended by itself (Docker's backoff, stretched so a test sees the crash). Its output
     goes to `console` (what `docker logs` would show). The sidecar controls it through `control`, a
-    sidecar.process_control.ServerProcess over `state_dir`: the process control `python -m sidecar` uses with
+    sidecar.server_control.process.ServerProcess over `state_dir`: the process control `python -m sidecar` uses with
     KDTREE_SERVER_CONTROL=process. Subclasses say what runs (`command()`)."""
 
     name = "orchestrated command"

@@ -110,12 +110,12 @@ def serve(settings: SidecarSettings, server):
 def kdtreectl(
     url: str | None, *args: str, token: str | None = None, timeout: float = 60, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m sidecar.cli [--url URL] ARGS...` with no KDTREE_* from this environment but the token (and env)."""
+    """`python -m kdtreectl [--url URL] ARGS...` with no KDTREE_* from this environment but the token (and env)."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}, **(env or {})}
     if token:
         env["KDTREE_ADMIN_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", *(["--url", url] if url else []), *args],
+        [sys.executable, "-m", "kdtreectl", *(["--url", url] if url else []), *args],
         capture_output=True,
         text=True,
         env=env,

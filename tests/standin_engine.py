@@ -13,7 +13,7 @@ It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with
 - with --api-key KEY, as SGLang's --api-key: every endpoint but /health, /health_generate, /ready and /metrics
   wants `Authorization: Bearer KEY` and answers 401 {"error": "Unauthorized"} without it.
 It also stands in for the SGLang ranks with the kdtree plugin, through kdtree's own rank code: one
-kdtree.evidence.Evidence heartbeat and kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
+kdtree.heartbeat.Heartbeat and a kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
 its record into KDTREE_STATE_DIR and follows the sidecar's mode file live exactly as a real rank does. Each
 completion counts as ceil(tokens / --accept-length) verify steps of --layers calls on every rank, in that
 rank's mode: served_kdtree in on, compared (parity) in validate, served by the original otherwise.
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kdtree from this
 
 from kdtree.config import Mode  # noqa: E402
 from kdtree.control import ModeHolder, read_desired_mode  # noqa: E402
-from kdtree.evidence import Evidence  # noqa: E402
+from kdtree.heartbeat import Heartbeat  # noqa: E402
 
 FAULTS = (
     "none",
@@ -173,7 +173,7 @@ class Engine:
         a = self.args
         for rank, holder in enumerate(self.holders):
             stuck = self.fault == "stuck-rank" and rank == 1
-            evidence = Evidence(
+            evidence = Heartbeat(
                 a.state_dir,
                 snapshot=lambda rank=rank: self.snapshot(rank),
                 installed=lambda: self.started_mode != Mode.OFF and not a.not_installed,
@@ -511,7 +511,7 @@ class StandinProcess:
     # ---- the ServerControl interface (imports the sidecar only here: the engine itself does not need it)
 
     def inspect(self):
-        from sidecar.docker_control import ContainerState
+        from sidecar.server_control import ContainerState
 
         rc = self.proc.poll() if self.proc else None
         return ContainerState(
@@ -527,11 +527,11 @@ class StandinProcess:
         return "\n".join(lines[-tail:])
 
     def restart(self, stop_timeout_s: int) -> None:
-        from sidecar.docker_control import DockerError
+        from sidecar.server_control import ServerControlError
 
         if self.restart_failures:
             self.restart_failures -= 1
-            raise DockerError("stand-in: injected restart failure")
+            raise ServerControlError("stand-in: injected restart failure")
         self.stop(stop_timeout_s)
         self.start()
 

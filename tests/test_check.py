@@ -13,7 +13,7 @@ from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode
-from sidecar.check import BUILTIN_PROMPTS, compare_outputs, first_divergence, prompts
+from kdtreectl.check import BUILTIN_PROMPTS, compare_outputs, first_divergence, prompts
 
 GOOD_PARITY = ("--parity-calls", "500", "--parity-max-rel", "0.004")
 FAST = ("--prompts", "9", "--max-tokens", "16", "--concurrency", "1,3", "--interval", "0.1")
@@ -151,7 +151,7 @@ def test_bad_input_is_exit_2():
 
 
 def test_compare_outputs_marks_failed_requests():
-    from sidecar.check import Completion, Level
+    from kdtreectl.check import Completion, Level
 
     def level(*completions):
         return Level(1, list(completions), 1.0, 1.0, 0.1, 0.1, None, 0)

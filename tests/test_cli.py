@@ -195,14 +195,14 @@ def test_help_never_shows_the_token():
     env = {**os.environ, "KDTREE_ADMIN_TOKEN": "do-not-print-me"}
     for args in (["--help"], ["mode", "--help"], ["check", "--help"]):
         r = subprocess.run(
-            [sys.executable, "-m", "sidecar.cli", *args], capture_output=True, text=True, env=env
+            [sys.executable, "-m", "kdtreectl", *args], capture_output=True, text=True, env=env
         )
         assert r.returncode == 0 and "--token" in r.stdout and "do-not-print-me" not in r.stdout, args
 
 
 def test_readme_help_and_code_list_the_same_exit_codes():
-    """The README's table under "Exit codes of every command", `kdtreectl --help` and sidecar.exit_codes."""
-    from sidecar import exit_codes
+    """The README's table under "Exit codes of every command", `kdtreectl --help` and kdtreectl.exit_codes."""
+    from kdtreectl import exit_codes
 
     readme = (REPO / "README.md").read_text().splitlines()
     start = readme.index("| code | meaning |")
@@ -214,13 +214,22 @@ def test_readme_help_and_code_list_the_same_exit_codes():
         rows[int(code)] = meaning
     assert rows == exit_codes.MEANINGS
     assert "Exit codes of every command" in readme[start - 2]
-    helped = subprocess.run([sys.executable, "-m", "sidecar.cli", "--help"], capture_output=True, text=True)
+    helped = subprocess.run([sys.executable, "-m", "kdtreectl", "--help"], capture_output=True, text=True)
     listed = re.findall(r"^  (\d)  (.+)$", helped.stdout.split("Exit codes:\n")[1], re.M)
     assert {int(c): t for c, t in listed} == exit_codes.MEANINGS
-    # Every code a command returns is a listed one: the commands take them from sidecar.exit_codes.
+    # Every code a command returns is a listed one: the commands take them from kdtreectl.exit_codes.
     for module in ("cli", "check", "rollout"):
-        source = (REPO / "sidecar" / f"{module}.py").read_text()
+        source = (REPO / "kdtreectl" / f"{module}.py").read_text()
         assert not re.search(r"^(OK|FAILED|USAGE|UNREACHABLE)\b.*= *\d", source, re.M), module
+        assert not re.search(r"[Ee]xit (codes: )?\d", source), f"{module}: an exit code written as a number"
+    # A command's own help words its codes its way, numbered from the same list.
+    for command in ("check", "rollout"):
+        helped = subprocess.run(
+            [sys.executable, "-m", "kdtreectl", command, "--help"], capture_output=True, text=True
+        )
+        own = helped.stdout.split("Exit codes: ")[1].split("\n\n")[0]
+        codes = {int(c) for c in re.findall(r"(?:^|, )(\d) ", own.replace("\n", " "))}
+        assert codes and codes <= set(exit_codes.MEANINGS), (command, own)
 
 
 def test_mode_commands(stack, tmp_path):
@@ -253,9 +262,7 @@ def test_mode_wait_follows_a_live_switch_with_the_ranks_confirming(stack, tmp_pa
 
 
 def test_help_explains_the_mode_and_shows_defaults():
-    r = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "mode", "--help"], capture_output=True, text=True
-    )
+    r = subprocess.run([sys.executable, "-m", "kdtreectl", "mode", "--help"], capture_output=True, text=True)
     assert r.returncode == 0
     assert "standby: kdtree installed and idle" in r.stdout and "(default: 3900.0)" in r.stdout
     assert "--dry-run changes nothing and still needs the token" in r.stdout
@@ -341,7 +348,7 @@ def test_sidecar_imports_neither_torch_nor_sglang(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the sidecar imported {name}')\n")
     code = (
-        "import sys, sidecar.app, sidecar.cli, sidecar.__main__; "
+        "import sys, sidecar.app, sidecar.__main__, kdtreectl.cli; "
         "bad = {'torch', 'sglang'} & set(sys.modules); assert not bad, bad; print('clean')"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}

@@ -246,11 +246,15 @@ def test_env_is_kept_out_of_git_and_the_image():
 
 from entrypoint.launch import LauncherSettings  # noqa: E402
 from entrypoint.supervise import SupervisorSettings  # noqa: E402
-from kdtree.config import VerifySettings  # noqa: E402
+from kdtree.config import KdtreeSettings, KernelSettings, StateDirSettings, VerifySettings  # noqa: E402
+from kdtreectl.settings import CtlSettings  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402
 
 README = REPO / "README.md"
 SERVICES = {"sidecar": (SidecarSettings,), "server": (VerifySettings, LauncherSettings, SupervisorSettings)}
+CLIENT = (
+    CtlSettings,
+)  # kdtreectl, on the operator's machine or in the sidecar's container: README rows only
 # Written out in compose.yaml: the stack's wiring (ports, paths, the control it runs) or a stack variable.
 WIRED = {
     "sidecar": {"KDTREE_SIDECAR_PORT", "KDTREE_SERVER_URL", "KDTREE_STATE_DIR", "KDTREE_SERVER_CONTROL",
@@ -263,9 +267,32 @@ NOT_IN_COMPOSE = {
     "KDTREE_ALLOW_OPEN_ADMIN",
     "KDTREE_SERVER_CONTAINER",
     "KDTREE_ADMIN_TOKEN_FILE",
+    "KDTREE_KERNEL_LIB",
 }
-# Read from the environment outside a settings class (kdtree/kernel.py).
-SERVER_ENV_ONLY = {"KDTREE_KERNEL_CONFIG": "", "KDTREE_KERNEL_LIB": ""}
+
+
+def test_every_settings_class_is_held_against_the_others():
+    """Each KdtreeSettings subclass in the code is one this file checks (a new class is added above)."""
+
+    def below(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from below(sub)
+
+    held = {c for classes in (*SERVICES.values(), CLIENT) for c in classes}
+    bases = {StateDirSettings, KernelSettings}  # read through the classes built on them
+    assert set(below(KdtreeSettings)) - bases <= held, "a settings class no agreement test reads"
+
+
+def test_every_kdtree_variable_the_code_reads_is_a_setting():
+    """A KDTREE_ name read straight from the environment is a field of a settings class all the same (its one
+    source of truth: the default, the README row, compose's pass-through)."""
+    fields = set().union(*(env_names(c) for classes in (*SERVICES.values(), CLIENT) for c in classes))
+    read = re.compile(r"""(?:environ(?:\.get)?[\[(]|getenv\()\s*["'](KDTREE_\w+)""")
+    for folder in ("kdtree", "sidecar", "entrypoint", "kdtreectl"):
+        for path in (REPO / folder).rglob("*.py"):
+            for var in read.findall(path.read_text()):
+                assert var in fields, f"{path.relative_to(REPO)} reads {var}, which no settings class has"
 
 
 def env_names(cls) -> dict[str, object]:
@@ -311,9 +338,7 @@ def test_every_setting_passes_through_compose_from_env():
                         f"{service}: {var} must pass through as ${{{var}:-}}"
                     )
         kdtree_vars = {k for k in env if k.startswith("KDTREE_")}
-        known = set().union(*(env_names(c) for c in classes)) | (
-            set(SERVER_ENV_ONLY) if service == "server" else set()
-        )
+        known = set().union(*(env_names(c) for c in classes))
         assert kdtree_vars <= known, f"{service}: {kdtree_vars - known} are no setting of {classes}"
 
 
@@ -354,7 +379,7 @@ def readme_rows(compose_default: bool = False) -> dict[str, str]:
 
 def test_readme_tables_every_setting_with_its_class_default():
     rows = readme_rows()
-    for classes in SERVICES.values():
+    for classes in (*SERVICES.values(), CLIENT):
         for cls in classes:
             for var, default in env_names(cls).items():
                 assert var in rows, f"README: no row for {var}"
@@ -527,7 +552,7 @@ def test_the_drain_outlasts_the_servers_healthcheck_window(compose, tmp_path):
 def test_the_servers_stop_grace_covers_sglangs_normal_stop(compose, tmp_path):
     """compose.yaml's derivation: SGLang notices SIGTERM (5 s), the requests in flight (60 s budgeted), its
     schedulers (15 s), the entrypoint's last output (READER_DRAIN_S); a SIGKILL only past that."""
-    from entrypoint.supervise import READER_DRAIN_S
+    from kdtree.process_record import READER_DRAIN_S
 
     grace = seconds(rendered(compose, env_file(tmp_path))["server"]["stop_grace_period"])
     assert grace >= 5 + 60 + 15 + READER_DRAIN_S, grace

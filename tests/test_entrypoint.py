@@ -294,13 +294,13 @@ def test_a_missing_state_dir_is_refused_and_never_created(model, monkeypatch, tm
 def test_the_state_dir_check_names_the_default_and_the_uid(tmp_path, monkeypatch):
     monkeypatch.delenv("KDTREE_STATE_DIR")
     with pytest.raises(LaunchError, match=r"KDTREE_STATE_DIR is not set and its default \S+ does not exist"):
-        launch.check_state_dir(str(tmp_path / "absent"))
+        launch.check_state_dir(str(tmp_path / "absent"), named=False)
     (tmp_path / "file").write_text("")
     with pytest.raises(LaunchError, match="is not a directory"):
-        launch.check_state_dir(str(tmp_path / "file"))
+        launch.check_state_dir(str(tmp_path / "file"), named=False)
     monkeypatch.setattr(launch.os, "access", lambda path, mode: False)
     with pytest.raises(LaunchError, match=r"is not writable by uid \d+; fix: make it writable by uid"):
-        launch.check_state_dir(str(tmp_path))
+        launch.check_state_dir(str(tmp_path), named=True)
     assert LauncherSettings.model_fields["state_dir"].default == "/var/run/kdtree"  # what the image creates
 
 

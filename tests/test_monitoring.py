@@ -30,9 +30,10 @@ yaml = pytest.importorskip(
 
 from kdtree.config import Mode  # noqa: E402
 from kdtree.status import new_record, read_records, write_record  # noqa: E402
-from sidecar.metrics import OUTCOMES, Metrics  # noqa: E402
+from sidecar.metrics import Metrics  # noqa: E402
 from sidecar.probe import REASONS  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402
+from sidecar.vocabulary import Outcome  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -120,10 +121,10 @@ def test_labelled_counters_start_at_zero_for_every_known_label(tmp_path):
     for to_mode in modes:
         assert got[("kdtree_gate_refusals_total", (("to_mode", to_mode),))] == 0
         for from_mode in modes:
-            for outcome in OUTCOMES:
+            for outcome in Outcome:
                 key = (
                     "kdtree_transitions_total",
-                    (("from_mode", from_mode), ("outcome", outcome), ("to_mode", to_mode)),
+                    (("from_mode", from_mode), ("outcome", outcome.value), ("to_mode", to_mode)),
                 )
                 assert (key in got) == (from_mode != to_mode), key
                 assert got.get(key, 0) == 0

@@ -177,7 +177,7 @@ def test_setproctitle_placeholder_does_nothing_and_vllm_is_left_to_raise_importe
 def test_the_sidecars_markers_follow_a_real_sglang_start_in_order():
     """tests/data/sglang-0.5.23-startup.log holds the marker lines of a real SGLang 0.5.23 start on the H200 (NGRAM,
     tp 1), written by tests/gpu/test_engine_gpu.py."""
-    from sidecar.evidence import LOG_MARKERS, latest_marker
+    from sidecar.server_log import LOG_MARKERS, latest_marker
 
     excerpt = (Path(__file__).resolve().parent / "data" / "sglang-0.5.23-startup.log").read_text()
     lines = excerpt.splitlines()

@@ -15,7 +15,7 @@ from standin_engine import StandinProcess, free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode, write_desired_mode
-from sidecar.cli import main as kdtreectl_main
+from kdtreectl.cli import main as kdtreectl_main
 from sidecar.store import Store
 
 GOOD_PARITY = ("--parity-calls", "500", "--parity-max-rel", "0.004")

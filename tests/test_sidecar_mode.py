@@ -7,7 +7,7 @@ runs twice, once per server control:
   as the Docker-backed ServerContainer (that one is tested against a real dockerd in test_sidecar_docker.py);
 - process: it runs under the server entrypoint's real supervisor behind a stand-in orchestrator that
   restarts it like a restart policy, and the sidecar sees and restarts it through its process control
-  (sidecar/process_control.py, reading the state file and log the supervisor writes; tests/process_harness.py).
+  (sidecar/server_control/process.py, reading the state file and log the supervisor writes; tests/process_harness.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode, write_desired_mode
-from sidecar.docker_control import ContainerMissing
+from sidecar.server_control import ContainerMissing
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 
 pytestmark = pytest.mark.anyio

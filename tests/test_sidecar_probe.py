@@ -17,12 +17,12 @@ import pytest
 from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
-from entrypoint.supervise import read_process_record
 from kdtree.config import ConfigError, Mode
+from kdtree.process_record import read_process_record
 from sidecar import probe as P
 from sidecar.app import create_app
-from sidecar.evidence import crash_excerpt, latest_marker
-from sidecar.settings import load_sidecar_settings
+from sidecar.server_log import crash_excerpt, latest_marker
+from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -284,16 +284,16 @@ def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
     monkeypatch.delenv("KDTREE_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("KDTREE_ALLOW_OPEN_ADMIN", raising=False)
     with pytest.raises(ConfigError, match="KDTREE_ADMIN_TOKEN.*KDTREE_ALLOW_OPEN_ADMIN=true"):
-        load_sidecar_settings()
+        SidecarSettings.load()
     monkeypatch.setenv("KDTREE_ALLOW_OPEN_ADMIN", "true")
-    assert load_sidecar_settings().allow_open_admin
+    assert SidecarSettings.load().allow_open_admin
     monkeypatch.setenv("KDTREE_PROBE_DEADLINE_S", "soon")
     with pytest.raises(ConfigError, match="KDTREE_PROBE_DEADLINE_S='soon' is invalid"):
-        load_sidecar_settings()
+        SidecarSettings.load()
 
 
 def test_docker_timestamps_parse_with_nanoseconds_and_zero_time():
-    from sidecar.docker_control import _docker_time
+    from sidecar.server_control.docker import _docker_time
 
     assert _docker_time("2026-11-29T09:20:00.123456789Z") == pytest.approx(1795944000.123456)
     assert _docker_time("2026-11-29T10:20:00.5+01:00") == pytest.approx(1795944000.5)
@@ -313,11 +313,11 @@ def test_an_unreadable_state_file_stops_the_sidecar_with_its_path(tmp_path):
 
 def test_ready_timeout_is_read_under_both_names(monkeypatch):
     monkeypatch.setenv("KDTREE_ADMIN_TOKEN", TOKEN)
-    assert load_sidecar_settings().ready_timeout_s == 1800
+    assert SidecarSettings.load().ready_timeout_s == 1800
     monkeypatch.setenv("KDTREE_READY_TIMEOUT", "600")
-    assert load_sidecar_settings().ready_timeout_s == 600
+    assert SidecarSettings.load().ready_timeout_s == 600
     monkeypatch.setenv("KDTREE_READY_TIMEOUT_S", "900")
-    assert load_sidecar_settings().ready_timeout_s == 900
+    assert SidecarSettings.load().ready_timeout_s == 900
 
 
 # ---- condition: will a server that is not ready get there by itself? ---------------------------------------

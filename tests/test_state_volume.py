@@ -33,7 +33,7 @@ from kdtree.status import RECORD_MAX, new_record, own_pid_ns, read_records, reco
 from sidecar import controller as controller_module
 from sidecar import store as store_module
 from sidecar.controller import Controller
-from sidecar.process_control import ServerProcess
+from sidecar.server_control.process import ServerProcess
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 
 pytestmark = pytest.mark.anyio
@@ -393,7 +393,7 @@ async def test_a_record_that_is_no_record_is_refused_naming_why(standin, tmp_pat
 
 @pytest.mark.parametrize(("value", "shown"), [("inf", "Infinity"), ("-inf", "-Infinity"), ("nan", "NaN")])
 async def test_non_finite_parity_from_the_ranks_refuses_the_gate_by_name(standin, tmp_path, value, shown):
-    """Written by the ranks' own code (kdtree.evidence through the stand-in), read back by the sidecar."""
+    """Written by the ranks' own code (kdtree.heartbeat through the stand-in), read back by the sidecar."""
     proc = standin("--parity-calls", "500", f"--parity-max-rel={value}", mode=Mode.VALIDATE)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
         await wait_ready(c)

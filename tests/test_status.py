@@ -12,7 +12,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from kdtree.evidence import Evidence, scheduler_tp_rank
+from kdtree.heartbeat import Heartbeat, scheduler_tp_rank
 from kdtree.status import (
     RECORD_MAX,
     Parity,
@@ -162,7 +162,7 @@ def _snapshot():
 
 def test_evidence_writes_nothing_until_the_process_is_a_known_tp_rank(tmp_path):
     rank = None
-    ev = Evidence(str(tmp_path), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: rank)
+    ev = Heartbeat(str(tmp_path), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: rank)
     assert ev.beat() is None and not list(tmp_path.iterdir())
     rank = (3, 8)
     path = ev.beat()
@@ -176,7 +176,7 @@ def test_evidence_writes_nothing_until_the_process_is_a_known_tp_rank(tmp_path):
 
 
 def test_the_heartbeat_thread_keeps_the_record_fresh(tmp_path):
-    ev = Evidence(str(tmp_path), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: (0, 1))
+    ev = Heartbeat(str(tmp_path), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: (0, 1))
     ev.start(0.05)
     try:
         deadline = time.time() + 10
@@ -193,7 +193,7 @@ def test_the_heartbeat_thread_keeps_the_record_fresh(tmp_path):
 def test_a_write_failure_is_kept_for_the_record_and_never_raised(tmp_path):
     blocker = tmp_path / "state"
     blocker.write_text("a file where the state directory should be")
-    ev = Evidence(str(blocker), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: (0, 1))
+    ev = Heartbeat(str(blocker), snapshot=_snapshot, installed=lambda: True, rank_source=lambda: (0, 1))
     assert ev.beat() is None
     assert ev.write_error.startswith("status record:")
 
@@ -209,7 +209,7 @@ def test_tp_rank_comes_from_a_published_scheduler_only(monkeypatch, role, expect
 
 
 def test_evidence_module_imports_neither_torch_nor_sglang():
-    code = "import sys, kdtree.evidence, kdtree.install; print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))"
+    code = "import sys, kdtree.heartbeat, kdtree.install; print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -265,7 +265,7 @@ def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
     """Each rank reads the mode file every MODE_POLL_S and rewrites its record as soon as it switched, long before
     its next regular heartbeat (60 s here)."""
     from kdtree.control import ModeHolder, write_desired_mode
-    from kdtree.evidence import MODE_POLL_S
+    from kdtree.heartbeat import MODE_POLL_S
 
     holder = ModeHolder("validate")
 
@@ -273,7 +273,7 @@ def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
         return {**_snapshot(), "mode": holder.mode.value, "mode_applied_at": holder.applied_at,
                 "live_modes": sorted(m.value for m in holder.live_modes), "mode_pending": None}  # fmt: skip
 
-    ev = Evidence(
+    ev = Heartbeat(
         str(tmp_path), snapshot=snap, installed=lambda: True, rank_source=lambda: (0, 1), follow=holder.follow
     )
     ev.start(60)
@@ -299,7 +299,7 @@ def test_an_unreadable_mode_file_is_reported_and_changes_nothing(tmp_path):
 
     holder = ModeHolder("validate")
     (tmp_path / "mode").write_text("fastest\n")
-    ev = Evidence(
+    ev = Heartbeat(
         str(tmp_path),
         snapshot=_snapshot,
         installed=lambda: True,

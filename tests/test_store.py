@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import pytest
 from kdtree.config import ConfigError, Mode
 from sidecar import store as store_module
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
+from sidecar.vocabulary import Method, Step
 from sidecar.volume import StateVolume, VolumeProblem, VolumeWriteFailed
 
 
@@ -161,3 +163,37 @@ def test_volume_reads_share_one_thread_and_give_up_at_the_deadline(tmp_path):
 def test_volume_problem_texts_name_an_unknown_errno_with_its_directory():
     p = VolumeProblem(operation="x", path="/s/mode", errno="EXDEV", strerror="cross", uid=7, at=0)
     assert p.fix == "writing the state volume failed: check /s"
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "allowed"),
+    [
+        ("step", "bakng", "'baking'"),
+        ("method", "hot", "'live' or 'restart'"),
+        ("outcome", "done", "'preempted'"),
+    ],
+)
+def test_a_state_file_with_a_word_outside_the_vocabulary_is_refused_naming_it(tmp_path, field, bad, allowed):
+    """A typo in the state file (or a sidecar of another version) stops the sidecar with the value, the allowed ones
+    and the fix: never a transition at an unknown step."""
+    store = Store(tmp_path, history_limit=5)
+    t = Transition(from_mode=Mode.VALIDATE, to_mode=Mode.ON)
+    store.save(SidecarState(current_mode=Mode.VALIDATE, active=t))
+    doc = json.loads(store.path.read_text())
+    doc["active"][field] = bad
+    store.path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError) as e:
+        store.load(Mode.OFF)
+    msg = str(e.value)
+    assert f"at active.{field}, got {bad!r}" in msg and allowed in msg, msg
+    assert "move it aside" in msg
+
+
+def test_the_vocabulary_is_saved_as_its_values_and_read_back_as_its_members(tmp_path):
+    store = Store(tmp_path, history_limit=5)
+    t = Transition(from_mode=Mode.VALIDATE, to_mode=Mode.ON, method=Method.LIVE, step=Step.AWAITING_RANKS)
+    store.save(SidecarState(current_mode=Mode.VALIDATE, active=t))
+    saved = json.loads(store.path.read_text())["active"]
+    assert (saved["method"], saved["step"], saved["outcome"]) == ("live", "awaiting_ranks", None)
+    back = store.load(Mode.OFF).active
+    assert back.method is Method.LIVE and back.step is Step.AWAITING_RANKS

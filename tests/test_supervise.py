@@ -20,14 +20,13 @@ from pathlib import Path
 import pytest
 
 from entrypoint import launch
-from entrypoint.supervise import (
+from entrypoint.supervise import MIN_LOG_MAX_BYTES, StopRequested, Supervisor
+from kdtree.config import ConfigError, Mode
+from kdtree.process_record import (
     HEARTBEAT_S,
-    MIN_LOG_MAX_BYTES,
     REQUEST_POLL_S,
     RestartRequest,
     ServerProcessRecord,
-    StopRequested,
-    Supervisor,
     log_path,
     pid_alive,
     process_path,
@@ -36,12 +35,11 @@ from entrypoint.supervise import (
     write_process_record,
     write_restart_request,
 )
-from kdtree.config import ConfigError, Mode
 from kdtree.status import own_pid_ns
-from sidecar.docker_control import ContainerMissing
-from sidecar.evidence import crash_excerpt
-from sidecar.process_control import STALE_S, ProcessControlError, ServerProcess
-from sidecar.settings import load_sidecar_settings
+from sidecar.server_control import ContainerMissing
+from sidecar.server_control.process import STALE_S, ProcessControlError, ServerProcess
+from sidecar.server_log import crash_excerpt
+from sidecar.settings import SidecarSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,9 +159,10 @@ def test_a_bad_log_cap_is_refused_naming_the_fix(tmp_path, monkeypatch, capsys):
     # The launcher names it like its other settings, in its one error line.
     monkeypatch.setenv("KDTREE_SERVER_LOG_MAX_BYTES", "100")
     with pytest.raises(
-        ConfigError, match=r"KDTREE_SERVER_LOG_MAX_BYTES='100' is invalid .* fix: set it to a byte"
+        ConfigError,
+        match=r"KDTREE_SERVER_LOG_MAX_BYTES=.100. is invalid: must be 0 .*; fix: set it to a byte",
     ):
-        launch._launcher_settings()
+        launch.LauncherSettings.load()
 
 
 # ---- signals ---------------------------------------------------------------------------------------
@@ -510,13 +509,13 @@ def test_restart_names_the_restart_policy_when_nothing_starts_the_server(tmp_pat
 def test_server_control_setting_is_validated_with_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("KDTREE_SERVER_CONTROL", "socket")
     with pytest.raises(ConfigError) as e:
-        load_sidecar_settings(admin_token="t", state_dir=str(tmp_path))
+        SidecarSettings.load(admin_token="t", state_dir=str(tmp_path))
     assert str(e.value).startswith("KDTREE_SERVER_CONTROL='socket' is invalid: set it to process")
     assert "compose.docker.yaml" in str(e.value)
     monkeypatch.setenv("KDTREE_SERVER_CONTROL", "docker")
-    assert load_sidecar_settings(admin_token="t").server_control == "docker"
+    assert SidecarSettings.load(admin_token="t").server_control == "docker"
     monkeypatch.delenv("KDTREE_SERVER_CONTROL")
-    assert load_sidecar_settings(admin_token="t").server_control == "process"
+    assert SidecarSettings.load(admin_token="t").server_control == "process"
 
 
 def test_record_format_is_plain_json(tmp_path):

@@ -59,7 +59,7 @@ H200_SMS = 132
 H200_CLOCK_GHZ = 1.755  # SM clock under this kernel's load (NOTES.md: Nsight Compute runs at 1.75-1.77 GHz)
 # One H200 run measured the ceilings, wide and compact forced (the compact columns) on the whole grid: the table
 # of BENCHMARKS.md at 9a05dd8 (`bench_verify.py`), raw numbers in this file.
-H200_RUN_JSON = Path(__file__).with_name("h200-9a05dd8.json")
+H200_RUN_JSON = Path(__file__).parent / "results" / "h200-9a05dd8.json"
 _RUN = json.loads(H200_RUN_JSON.read_text())
 H200_COPY_TBPS = _RUN["copy_bw"] / 1e12
 H200_MMA_TFLOPS = _RUN["mma_tflops"]  # mma.sync bf16, all SMs busy

@@ -36,7 +36,7 @@ enum kdtree_status {
   KDTREE_OK = 0,
   KDTREE_ERR_ARGUMENT = 1, /* a pointer, stride, size or flag is invalid */
   KDTREE_ERR_WORKSPACE = 2, /* workspace smaller than kdtree_verify_workspace_bytes() */
-  KDTREE_ERR_CUDA = 3 /* a CUDA call failed; kdtree_last_cuda_error() names it */
+  KDTREE_ERR_CUDA = 3 /* a CUDA call failed; kdtree_last_error() names it and CUDA's error */
 };
 
 typedef struct {
@@ -125,6 +125,8 @@ int kdtree_mma_peak(int warps_per_sm, float* tflops, void* stream);
 /* Device address of pinned host memory (the mode word, the mirrors above). */
 int kdtree_host_device_pointer(void* host, void** device);
 
+/* Why the calling thread's last failed call failed: every entry point that returns a status other than KDTREE_OK
+ * records its message here first (src/status.cu). Not cleared by a call that succeeds. */
 const char* kdtree_last_error(void);
 
 #ifdef __cplusplus

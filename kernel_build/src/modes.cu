@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "parity.cuh"
+#include "status.cuh"
 
 namespace {
 
@@ -48,8 +49,6 @@ __global__ void __launch_bounds__(kdtree_parity::THREADS)
   kdtree_parity::compare(ours, orig, n, st, mirror, rtol);
 }
 
-int cuda_status(cudaError_t e) { return e == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA; }
-
 }  // namespace
 
 extern "C" {
@@ -61,28 +60,30 @@ __attribute__((visibility("default"))) int kdtree_mode_gate(const unsigned* host
                                                             unsigned long long* counter_mirror, void* stream) {
   if (host_mode == nullptr || mode == nullptr || qo_indptr == nullptr || qo_gated == nullptr ||
       step_calls == nullptr || n < 2 || (qo_type != KDTREE_I32 && qo_type != KDTREE_I64))
-    return KDTREE_ERR_ARGUMENT;
+    return kdtree::fail(KDTREE_ERR_ARGUMENT,
+                        "a required pointer is NULL, n < 2, or qo_type is not KDTREE_I32/KDTREE_I64");
   gate_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(host_mode, mode, qo_indptr, qo_type, n, qo_gated,
                                                                 step_calls, counter, counter_mirror);
-  return cuda_status(cudaGetLastError());
+  return kdtree::check_cuda(cudaGetLastError(), "launch");
 }
 
 __attribute__((visibility("default"))) int kdtree_mode_post(const unsigned* mode, const void* ours, const void* orig,
                                                             int64_t n, void* stats, kdtree_parity_totals* mirror,
                                                             float rtol, void* stream) {
-  if (mode == nullptr || ours == nullptr || orig == nullptr || stats == nullptr || n < 1) return KDTREE_ERR_ARGUMENT;
+  if (mode == nullptr || ours == nullptr || orig == nullptr || stats == nullptr || n < 1)
+    return kdtree::fail(KDTREE_ERR_ARGUMENT, "a required pointer is NULL or n < 1");
   post_kernel<<<kdtree_parity::blocks_for(n), kdtree_parity::THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
       mode, static_cast<const __nv_bfloat16*>(ours), static_cast<const __nv_bfloat16*>(orig), n,
       static_cast<kdtree_parity::Stats*>(stats), mirror, rtol);
-  return cuda_status(cudaGetLastError());
+  return kdtree::check_cuda(cudaGetLastError(), "launch");
 }
 
 __attribute__((visibility("default"))) int kdtree_capture_id(void* stream, unsigned long long* id) {
-  if (id == nullptr) return KDTREE_ERR_ARGUMENT;
+  if (id == nullptr) return kdtree::fail(KDTREE_ERR_ARGUMENT, "id is NULL");
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long capture = 0;
-  if (cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &capture) != cudaSuccess)
-    return KDTREE_ERR_CUDA;
+  const cudaError_t e = cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &capture);
+  if (e != cudaSuccess) return kdtree::fail_cuda(e, "cudaStreamGetCaptureInfo");
   *id = status == cudaStreamCaptureStatusActive ? capture : 0;
   return KDTREE_OK;
 }

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "parity.cuh"
+#include "status.cuh"
 
 namespace {
 
@@ -20,16 +21,19 @@ __attribute__((visibility("default"))) size_t kdtree_parity_stats_bytes(void) { 
 __attribute__((visibility("default"))) int kdtree_parity_update(const void* ours, const void* ref, int64_t n,
                                                                 void* stats, kdtree_parity_totals* mirror, float rtol,
                                                                 void* stream) {
-  if (ours == nullptr || ref == nullptr || stats == nullptr || n < 1) return KDTREE_ERR_ARGUMENT;
+  if (ours == nullptr || ref == nullptr || stats == nullptr || n < 1)
+    return kdtree::fail(KDTREE_ERR_ARGUMENT, "a required pointer is NULL or n < 1");
   parity_kernel<<<kdtree_parity::blocks_for(n), kdtree_parity::THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const __nv_bfloat16*>(ours), static_cast<const __nv_bfloat16*>(ref), n,
       static_cast<kdtree_parity::Stats*>(stats), mirror, rtol);
-  return cudaGetLastError() == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA;
+  return kdtree::check_cuda(cudaGetLastError(), "launch");
 }
 
 }  // extern "C"
 
 extern "C" __attribute__((visibility("default"))) int kdtree_host_device_pointer(void* host, void** device) {
   // Pinned host memory that the kernels read or write (mode word, counter and parity mirrors): its device address.
-  return cudaHostGetDevicePointer(device, host, 0) == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA;
+  if (host == nullptr || device == nullptr)
+    return kdtree::fail(KDTREE_ERR_ARGUMENT, "host or device is NULL");
+  return kdtree::check_cuda(cudaHostGetDevicePointer(device, host, 0), "cudaHostGetDevicePointer");
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kdtree_verify.h"
+#include "status.cuh"
 
 namespace {
 
@@ -32,11 +33,13 @@ __global__ void mma_loop(float* sink, int iters) {
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) int kdtree_mma_peak(int warps_per_sm, float* tflops, void* stream) {
-  if (tflops == nullptr || warps_per_sm < 0 || warps_per_sm > 32) return KDTREE_ERR_ARGUMENT;
+  if (tflops == nullptr || warps_per_sm < 0 || warps_per_sm > 32)
+    return kdtree::fail(KDTREE_ERR_ARGUMENT, "tflops is NULL or warps_per_sm is not in 0..32");
   *tflops = 0.f;
   int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return KDTREE_ERR_CUDA;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return kdtree::fail_cuda(e, "the current device");
   // Default: 4 blocks of 8 warps per SM (every scheduler busy with several warps). With warps_per_sm, one block of
   // that many warps per SM: 4 is one warp per scheduler, the rate a lone warp reaches.
   const int threads = warps_per_sm > 0 ? 32 * warps_per_sm : 256, blocks = warps_per_sm > 0 ? sms : sms * 4;
@@ -61,7 +64,8 @@ extern "C" __attribute__((visibility("default"))) int kdtree_mma_peak(int warps_
   if (e0 != nullptr) cudaEventDestroy(e0);
   if (e1 != nullptr) cudaEventDestroy(e1);
   if (sink != nullptr) cudaFree(sink);
-  if (!ok || best <= 0.f || best >= 1e30f) return KDTREE_ERR_CUDA;
+  if (!ok) return kdtree::fail_cuda(cudaGetLastError(), "a CUDA call of the measurement");
+  if (best <= 0.f || best >= 1e30f) return kdtree::fail(KDTREE_ERR_CUDA, "no timing measured");
   const double flops = 2.0 * 16 * 8 * 16 * 8.0 * iters * (threads / 32) * static_cast<double>(blocks);
   *tflops = static_cast<float>(flops / (best * 1e-3) / 1e12);
   return KDTREE_OK;

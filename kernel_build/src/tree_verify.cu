@@ -13,6 +13,7 @@
 
 #include "kdtree_verify.h"
 #include "ptx.cuh"
+#include "status.cuh"
 
 namespace kdtree {
 
@@ -99,7 +100,8 @@ constexpr float RESCALE_SLACK = KDTREE_RESCALE_SLACK;
 #define KDTREE_WIDE_QREG 16
 #endif
 // sm_90 / sm_100: 12 warps (168 registers each), 191 KB shared, tile by tile.
-using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG, false, false>;
+using Wide = Cfg</*BM=*/64, /*BN=*/32, /*STAGES=*/3, /*NO=*/8, /*QREG=*/KDTREE_WIDE_QREG, /*PIPELINE=*/false,
+                 /*Q_DIRECT=*/false>;
 #ifndef KDTREE_COMPACT_QREG  // tuning knobs: compact's Q k-steps in registers (a multiple of 4), key stages
 #define KDTREE_COMPACT_QREG 20
 #endif
@@ -110,7 +112,8 @@ using Wide = Cfg<64, 32, 3, 8, KDTREE_WIDE_QREG, false, false>;
 #define KDTREE_COMPACT_PIPELINE false
 #endif
 // sm_120: wide's 64 rows and 12 warps in 99 KB: 16-key tiles, and only the ldmatrix part of Q in shared memory.
-using Compact = Cfg<64, 16, KDTREE_COMPACT_STAGES, 8, KDTREE_COMPACT_QREG, KDTREE_COMPACT_PIPELINE, true>;
+using Compact = Cfg</*BM=*/64, /*BN=*/16, /*STAGES=*/KDTREE_COMPACT_STAGES, /*NO=*/8, /*QREG=*/KDTREE_COMPACT_QREG,
+                    /*PIPELINE=*/KDTREE_COMPACT_PIPELINE, /*Q_DIRECT=*/true>;
 static_assert(Compact::SMEM <= 101376, "sm_120 allows 99 KB of shared memory per block");
 static_assert(Wide::SMEM <= 232448, "sm_90 / sm_100 allow 227 KB of shared memory per block");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
@@ -229,6 +232,20 @@ struct Epilogue {
   int64_t row0;  // kPartial: the partial row block in the workspace
 };
 
+// One CTA's dynamic shared memory, in order. The staged partial rows of the epilogue reuse q and k (contiguous:
+// every part is a whole number of 128-byte lines), the statistics after them stay intact.
+template <class C>
+struct SmemLayout {
+  uint8_t q[C::SMEM_Q];  // Q rows (k-steps Q_FROM..), swizzled
+  uint8_t k[C::SMEM_K];  // STAGES key tiles, swizzled
+  uint8_t p[C::SMEM_P];  // P of two tiles (bf16)
+  float alpha[2][C::BM];  // each P buffer's rescale factors
+  float l_fin[C::BM];  // final row sums and maxima (score warps -> epilogue)
+  float m_fin[C::BM];
+  Epilogue epi;
+};
+
+// Pointers into the layout, as the warps use them.
 template <class C>
 struct Smem {
   uint8_t* q;
@@ -238,10 +255,12 @@ struct Smem {
   float* l_fin;  // [BM]
   float* m_fin;  // [BM]
   Epilogue* epi;
-  __device__ explicit Smem(uint8_t* base)
-      : q(base), k(base + C::SMEM_Q), p(k + C::SMEM_K), alpha(reinterpret_cast<float*>(p + C::SMEM_P)),
-        l_fin(alpha + 2 * C::BM), m_fin(l_fin + C::BM), epi(reinterpret_cast<Epilogue*>(m_fin + C::BM)) {}
+  __device__ explicit Smem(uint8_t* base) : Smem(*reinterpret_cast<SmemLayout<C>*>(base)) {}
+  __device__ explicit Smem(SmemLayout<C>& s)
+      : q(s.q), k(s.k), p(s.p), alpha(&s.alpha[0][0]), l_fin(s.l_fin), m_fin(s.m_fin), epi(&s.epi) {}
 };
+static_assert(sizeof(SmemLayout<Wide>) == Wide::SMEM && sizeof(SmemLayout<Compact>) == Compact::SMEM,
+              "Cfg::SMEM is the layout's size: no padding between its parts");
 
 // Score warp `sw`: rows sw*16.., every key of each tile. Row max / sum stay in registers (the warp owns
 // whole rows); P (bf16, as SGLang's Triton kernel feeds its P.V product) and the rescale factor go to
@@ -951,13 +970,6 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
 // ---------------------------------------------------------------------------------------------------
 // Host side.
 
-thread_local char g_error[256] = "";
-
-static int fail(int code, const char* msg) {
-  snprintf(g_error, sizeof g_error, "%s", msg);
-  return code;
-}
-
 struct Plan {
   int m_tiles, splits;
   bool pair;  // two splits in clusters of two CTAs that merge on chip (no combine launch)
@@ -999,7 +1011,7 @@ static int prepare(int* pair_slots) {
   cudaGetDevice(&dev);
   if (prepared_device != dev) {
     cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-    if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+    if (e != cudaSuccess) return fail_cuda(e, "cudaFuncSetAttribute (the kernel's shared memory)");
     pairs = 0;  // a config that stages its rows in rounds does not pair (Cfg::PAIR)
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(2);
@@ -1025,7 +1037,7 @@ static int resident_ctas(int* ctas) {
   if (int rc = prepare<C, kKvBf16>(nullptr); rc != KDTREE_OK) return rc;
   // The fp8 kernels have the same threads and shared memory, and the launch bounds cap every one's registers.
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C, kKvBf16>, C::NT, C::SMEM);
-  if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+  if (e != cudaSuccess) return fail_cuda(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (*ctas < 1) return fail(KDTREE_ERR_CUDA, "the kernel does not fit on this device");
   return KDTREE_OK;
 }
@@ -1063,7 +1075,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   main_cfg.attrs = &cluster;
   main_cfg.numAttrs = pl.pair ? 1 : 0;
   cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C, KV>, p);
-  if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+  if (e != cudaSuccess) return fail_cuda(e, "launching the verify kernel");
   if (pl.splits > 1 && !pl.pair) {  // a pair merged on chip
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(pl.m_tiles * C::BM, a->batch);
@@ -1078,7 +1090,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
     e = groups == 8   ? cudaLaunchKernelEx(&cfg, combine_kernel<C, 8>, p)
         : groups == 4 ? cudaLaunchKernelEx(&cfg, combine_kernel<C, 4>, p)
                       : cudaLaunchKernelEx(&cfg, combine_kernel<C, 1>, p);
-    if (e != cudaSuccess) return fail(KDTREE_ERR_CUDA, cudaGetErrorString(e));
+    if (e != cudaSuccess) return fail_cuda(e, "launching the combine kernel");
   }
   return KDTREE_OK;
 }
@@ -1088,6 +1100,15 @@ static int launch_kv(const kdtree_verify_args* a, cudaStream_t stream) {
   if (a->kv_dtype == KDTREE_KV_FP8_E4M3) return launch<C, kKvE4m3>(a, stream);
   if (a->kv_dtype == KDTREE_KV_FP8_E5M2) return launch<C, kKvE5m2>(a, stream);
   return launch<C, kKvBf16>(a, stream);
+}
+
+// The one place a kdtree_config becomes a tile configuration: f(Wide{}) or f(Compact{}) (f takes the type by value:
+// `[&](auto c) { using C = decltype(c); ... }`), KDTREE_ERR_ARGUMENT for any other value.
+template <class F>
+int with_config(int config, F&& f) {
+  if (config == KDTREE_CONFIG_WIDE) return f(Wide{});
+  if (config == KDTREE_CONFIG_COMPACT) return f(Compact{});
+  return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
 }
 
 }  // namespace kdtree
@@ -1100,27 +1121,28 @@ __attribute__((visibility("default"))) int kdtree_abi_version(void) { return KDT
 
 __attribute__((visibility("default"))) const char* kdtree_compiled_archs(void) { return KDTREE_ARCHS; }
 
-__attribute__((visibility("default"))) const char* kdtree_last_error(void) { return g_error; }
-
 __attribute__((visibility("default"))) int kdtree_verify_smem_bytes(int config) {
-  return config == KDTREE_CONFIG_WIDE ? Wide::SMEM : config == KDTREE_CONFIG_COMPACT ? Compact::SMEM : 0;
+  int smem = 0;  // stays 0 for an unknown config
+  with_config(config, [&](auto c) {
+    smem = decltype(c)::SMEM;
+    return KDTREE_OK;
+  });
+  return smem;
 }
 
 __attribute__((visibility("default"))) int kdtree_verify_ctas_per_sm(int config, int* ctas) {
   if (ctas == nullptr) return fail(KDTREE_ERR_ARGUMENT, "ctas is NULL");
-  if (config == KDTREE_CONFIG_WIDE) return resident_ctas<Wide>(ctas);
-  if (config == KDTREE_CONFIG_COMPACT) return resident_ctas<Compact>(ctas);
-  return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
+  return with_config(config, [&](auto c) { return resident_ctas<decltype(c)>(ctas); });
 }
 
 __attribute__((visibility("default"))) int kdtree_verify_workspace_bytes(int batch, int num_heads, int max_q_len,
                                                                          int cta_slots, int config, size_t* bytes) {
   if (batch < 1 || num_heads < 1 || max_q_len < 1 || cta_slots < 1 || bytes == nullptr)
     return fail(KDTREE_ERR_ARGUMENT, "batch, num_heads, max_q_len and cta_slots must be >= 1");
-  if (config == KDTREE_CONFIG_WIDE) *bytes = plan<Wide>(batch, num_heads, max_q_len, cta_slots, 0).ws_bytes;
-  else if (config == KDTREE_CONFIG_COMPACT) *bytes = plan<Compact>(batch, num_heads, max_q_len, cta_slots, 0).ws_bytes;
-  else return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
-  return KDTREE_OK;
+  return with_config(config, [&](auto c) {
+    *bytes = plan<decltype(c)>(batch, num_heads, max_q_len, cta_slots, 0).ws_bytes;
+    return KDTREE_OK;
+  });
 }
 
 __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_verify_args* a, void* stream) {
@@ -1141,9 +1163,7 @@ __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_ver
   if (a->kv_dtype == KDTREE_KV_BF16 && (a->k_scale != 1.f || a->v_scale != 1.f))
     return fail(KDTREE_ERR_ARGUMENT, "a bf16 pool is read unscaled: k_scale and v_scale must be 1");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a->config == KDTREE_CONFIG_WIDE) return launch_kv<Wide>(a, s);
-  if (a->config == KDTREE_CONFIG_COMPACT) return launch_kv<Compact>(a, s);
-  return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
+  return with_config(a->config, [&](auto c) { return launch_kv<decltype(c)>(a, s); });
 }
 
 #ifdef KDTREE_TIMELINE

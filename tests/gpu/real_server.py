@@ -43,7 +43,7 @@ from process_harness import Orchestrated  # noqa: E402
 from kdtree.config import Mode  # noqa: E402
 from kdtree.control import write_desired_mode  # noqa: E402
 from kdtree.status import read_records  # noqa: E402
-from sidecar.check import first_divergence  # noqa: E402
+from kdtreectl.check import first_divergence  # noqa: E402
 
 GPU_DIR = Path(__file__).resolve().parent
 ENGINE_SITE = GPU_DIR / "engine_site"

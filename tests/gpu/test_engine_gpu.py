@@ -31,7 +31,7 @@ from real_server import CAPTURED_BS, RealServer, ServerSpec, divergence, unavail
 from tiny_model import prompt_of, write_model
 
 from kdtree.config import Mode
-from sidecar.check import first_divergence
+from kdtreectl.check import first_divergence
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
@@ -299,7 +299,7 @@ def test_verify_metadata_in_the_real_runner_is_what_the_unit_tests_assume(fleet,
 
 
 def test_log_markers_the_sidecar_reads_are_the_ones_sglang_prints(fleet):
-    from sidecar.evidence import LOG_MARKERS, latest_marker
+    from sidecar.server_log import LOG_MARKERS, latest_marker
 
     log = fleet["ngram-validate"].server_log()
     at = -1

@@ -294,12 +294,12 @@ def following_rank(installed, tmp_path, monkeypatch, start: str):
     follows the sidecar's mode file in tmp_path and confirms each switch in its rank record (default timing)."""
     from kdtree.config import VerifySettings
     from kdtree.control import write_desired_mode
-    from kdtree.evidence import Evidence
+    from kdtree.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
     write_desired_mode(tmp_path, start)
     override = VerifyOverride(VerifySettings(verify=start, state_dir=str(tmp_path)))
-    evidence = Evidence(str(tmp_path), override.snapshot, installed.install.is_installed,
+    evidence = Heartbeat(str(tmp_path), override.snapshot, installed.install.is_installed,
                         rank_source=lambda: (0, 1), follow=override.mode.follow)  # fmt: skip
     monkeypatch.setattr(installed.install, "_override", override)
     evidence.start(override.settings.heartbeat_s)

@@ -1,8 +1,8 @@
 """The server seen and restarted as a process, without the Docker socket (KDTREE_SERVER_CONTROL=process).
 
-The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json,
-rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's output into
-KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads both and maps them onto the same
+The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json
+(kdtree.process_record's format), rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's
+output into KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads both and maps them onto the same
 ContainerState the Docker control reports, so the controller's state machine is the same for both:
 
   record                                               ContainerState
@@ -18,7 +18,7 @@ its pid means nothing to the sidecar); where the record's pid namespace is the s
 pod sharing one), the pid itself is checked, which sees a SIGKILL at once.
 
 Restarting sends no signal across containers: the sidecar writes a restart request for the running start into
-the state volume (entrypoint.supervise.RestartRequest); the launcher acknowledges it in its record, stops the
+the state volume (kdtree.process_record.RestartRequest); the launcher acknowledges it in its record, stops the
 server as the orchestrator's SIGTERM would (SIGKILL to its process group after the request's stop timeout)
 and exits; the orchestrator's restart policy starts the container again (compose: restart: unless-stopped;
 Kubernetes: restartPolicy: Always), which shows as a new start in the record. The two containers share only
@@ -34,9 +34,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from entrypoint.supervise import (
+from kdtree.process_record import (
     HEARTBEAT_S,
     READER_DRAIN_S,
     REQUEST_POLL_S,
@@ -46,22 +44,22 @@ from entrypoint.supervise import (
     log_path,
     pid_alive,
     process_path,
+    read_process_record,
     request_path,
     write_restart_request,
 )
-from kdtree.status import open_regular, own_pid_ns, read_bounded, tail_of
+from kdtree.status import open_regular, own_pid_ns, tail_of
 
-from .docker_control import ContainerMissing, ContainerState, DockerError
+from .protocol import ContainerMissing, ContainerState, ServerControlError
 
 _MARK = re.compile(re.escape(START_MARK) + r" #\d+ at \S+ \(t=(\d+(?:\.\d+)?)\)")
 LOG_READ_CAP = 4 * 1024 * 1024  # bytes read from the end of the log files per logs() call
-RECORD_CAP = 64 * 1024  # bytes: the process record is well under 1 KiB; a larger file is refused unread
 STALE_S = 5 * HEARTBEAT_S  # a launcher whose record has not been rewritten for this long is gone
 ACK_S = 10.0  # how long the launcher has to acknowledge a restart request (it looks every REQUEST_POLL_S)
 KILL_WAIT_S = 10.0  # after the stop timeout: how long the launcher may take to SIGKILL the server and exit
 
 
-class ProcessControlError(DockerError):
+class ProcessControlError(ServerControlError):
     """The server process could not be seen or signalled; the message names the fix."""
 
 
@@ -237,20 +235,6 @@ class ServerProcess:
 
 def _other_start(new: ServerProcessRecord, old: ServerProcessRecord) -> bool:
     return new.starts != old.starts or new.started_at != old.started_at
-
-
-def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | None:
-    """The latest start's record (entrypoint.supervise writes it), read as every state file is (bounded, a regular
-    file only); None when no server has started on this volume; ValueError (with the path) when unreadable."""
-    path = process_path(state_dir)
-    try:
-        data = read_bounded(path, RECORD_CAP)
-    except FileNotFoundError:
-        return None
-    try:
-        return ServerProcessRecord.model_validate_json(data)
-    except ValidationError as e:
-        raise ValueError(f"{path} is unreadable: {e.errors()[0]['msg']}") from None
 
 
 def _tail_lines(path: Path, n: int) -> list[str]:

@@ -1,5 +1,5 @@
-"""Per-rank evidence: who this process is (tp rank/size), and a heartbeat that rewrites its status record and
-follows the sidecar's mode file.
+"""The rank's heartbeat: who this process is (tp rank/size), a thread that rewrites its status record, and the
+sidecar's mode file followed.
 
 The heartbeat thread never makes a CUDA call (one could break a graph capture running in the scheduler's
 main thread): it reads host-side counters and the kernel library's pinned host mirrors only, it switches the
@@ -45,7 +45,7 @@ def scheduler_tp_rank() -> tuple[int, int] | None:
         return None
 
 
-class Evidence:
+class Heartbeat:
     """Builds and writes this process's RankRecord from the override's host-side snapshot."""
 
     def __init__(

@@ -1,56 +1,15 @@
-"""The one SGLang server container, seen and restarted through the Docker SDK (KDTREE_SERVER_CONTROL=docker).
-
-Everything the sidecar does to the server goes through a ServerControl (inspect, logs, restart): this
-module's ServerContainer, or process_control.ServerProcess (a restart request in the state volume, no socket).
-Both report the same ContainerState and raise DockerError (or a subclass) when they cannot answer or act,
-so the state machine is the same for both, and can be tested with any object that has the three methods.
-"""
+"""The one SGLang server container, seen and restarted through the Docker SDK (KDTREE_SERVER_CONTROL=docker)."""
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Protocol
 
-from pydantic import BaseModel
-
-
-class DockerError(RuntimeError):
-    """The server control (Docker, or process control's subclass) could not answer or act; the message
-    says what was attempted."""
+from .protocol import ContainerMissing, ContainerState, ServerControlError
 
 
-class ContainerMissing(DockerError):
-    """Docker answers, but no container has the configured name (e.g. compose has not created it yet);
-    process control: no server has started on the state volume yet."""
-
-
-class ContainerState(BaseModel):
-    name: str
-    status: str  # created | running | paused | restarting | removing | exited | dead
-    running: bool
-    exit_code: int | None = None
-    oom_killed: bool = False
-    restart_count: int = 0
-    started_at: float | None = None  # epoch seconds of the latest start
-    finished_at: float | None = None
-    error: str | None = None
-    health: str | None = None
-
-    @property
-    def crashed(self) -> bool:
-        """Down, or in Docker's own restart loop: the server process died."""
-        return self.status in ("exited", "dead", "restarting") or self.oom_killed
-
-
-class ServerControl(Protocol):
-    name: str
-
-    def inspect(self) -> ContainerState: ...
-
-    def logs(self, tail: int, since: float | None = None) -> str: ...
-
-    def restart(self, stop_timeout_s: int) -> None: ...
+class DockerError(ServerControlError):
+    """Docker could not answer or act; the message says what was attempted."""
 
 
 _DOCKER_TIME = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,9 +25,11 @@ from pathlib import Path
 import httpx
 
 from kdtree.config import Mode
+from sidecar.vocabulary import Outcome
 
 from .client import SidecarClient, Unreachable, criterion_line, short
-from .exit_codes import BUSY, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, readiness
+from .exit_codes import BUSY, CRASHED, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, listing, readiness
+from .settings import CtlSettings
 
 
 class ServerUnreachable(Exception):
@@ -328,12 +329,12 @@ def now_iso() -> str:
 
 # ---- the command ---------------------------------------------------------------------------------------------
 
-CHECK_HELP = """\
+CHECK_HELP = f"""\
 Prove on this stack, in one command and one report, that tree verify runs through kdtree, whether `on` changes
 what the model says, and what it gains.
 
-1. Preflight: the sidecar's /status must be ready with every rank installed (else one line, and exit 8; 3 when
-   the server crashed, 5 while a transition runs).
+1. Preflight: the sidecar's /status must be ready with every rank installed (else one line, and exit {NOT_READY};
+   {CRASHED} when the server crashed, {BUSY} while a transition runs).
 2. Load: the built-in prompts (mixed lengths, one of thousands of tokens; nothing is downloaded) as greedy
    completions at each --concurrency level, asking SGLang for token ids and speculative-decoding details:
    tokens/s, p50/p99 latency, accept length.
@@ -344,10 +345,17 @@ what the model says, and what it gains.
    differs); tokens/s and latency ratios, the parity statistics, the flip's method and duration; then back to
    the starting mode unless --stay.
 Output: progress and a table here; report.json and report.md in --out.
-Exit codes: 0 everything checked holds, 1 a check failed (the reason in one line), 2 bad input, a server that
-is not reachable, or a stack in off, 3 the server crashed, 5 a transition is running, 7 the sidecar unreachable
-or not a sidecar, 8 a stack that is not ready (or has ranks missing or stale).
-"""
+""" + listing(
+    {
+        OK: "everything checked holds",
+        FAILED: "a check failed (the reason in one line)",
+        USAGE: "bad input, a server that is not reachable, or a stack in off",
+        CRASHED: "the server crashed",
+        BUSY: "a transition is running",
+        UNREACHABLE: "the sidecar unreachable or not a sidecar",
+        NOT_READY: "a stack that is not ready (or has ranks missing or stale)",
+    }
+)
 
 
 def _levels(text: str) -> list[int]:
@@ -383,7 +391,7 @@ def add_parser(sub, common: dict) -> None:
     )
     c.add_argument(
         "--server-url",
-        default=os.environ.get("KDTREE_SERVER_URL", "http://127.0.0.1:30000"),
+        default=CtlSettings.load().server_url,
         help="the SGLang server's base URL (env KDTREE_SERVER_URL)",
     )
     c.add_argument(
@@ -471,8 +479,8 @@ def _fresh_counts(side: SidecarClient, at: float, timeout: float = 30.0) -> dict
 
 def server_headers() -> dict[str, str]:
     """SGLang's --api-key, as the sidecar's probe sends it (KDTREE_SERVER_API_KEY): Authorization: Bearer."""
-    key = os.environ.get("KDTREE_SERVER_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    key = CtlSettings.load().server_api_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
 
 def _model(args) -> str:
@@ -502,7 +510,7 @@ def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
     for c in body.get("criteria") or []:
         say("  " + criterion_line(c))
     if code == 200 and body.get("changed") is False:
-        return {"outcome": "succeeded", "method": "none", "duration_s": 0.0, "to_mode": mode}
+        return {"outcome": Outcome.SUCCEEDED.value, "method": "none", "duration_s": 0.0, "to_mode": mode}
     if code != 202:
         failed = [c["name"] for c in body.get("criteria") or [] if not c.get("passed")]
         why = f"the gate refused the flip to {mode} ({', '.join(failed)})" if code == 412 else None
@@ -517,7 +525,7 @@ def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
         report["failure"] = f"the flip to {mode} did not finish within {args.timeout:g}s"
         return None
     say(f"flip to {mode}: {t.get('outcome')} ({t.get('method')}, {t.get('duration_s') or 0:.1f}s)")
-    if t.get("outcome") != "succeeded":
+    if t.get("outcome") != Outcome.SUCCEEDED:
         report["failure"] = f"the flip to {mode} {t.get('outcome')}: {short(t.get('failure'), 200)}"
     return t
 
@@ -571,14 +579,14 @@ def cmd_check(args) -> int:
                 report["flip"] = flip
                 t = _flip(side, args, Mode.ON.value, report)
                 flip["transition"] = t
-                if t is not None and t.get("outcome") == "succeeded":
+                if t is not None and t.get("outcome") == Outcome.SUCCEEDED:
                     runs["on"] = asyncio.run(_load(args, model, texts, "on", side))
                     flip["parity"] = {r: c["parity"] for r, c in rank_counts(side.status()).items()}
                     _compare(flip, runs[start_mode][0], runs["on"][0])
                     if not args.stay:
                         back = _flip(side, args, start_mode, {})
                         flip["returned"] = back.get("outcome") if back else "failed"
-                        if not back or back.get("outcome") != "succeeded":
+                        if not back or back.get("outcome") != Outcome.SUCCEEDED:
                             report["failure"] = (
                                 report["failure"] or f"the flip back to {start_mode} did not succeed"
                             )

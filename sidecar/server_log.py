@@ -1,4 +1,4 @@
-"""What the server's own log says: the latest startup marker, and the error lines of a crash."""
+"""What the server's own log says (its lines, not the ranks' records): the latest startup marker, and the error lines of a crash."""
 
 from __future__ import annotations
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 from kdtree.config import Mode
+from sidecar.vocabulary import Outcome, Step
 
 from . import check, exit_codes, rollout
 from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed
 from .exit_codes import BUSY, CRASHED, FAILED, OK, TIMED_OUT, UNAUTHORIZED, UNREACHABLE, USAGE, readiness
+from .settings import CtlSettings
 
 
 def _client(args) -> SidecarClient:
@@ -206,7 +207,7 @@ def _follow(args, tid: str) -> int:
     def show(st: dict) -> None:
         t = st.get("active_transition") or {}
         step = t.get("step", "?")
-        if step == "awaiting_ranks":
+        if step == Step.AWAITING_RANKS:
             step += (
                 f" | {t.get('ranks_confirmed', 0)}/{st.get('expected_tp_size')} ranks in {t.get('to_mode')}"
             )
@@ -220,7 +221,7 @@ def _follow(args, tid: str) -> int:
     took = (
         f"{t.get('method')}, {t['duration_s']:.1f}s" if t.get("duration_s") is not None else t.get("method")
     )
-    if t.get("outcome") == "succeeded":
+    if t.get("outcome") == Outcome.SUCCEEDED:
         confirmed = f"; every rank confirmed after {t['confirmed_s']:.1f}s" if t.get("confirmed_s") else ""
         print(f"mode is now {t.get('to_mode')} ({took}{confirmed})")
         return OK
@@ -273,15 +274,17 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
     def default(value):
         return value if defaults else argparse.SUPPRESS
 
+    env = CtlSettings.load()
+    token = env.admin_token.get_secret_value() if env.admin_token else None
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--url",
-        default=default(os.environ.get("KDTREE_SIDECAR_URL", "http://127.0.0.1:8080")),
+        default=default(env.sidecar_url),
         help="sidecar base URL (env KDTREE_SIDECAR_URL)",
     )
     p.add_argument(
         "--token",
-        default=default(os.environ.get("KDTREE_ADMIN_TOKEN") or None),
+        default=default(token),
         help="admin bearer token for mode changes (env KDTREE_ADMIN_TOKEN; never shown here)",
     )
     p.add_argument("--http-timeout", type=float, default=default(60.0), help="seconds per HTTP request")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import textwrap
+
+from sidecar.vocabulary import Phase
+
 OK, FAILED, USAGE, CRASHED, TIMED_OUT, BUSY, UNAUTHORIZED, UNREACHABLE, NOT_READY = range(9)
 
 MEANINGS = {
@@ -22,8 +26,14 @@ def help_text() -> str:
     return "Exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in MEANINGS.items())
 
 
+def listing(meanings: dict[int, str]) -> str:
+    """One command's own wording of the codes it returns, as its --help ends: "Exit codes: 0 ..., 1 ..."."""
+    text = ", ".join(f"{code} {meanings[code]}" for code in sorted(meanings))
+    return textwrap.fill(f"Exit codes: {text}.", width=110) + "\n"
+
+
 def readiness(status: dict) -> int:
     """What a /status document means for a command that needs the stack ready: OK, CRASHED or NOT_READY."""
-    if status.get("ready") and status.get("phase") == "ready":
+    if status.get("ready") and status.get("phase") == Phase.READY:
         return OK
-    return CRASHED if status.get("phase") == "crashed" else NOT_READY
+    return CRASHED if status.get("phase") == Phase.CRASHED else NOT_READY

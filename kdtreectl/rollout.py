@@ -8,13 +8,33 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 
-from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
-from .exit_codes import FAILED, OK, UNREACHABLE, USAGE
+from sidecar.vocabulary import Outcome
 
-DONE = ("succeeded", "already")  # a replica in the target mode
+from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
+from .exit_codes import FAILED, OK, UNREACHABLE, USAGE, listing
+
+
+class ReplicaOutcome(StrEnum):
+    """A replica's outcome where it is the rollout's own, not its sidecar's (vocabulary.Outcome)."""
+
+    ALREADY = "already"  # in the mode before the rollout
+    ALLOWED = "allowed"  # --dry-run: its gate would allow it
+    REFUSED = "refused"  # its gate refused
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"  # or not a sidecar
+    BUSY = "busy"  # its sidecar runs another transition
+    UNAUTHORIZED = "unauthorized"
+    ERROR = "error"
+    SKIPPED = "skipped"  # not attempted
+    REVERTED = "reverted"  # --rollback-on-failure: flipped back
+    REVERT_FAILED = "revert_failed"
+
+
+DONE = (Outcome.SUCCEEDED, ReplicaOutcome.ALREADY)  # a replica in the target mode
 
 
 @dataclass
@@ -22,7 +42,7 @@ class Replica:
     url: str
     from_mode: str | None = None
     to_mode: str = ""
-    outcome: str = "skipped"  # see ROLLOUT_HELP
+    outcome: Outcome | ReplicaOutcome = ReplicaOutcome.SKIPPED  # see ROLLOUT_HELP
     duration_s: float | None = None
     detail: str = ""
     changed: bool = False  # this rollout flipped it, and it is (still) in the new mode
@@ -43,10 +63,14 @@ One line per replica as its outcome is known, then a table. Outcomes: succeeded,
 refused (gate), rolled_back / rollback_failed / aborted / preempted (by its sidecar), timeout, unreachable, busy,
 unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
 with --dry-run: allowed, refused, already.
-Exit codes: 0 every replica is in the mode (or, with --dry-run, would be allowed), 1 it stopped on a failure
-(or, with --dry-run, a gate would refuse or a replica cannot take part), 2 bad input, 7 a sidecar unreachable
-or not a sidecar.
-"""
+""" + listing(
+    {
+        OK: "every replica is in the mode (or, with --dry-run, would be allowed)",
+        FAILED: "it stopped on a failure (or, with --dry-run, a gate would refuse or a replica cannot take part)",
+        USAGE: "bad input",
+        UNREACHABLE: "a sidecar unreachable or not a sidecar",
+    }
+)
 
 
 def _normalized_url(url: str) -> str:
@@ -66,30 +90,32 @@ def _post_mode(args, r: Replica, mode: str, *, dry_run: bool = False, force: boo
         with _client(args, r.url) as c:
             code, body = c.post_mode(mode, dry_run=dry_run, force=force, reason=args.reason)
     except Unreachable as e:
-        r.outcome, r.detail = "unreachable", short(e)
+        r.outcome, r.detail = ReplicaOutcome.UNREACHABLE, short(e)
         return None
     r.from_mode = body.get("from_mode", r.from_mode)
     if isinstance(body.get("criteria"), list):
         r.criteria = body["criteria"]
     failed = [c for c in r.criteria or [] if not c.get("passed")]
     if code in (401, 403):
-        r.outcome = "unauthorized"
+        r.outcome = ReplicaOutcome.UNAUTHORIZED
         r.detail = short(f"{body.get('detail')} (pass --token or set KDTREE_ADMIN_TOKEN)")
     elif code == 409:
         t = body.get("transition") or {}
-        r.outcome = "busy"
+        r.outcome = ReplicaOutcome.BUSY
         r.detail = short(
             f"a transition is running: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}"
         )
     elif code == 412 or (code == 200 and dry_run and body.get("changed") is not False):
-        r.outcome = "refused" if code == 412 or not body.get("allowed") else "allowed"
+        r.outcome = (
+            ReplicaOutcome.REFUSED if code == 412 or not body.get("allowed") else ReplicaOutcome.ALLOWED
+        )
         r.detail = short("gate failed: " + "; ".join(_need(c) for c in failed)) if failed else ""
     elif code == 200:
-        r.outcome, r.detail = "already", short(body.get("detail") or f"already in mode {mode}")
+        r.outcome, r.detail = ReplicaOutcome.ALREADY, short(body.get("detail") or f"already in mode {mode}")
     elif code == 202 and (body.get("transition") or {}).get("id"):
         return body
     else:
-        r.outcome = "error"
+        r.outcome = ReplicaOutcome.ERROR
         r.detail = short(f"HTTP {code}: {body.get('error') or body.get('detail') or body}")
     return None
 
@@ -108,10 +134,10 @@ def _await_transition(args, r: Replica, tid: str) -> None:
     with _client(args, r.url) as c:
         t = c.follow(tid, args.timeout, args.interval, seen)
     if t is None:
-        r.outcome = "timeout"
+        r.outcome = ReplicaOutcome.TIMEOUT
         r.detail = f"transition {tid} still at step {step[0]} after {fmt_elapsed(args.timeout)}"
         return
-    r.outcome = t.get("outcome") or "error"
+    r.outcome = Outcome(t["outcome"]) if t.get("outcome") in set(Outcome) else ReplicaOutcome.ERROR
     why = [t.get("failure")]
     if t.get("rollback_failure"):
         why.append("rollback: " + t["rollback_failure"])
@@ -185,7 +211,7 @@ def cmd_rollout(args) -> int:
                     say("  " + criterion_line(c))
         print()
         print(_table(replicas))
-        blocked = [r for r in replicas if r.outcome not in ("allowed", "already")]
+        blocked = [r for r in replicas if r.outcome not in (ReplicaOutcome.ALLOWED, ReplicaOutcome.ALREADY)]
         print(f"dry run: {_dry_run_verdict(blocked)}; nothing changed")
         return _failed(blocked) if blocked else OK
 
@@ -195,24 +221,24 @@ def cmd_rollout(args) -> int:
             with _client(args, r.url) as c:
                 st = c.status()
         except Unreachable as e:
-            r.outcome, r.detail = "unreachable", short(e)
+            r.outcome, r.detail = ReplicaOutcome.UNREACHABLE, short(e)
             return r
         r.from_mode = (st.get("mode") or {}).get("current")
         if st.get("active_transition"):
             t = st["active_transition"]
-            r.outcome = "busy"
+            r.outcome = ReplicaOutcome.BUSY
             r.detail = short(
                 f"a transition is running: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}"
             )
         return r
 
     with ThreadPoolExecutor(workers) as pool:
-        blocked = [r for r in pool.map(preflight, replicas) if r.outcome != "skipped"]
+        blocked = [r for r in pool.map(preflight, replicas) if r.outcome != ReplicaOutcome.SKIPPED]
     if blocked:
         for r in blocked:
             say(_line("preflight", r, args.to))
         for r in replicas:
-            if r.outcome == "skipped":
+            if r.outcome == ReplicaOutcome.SKIPPED:
                 r.detail = "not attempted: a sidecar cannot take part"
         print()
         print(_table(replicas))
@@ -230,7 +256,7 @@ def cmd_rollout(args) -> int:
         with ThreadPoolExecutor(len(wave)) as pool:
             for f in as_completed([pool.submit(_flip, args, r, args.to) for r in wave]):
                 r = f.result()
-                r.changed = r.outcome == "succeeded"
+                r.changed = r.outcome == Outcome.SUCCEEDED
                 say(_line(label, r, args.to))
         bad = [r for r in wave if r.outcome not in DONE]
         if bad:
@@ -239,17 +265,17 @@ def cmd_rollout(args) -> int:
 
     if failed is not None:
         for r in replicas:
-            if r.outcome == "skipped":
+            if r.outcome == ReplicaOutcome.SKIPPED:
                 r.detail = f"not attempted: the rollout stopped at {failed.url}"
         if args.rollback_on_failure:
             for r in reversed([r for r in replicas if r.changed]):
                 back = Replica(url=r.url, to_mode=r.from_mode or "")
                 _flip(args, back, r.from_mode, force=True)
                 if back.outcome in DONE:
-                    r.outcome, r.changed = "reverted", False
+                    r.outcome, r.changed = ReplicaOutcome.REVERTED, False
                     r.detail = f"flipped back to {r.from_mode} after the rollout stopped"
                 else:
-                    r.outcome = "revert_failed"
+                    r.outcome = ReplicaOutcome.REVERT_FAILED
                     r.detail = short(f"flipping back to {r.from_mode}: {back.outcome}: {back.detail}")
                 r.duration_s = (r.duration_s or 0) + (back.duration_s or 0)
                 say(_line("revert", r, args.to))
@@ -272,8 +298,11 @@ def _dry_run_verdict(blocked: list[Replica]) -> str:
     """What stands in the way, by outcome: `1 unreachable or not a sidecar (URL), 2 refused by its gate (URL, URL)`."""
     if not blocked:
         return "every replica would be allowed"
-    what = {"refused": "refused by its gate", "unreachable": "unreachable or not a sidecar"}
-    by: dict[str, list[str]] = {}
+    what = {
+        ReplicaOutcome.REFUSED: "refused by its gate",
+        ReplicaOutcome.UNREACHABLE: "unreachable or not a sidecar",
+    }
+    by: dict[Outcome | ReplicaOutcome, list[str]] = {}
     for r in blocked:
         by.setdefault(r.outcome, []).append(r.url)
     return ", ".join(f"{len(urls)} {what.get(o, o)} ({', '.join(urls)})" for o, urls in by.items())
@@ -282,4 +311,4 @@ def _dry_run_verdict(blocked: list[Replica]) -> str:
 def _failed(replicas: list[Replica]) -> int:
     """7 when a sidecar did not answer as one (unreachable, or not a sidecar), like every kdtreectl command;
     else 1."""
-    return UNREACHABLE if any(r.outcome == "unreachable" for r in replicas) else FAILED
+    return UNREACHABLE if any(r.outcome == ReplicaOutcome.UNREACHABLE for r in replicas) else FAILED

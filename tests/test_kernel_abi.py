@@ -1,0 +1,123 @@
+"""The C ABI as the Python binding copies it: kernel_build/include/kdtree_verify.h against kdtree/kernel.py.
+
+The binding declares the header's structs, enums and constants again for ctypes; a field added, moved or retyped on
+one side only would pass garbage to the kernel. A C compiler reports the header's `sizeof` and every field's
+`offsetof`, which the ctypes structures must match, and the header's enums and constants are read from its text."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kdtree import config, kernel  # noqa: E402
+
+HEADER = Path(__file__).resolve().parents[1] / "kernel_build" / "include" / "kdtree_verify.h"
+TEXT = HEADER.read_text()
+
+
+def enum(name: str) -> dict[str, int]:
+    body = re.search(r"enum " + name + r" \{(.*?)\};", TEXT, re.S)
+    assert body, f"enum {name} not in {HEADER.name}"
+    body = re.sub(r"/\*.*?\*/", "", body.group(1), flags=re.S)
+    return {k: int(v) for k, v in re.findall(r"(\w+)\s*=\s*(\d+)", body)}
+
+
+def define(name: str) -> int:
+    return int(re.search(r"#define " + name + r" (\d+)", TEXT).group(1))
+
+
+def test_constants_and_enums_agree():
+    assert kernel.ABI_VERSION == define("KDTREE_ABI_VERSION")
+    assert (kernel.QK_DIM, kernel.V_DIM) == (define("KDTREE_QK_DIM"), define("KDTREE_V_DIM"))
+    assert {"KDTREE_I32": kernel._I32, "KDTREE_I64": kernel._I64} == enum("kdtree_index_type")
+    assert {f"KDTREE_CONFIG_{k.upper()}": v for k, v in kernel.CONFIGS.items()} == enum("kdtree_config")
+    assert {f"KDTREE_MODE_{k.upper()}": v for k, v in kernel.MODE_CODES.items()} == enum("kdtree_mode")
+    assert {m.value for m in config.Mode} == set(kernel.MODE_CODES)
+    names = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2"}
+    assert {f"KDTREE_KV_{names[d]}": v for d, v in kernel.KV_DTYPES.items()} == enum("kdtree_kv_dtype")
+    assert {v: k for k, v in enum("kdtree_status").items()} == kernel.STATUS
+
+
+def test_every_entry_point_the_binding_calls_is_declared():
+    called = set(re.findall(r"\b(kdtree_\w+)\(", Path(kernel.__file__).read_text()))
+    declared = set(re.findall(r"^\S.*?\b(kdtree_\w+)\(", TEXT, re.M))
+    assert called <= declared, f"called but not in the header: {sorted(called - declared)}"
+
+
+@pytest.mark.parametrize(
+    ("struct", "cls"), [("kdtree_verify_args", kernel._Args), ("kdtree_parity_totals", kernel.ParityTotals)]
+)
+def test_struct_layout_agrees(struct, cls, tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    fields = [name for name, _ in cls._fields_]
+    lines = [f'  printf("sizeof %zu\\n", sizeof({struct}));']
+    lines += [
+        f'  printf("{f} %zu %zu\\n", offsetof({struct}, {f}), sizeof((({struct}*)0)->{f}));' for f in fields
+    ]
+    src = tmp_path / "layout.c"
+    src.write_text(
+        '#include <stddef.h>\n#include <stdio.h>\n#include "kdtree_verify.h"\nint main(void) {\n'
+        + "\n".join(lines)
+        + "\n  return 0;\n}\n"
+    )
+    exe = tmp_path / "layout"
+    subprocess.run(
+        [cc, "-std=c11", "-Wall", "-Werror", "-I", str(HEADER.parent), str(src), "-o", str(exe)], check=True
+    )
+    out = dict(
+        line.split(" ", 1)
+        for line in subprocess.run([exe], capture_output=True, text=True, check=True).stdout.splitlines()
+    )
+    assert int(out.pop("sizeof")) == ctypes.sizeof(cls), f"sizeof({struct})"
+    for f in fields:
+        offset, size = map(int, out[f].split())
+        desc = getattr(cls, f)
+        assert (desc.offset, desc.size) == (offset, size), (
+            f"{struct}.{f}: binding {desc.offset}/{desc.size}, header {offset}/{size}"
+        )
+
+
+def test_every_entry_point_records_why_it_refused_its_arguments():
+    """Each C entry point refuses bad arguments before any CUDA call and records why (kdtree_last_error), and the
+    binding's one error path raises with the entry point, the status and that message. No GPU needed: the library
+    loads without one."""
+    try:
+        lib = kernel.library()
+    except kernel.KernelUnavailable as e:
+        pytest.skip(str(e))
+    null = None
+    calls = {  # entry point -> (a call with bad arguments, what its message says)
+        "kdtree_mode_gate": (
+            lambda: lib.kdtree_mode_gate(null, null, null, 0, 0, null, null, null, null, null),
+            "n < 2",
+        ),
+        "kdtree_mode_post": (
+            lambda: lib.kdtree_mode_post(null, null, null, 0, null, null, 0.0, null),
+            "n < 1",
+        ),
+        "kdtree_parity_update": (
+            lambda: lib.kdtree_parity_update(null, null, 0, null, null, 0.0, null),
+            "n < 1",
+        ),
+        "kdtree_capture_id": (lambda: lib.kdtree_capture_id(null, null), "id is NULL"),
+        "kdtree_mma_peak": (lambda: lib.kdtree_mma_peak(99, null, null), "warps_per_sm"),
+        "kdtree_host_device_pointer": (lambda: lib.kdtree_host_device_pointer(null, null), "host or device"),
+        "kdtree_verify_ctas_per_sm": (lambda: lib.kdtree_verify_ctas_per_sm(1, null), "ctas is NULL"),
+    }
+    for name, (call, says) in calls.items():
+        rc = call()
+        message = lib.kdtree_last_error().decode()
+        assert kernel.STATUS.get(rc) == "KDTREE_ERR_ARGUMENT" and says in message, (name, rc, message)
+        with pytest.raises(
+            RuntimeError, match=rf"^{name} failed \(KDTREE_ERR_ARGUMENT\): {re.escape(message)}$"
+        ):
+            kernel._check(rc, name)
