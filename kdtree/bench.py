@@ -321,7 +321,11 @@ def device_info() -> dict:
     try:
         kernel.library()
         _, config = kernel._device_plan(torch.cuda.current_device())
-    except (kernel.KernelUnavailable, ConfigError, OSError) as e:  # OSError: the library is there but does not load
+    except (
+        kernel.KernelUnavailable,
+        ConfigError,
+        OSError,
+    ) as e:  # OSError: the library is there but does not load
         raise EnvironmentProblem(f"{PROG}: {e}") from None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     forced = KernelSettings.load().kernel_config

@@ -628,7 +628,9 @@ class ModeWord:
 def capture_id(stream: torch.cuda.Stream) -> int:
     """The id of the CUDA graph capture running on `stream`; 0 when none runs."""
     out = ctypes.c_ulonglong(0)
-    _check(library().kdtree_capture_id(stream.cuda_stream, ctypes.byref(out)), f"kdtree_capture_id ({stream})")
+    _check(
+        library().kdtree_capture_id(stream.cuda_stream, ctypes.byref(out)), f"kdtree_capture_id ({stream})"
+    )
     return out.value
 
 
