@@ -209,6 +209,12 @@ def test_fp8_kv_cache_is_served_in_validate_and_on(fleet, servers):
         compared_v,
         fallbacks_v,
     )
+    for server in (validate, on):  # the pool kdtree read was SGLang's fp8 cache, in captured and eager steps
+        pools = {k: d["kv_pool"][0] for k, d in server.record(0).verify_inputs.items()}
+        assert {"eager", "captured"} <= set(pools) and set(pools.values()) == {"float8_e4m3fn"}, (
+            server.spec.name,
+            pools,
+        )
     p = validate.record(0).parity
     bound = max(MAX_REL_L2, FP8_PARITY_RTOL[torch.float8_e4m3fn])
     assert p.nan_inf == 0 and p.calls_over_tol == 0 and p.max_rel_l2 <= bound, p
