@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from kdtree.status import read_bounded, write_atomically
+from kdtree.status import pid_exists, read_bounded, write_atomically
 
 LOG_FILE = "server.log"
 PROCESS_FILE = "server-process.json"
@@ -121,13 +121,7 @@ def pid_alive(pid: int, start_ticks: int | None) -> bool:
     if stat is None:
         if Path("/proc/self/stat").exists():
             return False
-        try:  # no procfs: a plain existence check
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_exists(pid)  # no procfs: a plain existence check
     state, ticks = stat
     if state in ("Z", "X"):
         return False

@@ -133,12 +133,14 @@ def fp8_pool(b: VerifyBatch, dtype: torch.dtype, k_scale: float = 1.0, v_scale: 
     return dataclasses.replace(b, k_buf=k_buf, v_buf=k_buf[..., :V_DIM], k_scale=k_scale, v_scale=v_scale)
 
 
-def reference(b: VerifyBatch) -> torch.Tensor:
+def reference(b: VerifyBatch, from_mask: bool = False) -> torch.Tensor:
     """fp64 attention, independent of any kernel: [T, H, 512] float64. An fp8 pool is dequantised exactly
-    (its values times the batch's scales), so this is the reference of the same fp8 inputs."""
+    (its values times the batch's scales), so this is the reference of the same fp8 inputs. The draft columns'
+    visibility comes from the batch's trees, or with `from_mask` from its FULL mask (any DAG written there)."""
     H = b.q.shape[1]
     out = torch.empty(b.q.shape[0], H, V_DIM, dtype=torch.float64, device=b.q.device)
     qo, kv = b.qo_indptr.tolist(), b.kv_indptr.tolist()
+    mp = b.mask_indptr.tolist() if from_mask else None
     for r in range(len(b.q_lens)):
         qs, qe, ks, ke = qo[r], qo[r + 1], kv[r], kv[r + 1]
         n, P = qe - qs, ke - ks
@@ -146,8 +148,11 @@ def reference(b: VerifyBatch) -> torch.Tensor:
         K = torch.cat([b.k_buf[idx, 0].double() * b.k_scale, b.k_ext[qs:qe, 0].double()])
         V = torch.cat([b.v_buf[idx, 0].double() * b.v_scale, b.v_ext[qs:qe, 0].double()])
         s = torch.einsum("ihd,nd->hin", b.q[qs:qe].double(), K) * b.sm_scale
-        allow = torch.ones(n, P + n, dtype=torch.bool, device=s.device)
-        allow[:, P:] = tree_mask_rows(b.parents[r]).to(s.device)
+        if from_mask:
+            allow = b.custom_mask[mp[r] : mp[r] + n * (P + n)].view(n, P + n).bool()
+        else:
+            allow = torch.ones(n, P + n, dtype=torch.bool, device=s.device)
+            allow[:, P:] = tree_mask_rows(b.parents[r]).to(s.device)
         s = s.masked_fill(~allow, float("-inf"))
         out[qs:qe] = torch.einsum("hin,nd->ihd", torch.softmax(s, -1), V)
     return out

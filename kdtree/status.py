@@ -181,7 +181,8 @@ def write_record(state_dir: str | os.PathLike, record: RankRecord) -> Path:
     return write_atomically(record_path(state_dir, record.tp_rank), record.model_dump_json())
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
+    """The process exists (a signal 0 reaches it, or it is another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -250,7 +251,7 @@ def read_records(
         reason = None
         if age > max_age_s:
             reason = f"heartbeat {age:.0f}s old (limit {max_age_s:.0f}s)"
-        elif rec.pid_ns and rec.pid_ns == my_ns and not _pid_alive(rec.pid):
+        elif rec.pid_ns and rec.pid_ns == my_ns and not pid_exists(rec.pid):
             reason = f"pid {rec.pid} is gone"
         views.append(
             RankView(record=rec, path=str(path), stale=reason is not None, stale_reason=reason, age_s=age)
