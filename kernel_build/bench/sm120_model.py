@@ -14,9 +14,11 @@ Per shape of the benchmark grid (kdtree.bench.GRID):
 - predicted = max(memory roofline, compute roofline / compact's H200 efficiency) + fixed: the steady state runs at
   the fraction of the mma.sync rate that compact reaches on the H200 (conservative: see best_case);
 - best case = the same with compact's H200 rate per SM and clock instead, capped by sm_120's tensor pipe;
-- fp8 pools (e4m3 / e5m2): path (a), built, reads half the prefix bytes into the same bf16 mma.sync, so the
-  predicted time with the memory roofline of the fp8 bytes; path (b), not built, would also run QK^T and PV as fp8
-  mma.sync at twice the bf16 rate, so the compute part halved as well.
+- fp8 pools (e4m3 / e5m2): path (a), built, reads half the prefix bytes and widens them into the same bf16
+  mma.sync; its widening costs compute-side time, measured on the H200: the predicted time times what an fp8 pool
+  cost compact there at the same shape (H200_FP8_RUN_JSON), no lower than the fp8 bytes' memory roofline; path (b),
+  not built, would run QK^T and PV as fp8 mma.sync at twice the bf16 rate: the compute part halved, at bf16's
+  efficiency (uncalibrated).
 Pure Python: no GPU, no torch.
 """
 
@@ -66,6 +68,13 @@ H200_MMA_TFLOPS = _RUN["mma_tflops"]  # mma.sync bf16, all SMs busy
 _SHAPES = {(r["batch"], r["heads"], r["draft"], r["prefix"]): r for r in _RUN["rows"]}
 H200_WIDE_US = {s: r["ours_us"] for s, r in _SHAPES.items()}
 H200_COMPACT_US = {s: r["compact_us"] for s, r in _SHAPES.items()}
+# fp8 path (a) on the H200: compact on an e4m3 pool against compact on bf16, same run, same shapes (BENCHMARKS.md,
+# "fp8 pools, path (a)"; c00f190).
+H200_FP8_RUN_JSON = Path(__file__).parent / "results" / "h200-fp8-c00f190.json"
+H200_COMPACT_FP8_RATIO = {
+    (r["batch"], r["heads"], r["draft"], r["prefix"]): r["compact_fp8_vs_compact"]
+    for r in json.loads(H200_FP8_RUN_JSON.read_text())["rows"]
+}
 
 # ---- compact (src/tree_verify.cu, Cfg<64, 16, 3, 8, 20, false, true>) -------------------------------------------
 BM, BN = 64, 16  # rows (draft token x head) and keys per tile
@@ -131,7 +140,9 @@ def model(
                 fixed_us=fixed,
                 predicted_us=max(memory, compute / eff) + fixed,
                 best_case_us=max(memory, flops / (best * 1e12) * 1e6) + fixed,
-                fp8_a_us=max(memory_fp8, compute / eff) + fixed,
+                fp8_a_us=max(
+                    memory_fp8 + fixed, (max(memory, compute / eff) + fixed) * H200_COMPACT_FP8_RATIO[shape]
+                ),
                 fp8_b_us=max(memory_fp8, compute / (2 * eff)) + fixed,
                 h200_wide_us=wide[shape],
             )
