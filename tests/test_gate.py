@@ -19,10 +19,15 @@ def settings(**overrides) -> SidecarSettings:
     return SidecarSettings(**{**base, **overrides})
 
 
-def view(rank: int, mode: str = "validate", stale: bool = False, **parity) -> RankView:
+def view(
+    rank: int, mode: str = "validate", stale: bool = False, pool: str = "bfloat16", **parity
+) -> RankView:
     rec = new_record(mode, tp_rank=rank, tp_size=2)
     rec.installed = True
     rec.live_modes = ["on", "standby", "validate"]
+    rec.verify_inputs = {
+        "captured": {"kv_pool": [pool, [1, 576], 576]}
+    }  # as kdtree.verify.describe_call writes it
     rec.parity = Parity(**{"calls_compared": 500, "max_rel_l2": 0.001, "max_abs_err": 0.001, **parity})
     return RankView(record=rec, path=f"rank-{rank}.json", stale=stale, age_s=0.0)
 
@@ -35,6 +40,35 @@ def test_clean_evidence_passes_every_criterion():
     crit = criteria([view(0), view(1)])
     assert all(c.passed for c in crit.values()), crit
     assert crit["max_rel_err"].value == 0.001 and crit["min_calls_compared"].value == 500
+
+
+@pytest.mark.parametrize(
+    ("pool", "rtol", "max_rel", "passes"),
+    [
+        (
+            "float8_e4m3fn",
+            0.06,
+            0.045,
+            True,
+        ),  # Triton's own fp8 error on an fp8 pool: within the ranks' fp8 bound
+        ("float8_e5m2", 0.12, 0.09, True),
+        ("float8_e4m3fn", 0.06, 0.07, False),  # beyond it
+        (
+            "bfloat16",
+            0.06,
+            0.045,
+            False,
+        ),  # a bf16 pool keeps KDTREE_GATE_MAX_REL_ERR whatever validate's rtol
+    ],
+)
+def test_an_fp8_kv_cache_is_gated_by_its_dtypes_bound(pool, rtol, max_rel, passes):
+    """On an fp8 pool validate compares kdtree with SGLang's fp8 Triton math, a few percent apart by fp8 alone: the
+    gate takes the larger of its own bound and the one the ranks compared by, and says so."""
+    crit = criteria([view(0, pool=pool, rtol=rtol, max_rel_l2=max_rel), view(1, pool=pool, rtol=rtol)])
+    c = crit["max_rel_err"]
+    assert c.passed is passes and c.value == max_rel
+    assert c.threshold == (rtol if pool.startswith("float8") else 0.02)
+    assert ("an fp8 KV cache" in c.detail) is pool.startswith("float8")
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
