@@ -601,7 +601,9 @@ class ParityStats(_Mirrored):
             "max_rel_l2": t.max_rel_l2,
             "calls_over_tol": t.calls_over_tol,
             "nan_inf": t.nan_inf,
-            "rtol": self.rtol,
+            "rtol": t.rtol
+            if t.calls_compared
+            else self.rtol,  # the bound the last compared call was counted by
         }
 
 

@@ -38,6 +38,7 @@ import torch
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from kdtree.config import FP8_PARITY_RTOL as FP8_PARITY_RTOL_BY_NAME
 from kdtree.config import Mode, VerifySettings
 from kdtree.control import ModeHolder
 
@@ -46,14 +47,8 @@ QK_HEAD_DIM = 576
 V_HEAD_DIM = 512
 # Pool dtypes the kernel reads: SGLang's MLA pool for --kv-cache-dtype auto (bf16), fp8_e4m3 and fp8_e5m2.
 KV_POOL_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-# Validate's bound on an fp8 pool, per dtype. The original (SGLang's Triton kernel) casts q and P to the pool's fp8
-# dtype; kdtree widens the pool exactly and stays within its bf16 bound (1e-2) of the fp64 of the dequantised pool, so
-# the two differ by the original's own fp8 error. Measured on the H200 (device_run.sh fp8, 2026-12-02, 32 cases per
-# dtype: trees, DAG masks, chains, ragged prefixes, scales 0.05-2.5, both configurations): Triton from fp64 at most
-# 2.6% (e4m3) and 5.1% (e5m2), Triton from kdtree at most 2.6% and 5.1%; an earlier sweep saw 9.2% over both dtypes.
-# The bound is about twice the measured maximum (kernel_build/NOTES.md, "fp8 pools"); the setting's rtol applies
-# when it is the larger.
-FP8_PARITY_RTOL = {torch.float8_e4m3fn: 0.06, torch.float8_e5m2: 0.12}
+# Validate's bound on an fp8 pool, per dtype (kdtree.config.FP8_PARITY_RTOL, where it is measured and explained).
+FP8_PARITY_RTOL = {getattr(torch, name): bound for name, bound in FP8_PARITY_RTOL_BY_NAME.items()}
 # Captured graphs one process can switch between modes (SGLang captures one per batch size; a recapture, as after
 # a weight update, takes new ones). Beyond it, a captured call falls back to the original ("no_step_slot").
 STEP_SLOTS = 1024

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel
 
-from kdtree.config import Mode
+from kdtree.config import FP8_PARITY_RTOL, Mode
 from kdtree.status import RankRecord, RankView, read_records
 
 from .settings import SidecarSettings
@@ -138,13 +138,17 @@ def non_finite_parity(records: Iterable[RankRecord]) -> list[str]:
 
 
 def fp8_bound(record) -> float | None:
-    """The bound a rank compared an fp8 KV cache's verify calls by (its parity rtol: validate's setting or the pool
-    dtype's fp8 bound, whichever is larger: kdtree.verify.FP8_PARITY_RTOL); None when the pool it read is not fp8.
-    On an fp8 pool the original (SGLang's Triton kernel) runs fp8 math and kdtree widens the pool exactly, so the two
-    differ by Triton's own fp8 error, a few percent (kernel_build/NOTES.md, "fp8 pools")."""
-    pools = [d.get("kv_pool") for d in record.verify_inputs.values() if isinstance(d, dict)]
-    fp8 = any(isinstance(p, list) and p and str(p[0]).startswith("float8") for p in pools)
-    return record.parity.rtol if fp8 else None
+    """validate's bound for the fp8 KV pool a rank read (kdtree.config.FP8_PARITY_RTOL, by the dtype its record's
+    `verify_inputs` name); None when its pool is not fp8. On an fp8 pool the original (SGLang's Triton kernel) runs fp8
+    math and kdtree widens the pool exactly, so the two differ by Triton's own fp8 error, a few percent
+    (kernel_build/NOTES.md, "fp8 pools")."""
+    pools = {
+        str(d["kv_pool"][0])
+        for d in record.verify_inputs.values()
+        if isinstance(d, dict) and d.get("kv_pool")
+    }
+    bounds = [FP8_PARITY_RTOL[p] for p in pools if p in FP8_PARITY_RTOL]
+    return max(bounds) if bounds else None
 
 
 def gate_to_on(
@@ -159,10 +163,10 @@ def gate_to_on(
     rels = [r.parity.max_rel_l2 for r in in_validate]
     # max() skips a NaN that is not first: NaN is the value whenever a rank has one.
     max_rel = math.nan if any(math.isnan(x) for x in rels) else max(rels, default=None)
-    fp8 = [b for b in (fp8_bound(r) for r in in_validate) if b is not None and math.isfinite(b)]
+    fp8 = [b for b in (fp8_bound(r) for r in in_validate) if b is not None]
     rel_bound = max([settings.gate_max_rel_err, *fp8])
     fp8_detail = (
-        f"an fp8 KV cache: the bound is the larger of KDTREE_GATE_MAX_REL_ERR and the ranks' fp8 bound ({max(fp8):g})"
+        f"an fp8 KV cache: the bound is the larger of KDTREE_GATE_MAX_REL_ERR and validate's for its dtype ({max(fp8):g})"
         if fp8
         else ""
     )
