@@ -189,3 +189,58 @@ def test_the_sidecars_markers_follow_a_real_sglang_start_in_order():
         latest_marker("\n".join(lines[: names.index("capturing_cuda_graphs") + 1])).name
         == "capturing_cuda_graphs"
     )
+
+
+# ---- what the end-to-end benchmark reads off the real server --------------------------------------------------
+
+
+@pytest.mark.sglang
+def test_the_stream_reader_takes_sglangs_own_chunks_and_times_decode_from_the_first_chunk(monkeypatch):
+    """The chunks are SGLang 0.5.23's own response models, serialised as its streaming completion serialises them."""
+    from real_server import read_stream
+    from sglang.srt.entrypoints.openai.protocol import (
+        CompletionResponseStreamChoice,
+        CompletionStreamResponse,
+        SglExt,
+        SpecTokensDetails,
+    )
+
+    def chunk(index, ids):
+        c = CompletionResponseStreamChoice(index=index, text=" ".join(f"w{i}" for i in ids), token_ids=ids)
+        return f"data: {CompletionStreamResponse(id='r', model='m', choices=[c]).model_dump_json()}"
+
+    closing = CompletionStreamResponse(
+        id="r",
+        model="m",
+        choices=[],
+        sglext=SglExt(spec_tokens_details=SpecTokensDetails(spec_accept_length=6.5)),
+    )
+    lines = [chunk(0, [7]), chunk(1, [9]), "", chunk(0, [8, 8, 8]), chunk(1, [5, 5]), chunk(0, [6]),
+             f"data: {closing.model_dump_json()}", "data: [DONE]"]  # fmt: skip
+    clock = iter(float(t) for t in range(100))  # one second per data line read
+    monkeypatch.setattr("real_server.time.perf_counter", lambda: next(clock))
+    (a, b), accept = read_stream(iter(lines), 2)
+    assert a.token_ids == [7, 8, 8, 8, 6] and b.token_ids == [9, 5, 5] and accept == [6.5]
+    assert (a.first_s, a.last_s, a.first_tokens) == (0.0, 4.0, 1)
+    # decode: the tokens after the prefill's first one, over the time from that chunk to the last
+    assert a.decode_tokens_per_s == pytest.approx(4 / 4.0) and b.decode_tokens_per_s == pytest.approx(2 / 2.0)
+
+
+def test_the_profile_summary_counts_gpu_busy_time_once_where_kernels_overlap_and_groups_kernels_by_purpose():
+    sys.path.insert(0, str(GPU_DIR.parents[1] / "kernel_build" / "bench"))
+    import profile_engine
+
+    kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [
+        kernel("_fwd_kernel", 0, 10), kernel("void kdtree::tree_verify_kernel<kdtree::Cfg<64>>", 5, 10),
+        kernel("nvjet_sm90_tst_64x8", 30, 10), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99},
+    ]}  # fmt: skip
+    s = profile_engine.summarize(trace, steps=2)
+    assert s["kernels"] == 3 and s["wall_us_per_step"] == 20.0
+    assert s["gpu_busy_us_per_step"] == 12.5  # [0, 15) and [30, 40): the overlap counted once
+    assert s["groups_us_per_step"] == {
+        "triton extend (prefix + draft)": 5.0,
+        "kdtree verify": 5.0,
+        "gemm": 5.0,
+    }
+    assert profile_engine.summarize({"traceEvents": []}, 1) == {"error": "the trace has no kernel events"}

@@ -6,10 +6,13 @@ supervised sglang.launch_server, CUDA graphs for batch 1-4, Triton attention) on
 model with random weights (tests/gpu/tiny_model.py: MLA 576/512, 8 heads = one TP-8 rank's share of Kimi-K2, dense
 1024-wide MLPs), one in off and one in on, all servers at once. Then, one server at a time, for each prompt length
 and batch: the batch of prompts once to fill the prefix cache, then `--repeats` timed rounds in off and in on,
-interleaved (off, on, off, on, ...), each decoding --max-tokens tokens per request with ignore_eos. tokens/s =
-batch x max_tokens / the round's wall time (the prompt is in the radix cache by then, so a round is decode: verify
-steps). Outputs are compared token for token in every round; where off and on differ, the row gives the first
-diverging position and both servers' top-2 logprobs there.
+interleaved (off, on, off, on, ...), each decoding --max-tokens tokens per request with ignore_eos, streamed. Decode
+tokens/s = each request's tokens after its first chunk over the time from its first chunk to its last, summed over the
+batch: verify steps alone, without the prompt's handling (tokenizing, the prefix-cache match, the prefill of its last
+token, which at a 32k prompt is one Triton extend call per layer in both modes), reported apart as the time to the
+first token. A row counts as "on slower beyond noise" when on's median is below off's slowest round. Outputs are
+compared token for token in every round; where off and on differ, the row gives the first diverging position and
+both servers' top-2 logprobs there.
 
     python3 kernel_build/bench/bench_engine.py --out engine.md      # the table; engine.json beside it
     bash kernel_build/bench/device_run.sh engine                     # the same on the GPU machine, into $OUT
@@ -53,39 +56,41 @@ def _commit() -> str:
     return (r.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
-def timed_round(
-    server: RealServer, prompts: list[str], max_tokens: int
-) -> tuple[float, list[list[int]], float]:
-    """(wall seconds, token ids per prompt, mean accept length) of one batch."""
+def timed_round(server: RealServer, prompts: list[str], max_tokens: int) -> dict:
+    """One batch, streamed: decode tokens/s (each request's tokens after its first chunk over the time from its first
+    chunk to its last, summed over the batch: the prefill and the request's handling before it left out), the
+    median time to the first token, the token ids per prompt and the mean accept length."""
     t0 = time.perf_counter()
-    body = server.complete(prompts, max_tokens)
-    wall = time.perf_counter() - t0
-    choices = sorted(body["choices"], key=lambda c: c["index"])
-    details = (body.get("sglext") or {}).get("spec_tokens_details") or []
-    details = [details] if isinstance(details, dict) else details
-    accept = statistics.mean(d.get("spec_accept_length") or 0 for d in details) if details else float("nan")
-    return wall, [c["token_ids"] for c in choices], accept
+    streamed, accept = server.stream(prompts, max_tokens)
+    return {
+        "decode_tokens_per_s": sum(s.decode_tokens_per_s for s in streamed),
+        "ttft_s": statistics.median(s.first_s - t0 for s in streamed),
+        "token_ids": [s.token_ids for s in streamed],
+        "accept_length": statistics.mean(accept) if accept else float("nan"),
+    }
 
 
 def row(layers, algo, plen, batch, off, on, repeats, max_tokens) -> dict:
     prompts = [prompt_of(plen, seed=1000 * plen + i) for i in range(batch)]
     for server in (off, on):  # fill the prefix cache; not timed
         server.complete(prompts, 2)
-    results = {"off": [], "on": []}
-    accept = {"off": [], "on": []}
+    rounds = {"off": [], "on": []}
     diff = None
-    for _ in range(repeats):
+    for _ in range(repeats):  # interleaved, so that a slow spell of the machine falls on both modes
         ids = {}
         for mode, server in (("off", off), ("on", on)):
-            wall, ids[mode], acc = timed_round(server, prompts, max_tokens)
-            results[mode].append(batch * max_tokens / wall)
-            accept[mode].append(acc)
+            rounds[mode].append(timed_round(server, prompts, max_tokens))
+            ids[mode] = rounds[mode][-1].pop("token_ids")
         diff = diff or divergence(ids["on"], ids["off"], on, off, prompts, max_tokens)
     r = {"layers": layers, "algorithm": algo, "prompt": plen, "batch": batch, "max_tokens": max_tokens}
     for mode in ("off", "on"):
-        r[mode] = {"tokens_per_s": results[mode], "median": statistics.median(results[mode]),
-                   "accept_length": statistics.mean(accept[mode])}  # fmt: skip
+        tps = [x["decode_tokens_per_s"] for x in rounds[mode]]
+        r[mode] = {"tokens_per_s": tps, "median": statistics.median(tps),
+                   "ttft_s": statistics.median(x["ttft_s"] for x in rounds[mode]),
+                   "accept_length": statistics.mean(x["accept_length"] for x in rounds[mode])}  # fmt: skip
     r["ratio"] = r["on"]["median"] / r["off"]["median"]
+    # Slower beyond the noise: on's median below the slowest round of off (off's own spread is the noise).
+    r["slower_beyond_noise"] = r["on"]["median"] < min(r["off"]["tokens_per_s"])
     r["identical"] = diff is None
     r["divergence"] = diff
     return r
@@ -94,9 +99,10 @@ def row(layers, algo, plen, batch, off, on, repeats, max_tokens) -> dict:
 def markdown(rows: list[dict], head: list[str]) -> str:
     lines = head + [
         "",
-        "| layers | algorithm | prompt | batch | off tokens/s (median; min-max) | on tokens/s (median; min-max) | on / off "
-        "| accept length (off / on) | outputs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| layers | algorithm | prompt | batch | off decode tokens/s (median; min-max) | on decode tokens/s (median; "
+        "min-max) | on / off | on slower beyond noise | time to first token off / on (ms) | accept length (off / on) "
+        "| outputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         off, on = r["off"], r["on"]
@@ -104,6 +110,7 @@ def markdown(rows: list[dict], head: list[str]) -> str:
             f"| {r['layers']} | {r['algorithm']} | {r['prompt']} | {r['batch']} | {off['median']:.1f}; "
             f"{min(off['tokens_per_s']):.1f}-{max(off['tokens_per_s']):.1f} | {on['median']:.1f}; "
             f"{min(on['tokens_per_s']):.1f}-{max(on['tokens_per_s']):.1f} | {r['ratio']:.2f}x | "
+            f"{'yes' if r['slower_beyond_noise'] else 'no'} | {1e3 * off['ttft_s']:.0f} / {1e3 * on['ttft_s']:.0f} | "
             f"{off['accept_length']:.2f} / {on['accept_length']:.2f} | "
             + ("identical" if r["identical"] else r["divergence"])
             + " |"
@@ -130,7 +137,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=_ints, default=list(DEFAULT_PROMPTS), help="prompt lengths in tokens")
     ap.add_argument("--batches", type=_ints, default=[1, 4])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--root", default="/tmp/kdtree-bench-engine", help="model folders and server state")
     ap.add_argument(
         "--time-budget-s", type=float, default=None, help="start no new row after this many seconds"
@@ -164,7 +171,8 @@ def main() -> int:
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA kv_lora_rank {cfg['kv_lora_rank']} + rope "
         f"{cfg['qk_rope_head_dim']}, dense MLP {cfg['intermediate_size']}; one MTP layer (MoE) for NEXTN; bf16 KV",
         f"Server: tp 1, Triton attention, CUDA graphs for batch 1-4, greedy, ignore_eos, {args.max_tokens} tokens per "
-        f"request, {args.repeats} rounds per mode (interleaved), prompt in the prefix cache, --sleep-on-idle",
+        f"request, {args.repeats} rounds per mode (interleaved), prompt in the prefix cache, --sleep-on-idle; decode "
+        "tokens/s from the streamed chunks (after each request's first token), time to first token apart",
     ]
     t0 = time.monotonic()
     failed: dict[str, str] = {}  # server or row -> why it has no numbers (the table says so)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|fp8|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|engine-profile|fp8|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
 # benchmark (bench_engine.py: engine.md + engine.json; its args after the mode); both first install kdtree with the
-# library just built into the wheels' site folder (/tmp/site), as the server image installs it.
+# library just built into the wheels' site folder (/tmp/site), as the server image installs it. 'engine-profile'
+# records a few decode steps of the real server with SGLang's profiler (profile_engine.py: where a step's GPU time
+# goes, off against on; engine-profile.md + .json).
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
@@ -48,6 +50,12 @@ if [ "$what" = engine ] || [ "$what" = all ]; then
   python3 kernel_build/bench/bench_engine.py --out "$out/engine.md" "$@" 2>&1 | tee "$out/engine.log"
   rc=${PIPESTATUS[0]}
   echo "engine benchmark: $((SECONDS - t0)) s (rc=$rc)"
+fi
+if [ "$what" = engine-profile ]; then
+  install_site
+  python3 kernel_build/bench/profile_engine.py --out "$out/engine-profile.md" "$@" 2>&1 | tee "$out/engine-profile.log"
+  rc=${PIPESTATUS[0]}
+  echo "engine profile: $((SECONDS - t0)) s (rc=$rc)"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -p no:cacheprovider -q -rs -m "not engine" tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"; rc=${PIPESTATUS[0]}

@@ -136,6 +136,52 @@ class ServerSpec:
     own_library: bool = False  # a copy of the kernel library of its own (KDTREE_KERNEL_LIB), for fault tests
 
 
+@dataclass
+class Streamed:
+    """One streamed completion: its tokens, when its first and last chunk of tokens came (time.perf_counter
+    seconds), and how many tokens the first chunk held (the prefill's)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    first_s: float = 0.0
+    last_s: float = 0.0
+    first_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first chunk over the time from the first chunk to the last: decode alone, the prompt's
+        prefill (and the request's handling before it) left out."""
+        span = self.last_s - self.first_s
+        return (len(self.token_ids) - self.first_tokens) / span if span > 0 else float("nan")
+
+
+def read_stream(lines, n: int, on_first=None) -> tuple[list[Streamed], list[float]]:
+    """SGLang's server-sent events of a streamed /v1/completions batch of n prompts, read as they arrive: each
+    prompt's `Streamed`, and the spec_accept_length values of the closing sglext chunk. on_first, if given, is
+    called once, when every prompt has its first token (decode has begun)."""
+    out, accept = [Streamed() for _ in range(n)], []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk, now = json.loads(line[len("data: ") :]), time.perf_counter()
+        details = (chunk.get("sglext") or {}).get("spec_tokens_details")
+        accept += [
+            d.get("spec_accept_length") or 0.0
+            for d in ([details] if isinstance(details, dict) else details or [])
+        ]
+        for c in chunk.get("choices") or []:
+            ids = c.get("token_ids") or []
+            if ids:
+                s = out[c["index"]]
+                if not s.token_ids:
+                    s.first_s, s.first_tokens = now, len(ids)
+                s.last_s = now
+                s.token_ids.extend(ids)
+                if on_first is not None and all(x.token_ids for x in out):
+                    on_first()
+                    on_first = None
+    return out, accept
+
+
 class RealServer(Orchestrated):
     name = "SGLang server (process control)"
 
@@ -231,6 +277,21 @@ class RealServer(Orchestrated):
                 f"{self.spec.name}: POST /v1/completions answered {r.status_code}: {r.text[:500]}"
             )
         return r.json()
+
+    def stream(
+        self, prompts: list[str], max_tokens: int, timeout: float = 600, on_first=None
+    ) -> tuple[list[Streamed], list[float]]:
+        """The prompts as one batch, greedy, streamed (POST /v1/completions, stream): a `Streamed` per prompt, in
+        prompt order (its first chunk is the token the prefill produced; what follows is decode, verify steps), and
+        the spec_accept_length SGLang reports for each request at the end. on_first: as read_stream's."""
+        body = {"model": str(self.model_dir), "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "return_spec_tokens_details": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{self.spec.name}: POST /v1/completions (stream) answered {r.status_code}: "
+                                   f"{r.read()[:500]!r}")  # fmt: skip
+            return read_stream(r.iter_lines(), len(prompts), on_first)
 
     def top2(self, prompt: str, position: int, max_tokens: int) -> str:
         """The two likeliest tokens and their logprobs at `position` of the greedy completion of `prompt`, and their

@@ -1,0 +1,177 @@
+"""Where a decode step of the real SGLang server spends its time, in off and in on: GPU kernels by name, GPU idle.
+
+For each speculative algorithm it starts the real servers as bench_engine.py does (tests/gpu/real_server.py), one
+in off and one in on, and for each prompt length (batch 1, the prompt in the prefix cache) records `--steps`
+scheduler steps with SGLang's own profiler (POST /start_profile: torch.profiler, GPU activity only, so that the host runs at its own pace; kernels
+replayed from CUDA graphs included) while one greedy request decodes, from its first token on (the prefill of the
+prompt's last token is not in the window). From each trace: the wall time of a step
+(the span of the profiled kernels / steps), the GPU's busy time in a step (the union of its kernel intervals),
+and the kernels that take the most GPU time per step, grouped by name. A step whose GPU busy time is far below its
+wall time is bound by the host (the scheduler, the drafter's launches), not by attention.
+
+    python3 kernel_build/bench/profile_engine.py --out profile.md          # profile.json beside it
+    bash kernel_build/bench/device_run.sh engine-profile [args]            # the same on the GPU machine, into $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
+from real_server import RealServer, ServerSpec, unavailable  # noqa: E402
+from tiny_model import prompt_of, write_model  # noqa: E402
+
+from kdtree.config import Mode  # noqa: E402
+
+# Kernel names, grouped by what they are for (first match wins; the rest keep their own, shortened name).
+GROUPS = [
+    ("kdtree verify", re.compile(r"tree_verify|combine_kernel|mode_gate|mode_post|parity")),
+    ("triton extend (prefix + draft)", re.compile(r"^_fwd_kernel$|extend_attention|_fwd_kernel_unified")),
+    ("triton decode", re.compile(r"_fwd_grouped_kernel_stage1|_fwd_kernel_stage[12]|decode")),
+    ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|nvjet|cublas", re.I)),
+]
+
+
+def group_of(name: str) -> str:
+    for label, pattern in GROUPS:
+        if pattern.search(name):
+            return label
+    return name[:60]
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarize(trace: dict, steps: int) -> dict:
+    """Per step: wall, GPU busy, and GPU time by kernel group (microseconds)."""
+    kernels = [
+        e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("dur") is not None
+    ]
+    if not kernels:
+        return {"error": "the trace has no kernel events"}
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
+    wall = max(e for _, e in spans) - min(s for s, _ in spans)
+    by_group: collections.Counter = collections.Counter()
+    by_name: collections.Counter = collections.Counter()
+    for e in kernels:
+        by_group[group_of(e["name"])] += float(e["dur"])
+        by_name[e["name"][:80]] += float(e["dur"])
+    busy = union_us(spans)
+    return {
+        "steps": steps,
+        "kernels": len(kernels),
+        "wall_us_per_step": wall / steps,
+        "gpu_busy_us_per_step": busy / steps,
+        "gpu_idle_share": 1 - busy / wall if wall else 0.0,
+        "groups_us_per_step": {k: v / steps for k, v in by_group.most_common(8)},
+        "top_kernels_us_per_step": {k: v / steps for k, v in by_name.most_common(12)},
+    }
+
+
+def profile(server: RealServer, prompt: str, steps: int, out_dir: Path) -> dict:
+    server.complete(prompt, 2)  # the prompt into the prefix cache
+    server.complete(prompt, 32)  # warm: every graph this row replays
+    out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(out_dir.glob("*.trace.json*"))
+    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["GPU"], "with_stack": False,
+            "record_shapes": False, "profile_id": f"{server.spec.name}-{len(prompt)}"}  # fmt: skip
+
+    def start():  # once the request decodes: the profiled steps are verify steps, not the prompt's prefill
+        httpx.post(f"{server.url}/start_profile", json=body, timeout=60).raise_for_status()
+
+    t0 = time.monotonic()
+    # Enough tokens that the profiled steps all decode this request (an NGRAM step accepts up to 8).
+    server.stream([prompt], 8 * steps + 64, timeout=300, on_first=start)
+    while time.monotonic() - t0 < 120:  # the trace is written when the last profiled step ends
+        new = set(out_dir.glob("*.trace.json*")) - before
+        if new:
+            path = max(new, key=lambda p: p.stat().st_mtime)
+            time.sleep(1.0)  # let the writer finish
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rt") as f:
+                trace = json.load(f)
+            path.unlink()  # traces are large; the summary is what this keeps
+            return summarize(trace, steps)
+        time.sleep(0.5)
+    return {"error": "no trace written in 120 s"}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| algorithm | prompt | mode | step wall (us) | GPU busy (us) | GPU idle | GPU time per step by kernel group (us) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s = r["summary"]
+        if "error" in s:
+            lines.append(f"| {r['algorithm']} | {r['prompt']} | {r['mode']} | {s['error']} | | | |")
+            continue
+        groups = "; ".join(f"{k} {v:.0f}" for k, v in s["groups_us_per_step"].items())
+        lines.append(f"| {r['algorithm']} | {r['prompt']} | {r['mode']} | {s['wall_us_per_step']:.0f} | "
+                     f"{s['gpu_busy_us_per_step']:.0f} | {100 * s['gpu_idle_share']:.0f}% | {groups} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the table here (and .json beside it)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--algorithms", default="NEXTN,NGRAM")
+    ap.add_argument("--prompts", default="512,32768", help="prompt lengths in tokens")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--root", default="/tmp/kdtree-profile-engine")
+    args = ap.parse_args()
+    reason = unavailable()
+    if reason:
+        print(f"profile_engine: {reason}", file=sys.stderr)
+        return 2
+    root = Path(args.root)
+    prompts = [int(x) for x in args.prompts.split(",") if x]
+    model = write_model(root / f"model-{args.layers}l", layers=args.layers, nextn=True)
+    servers = {}
+    for algo in [a.strip().upper() for a in args.algorithms.split(",") if a.strip()]:
+        for mode in (Mode.OFF, Mode.ON):
+            spec = ServerSpec(f"{algo.lower()}-{args.layers}l-{mode.value}", algo, mode, layers=args.layers,
+                              max_total_tokens=max(prompts) + 8 * args.steps + 8192,
+                              extra_args=("--sleep-on-idle",))  # fmt: skip
+            servers[(algo, mode.value)] = RealServer(spec, root / spec.name, model).start()
+    rows = []
+    try:
+        for s in servers.values():
+            s.wait_ready(timeout=540)
+        for (algo, mode), s in servers.items():
+            for plen in prompts:
+                summary = profile(s, prompt_of(plen, seed=plen), args.steps, root / "traces")
+                rows.append({"algorithm": algo, "prompt": plen, "mode": mode, "layers": args.layers,
+                             "summary": summary})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for s in servers.values():
+            s.stop(timeout=30)
+    text = markdown(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
