@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "kernel_build" / "bench" / "source_id.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from source_id import source_id  # noqa: E402
+from source_id import checkout, source_id  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -73,3 +73,14 @@ def test_cli_names_the_problem_with_a_bad_revision(repo):
     assert r.returncode == 1 and "REV must name a commit" in r.stderr
     r = subprocess.run([sys.executable, SCRIPT, "HEAD"], cwd=repo, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == source_id("HEAD", cwd=str(repo))
+
+
+def test_a_table_names_head_marks_uncommitted_kernel_or_runtime_changes_and_gives_the_id(repo):
+    head = git(repo, "rev-parse", "--short", "HEAD").strip()
+    assert checkout(cwd=str(repo)) == f"{head}; sources {source_id('HEAD', cwd=str(repo))}"
+    (repo / "README.md").write_text("edited\n")  # not a source: not marked
+    assert "uncommitted" not in checkout(cwd=str(repo))
+    (repo / "kdtree" / "kernel.py").write_text("binding v2\n")
+    assert checkout(cwd=str(repo)) == (
+        f"{head} + uncommitted changes to the kernel or runtime; sources {source_id(cwd=str(repo))}"
+    )

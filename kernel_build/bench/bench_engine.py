@@ -33,7 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from real_server import RealServer, ServerSpec, divergence, unavailable  # noqa: E402
-from source_id import source_id  # noqa: E402  (this script's folder is on sys.path)
+from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import config, prompt_of, write_model  # noqa: E402
 
 from kdtree.config import Mode  # noqa: E402
@@ -43,17 +43,6 @@ DEFAULT_PROMPTS = (512, 2048, 32768)
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def _commit() -> str:
-    import subprocess
-
-    r = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return (r.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
 def timed_round(server: RealServer, prompts: list[str], max_tokens: int) -> dict:
@@ -164,8 +153,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     cfg = config(layers=args.layers[0])
     head = [
-        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {_commit()}; "
-        f"sources {source_id()} (source_id.py: the device copy's HEAD may be older than its files)",
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {checkout()}",
         f"Command: {' '.join(sys.argv)}",
         f"Model: tiny DeepSeek-V3 architecture, random weights (--load-format dummy), layers {args.layers}, hidden "
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA kv_lora_rank {cfg['kv_lora_rank']} + rope "

@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 if importlib.util.find_spec("sgl_kernel") is None:
     import sglang_stubs  # noqa: F401  (stands in for SGLang's compiled packages the attention path never calls)
-from bench_verify import _commit  # noqa: E402  (this script's folder is on sys.path)
 from sglang_fixture import forward, graph_setup  # noqa: E402
+from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 
 from kdtree.bench import replay_us  # noqa: E402
 from kdtree.verify import VerifyCall  # noqa: E402
@@ -179,7 +179,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
     head = [
-        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {_commit()}",
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {checkout()}",
         f"Graphs of one verify step, {LAYERS} calls (layers); command: {' '.join(sys.argv)}",
         "",
     ]

@@ -22,12 +22,11 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
 import triton.testing
-from source_id import SOURCES, source_id  # this script's folder is on sys.path
+from source_id import checkout  # this script's folder is on sys.path
 
 from kdtree import bench, kernel
 from kdtree.bench import GRID, QUICK, copy_bandwidth, device_info, measure, progress, table
@@ -62,23 +61,6 @@ def flash_attention_tflops() -> tuple[str, dict[int, float]]:
 
     rates = {d: rate(d) for d in (128, 256)}
     return impl, rates
-
-
-def _commit() -> str:
-    """HEAD, marked when the kernel or the runtime differ from it (what a table must not hide), and the id of
-    the sources that ran: a GPU machine's copy of the checkout may carry an older HEAD than its files, and
-    `source_id.py REV` here says which commit the id belongs to."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", *SOURCES)
-    try:
-        ids = f"; sources {source_id()}"
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout
-        ids = ""
-    return head + (" + uncommitted changes to the kernel or runtime" if dirty else "") + ids
 
 
 def main() -> None:
@@ -126,7 +108,7 @@ def main() -> None:
         )
         print(progress(rows[-1]), flush=True)
 
-    commit = _commit()
+    commit = checkout()
     head = [
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit}",
         f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s; mma.sync bf16 {mma:.0f} TFLOP/s "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import gzip
 import json
 import re
@@ -29,6 +30,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from real_server import RealServer, ServerSpec, unavailable  # noqa: E402
+from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import prompt_of, write_model  # noqa: E402
 
 from kdtree.config import Mode  # noqa: E402
@@ -37,7 +39,7 @@ from kdtree.config import Mode  # noqa: E402
 GROUPS = [
     ("kdtree verify", re.compile(r"tree_verify|combine_kernel|mode_gate|mode_post|parity")),
     ("triton extend (prefix + draft)", re.compile(r"^_fwd_kernel$|extend_attention|_fwd_kernel_unified")),
-    ("triton decode", re.compile(r"_fwd_grouped_kernel_stage1|_fwd_kernel_stage[12]|decode")),
+    ("triton decode", re.compile(r"_fwd_grouped_kernel_stage1|_fwd_kernel_stage[12]|decode_attention")),
     ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|nvjet|cublas", re.I)),
 ]
 
@@ -80,7 +82,11 @@ def summarize(trace: dict, steps: int) -> dict:
         "wall_us_per_step": wall / steps,
         "gpu_busy_us_per_step": busy / steps,
         "gpu_idle_share": 1 - busy / wall if wall else 0.0,
-        "groups_us_per_step": {k: v / steps for k, v in by_group.most_common(8)},
+        # the named groups always (0 where none ran), then the largest of the rest
+        "groups_us_per_step": {
+            **{label: by_group[label] / steps for label, _ in GROUPS},
+            **{k: v / steps for k, v in by_group.most_common(8) if k not in dict(GROUPS)},
+        },
         "top_kernels_us_per_step": {k: v / steps for k, v in by_name.most_common(12)},
     }
 
@@ -165,11 +171,20 @@ def main() -> int:
     finally:
         for s in servers.values():
             s.stop(timeout=30)
-    text = markdown(rows)
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    head = [
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {checkout()}",
+        f"Command: {' '.join(sys.argv)}",
+        f"{args.layers} layers (tests/gpu/tiny_model.py), batch 1, {args.steps} decode steps a row, SGLang's profiler "
+        "(GPU activity) from the request's first token on; CUDA graphs for batch 1-4, Triton attention",
+    ]
+    text = "\n".join(head) + "\n\n" + markdown(rows)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"head": head, "rows": rows}, indent=1))
     return 0
 
 

@@ -42,6 +42,23 @@ def source_id(rev: str | None = None, cwd: str | None = None) -> str:
     return _digest(list(zip(blobs, files, strict=True)))
 
 
+def checkout(cwd: str | None = None) -> str:
+    """What a benchmark's table says ran: HEAD, marked when the kernel or the runtime differ from it (what a table
+    must not hide), and the id of the sources that ran (a GPU machine's copy of the checkout may carry an older
+    HEAD than its files: `source_id.py REV` here says which commit the id belongs to)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", *SOURCES)
+    try:
+        ids = f"; sources {source_id(cwd=cwd)}"
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
+        ids = ""
+    return head + (" + uncommitted changes to the kernel or runtime" if dirty else "") + ids
+
+
 if __name__ == "__main__":
     try:
         print(source_id(sys.argv[1] if len(sys.argv) > 1 else None))
