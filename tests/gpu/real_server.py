@@ -267,11 +267,16 @@ class RealServer(Orchestrated):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _body(self, prompt, max_tokens: int, **extra) -> dict:
+        """A /v1/completions request: greedy, ignore_eos, token ids and speculative details returned."""
+        return {"model": str(self.model_dir), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "return_spec_tokens_details": True, **extra}  # fmt: skip
+
     def complete(self, prompt, max_tokens: int = 32, timeout: float = 600, **extra) -> dict:
         """POST /v1/completions, greedy, ignore_eos; prompt may be a list (one batch). Raises on a non-200."""
-        body = {"model": str(self.model_dir), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, "return_spec_tokens_details": True, **extra}  # fmt: skip
-        r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout)
+        r = httpx.post(
+            f"{self.url}/v1/completions", json=self._body(prompt, max_tokens, **extra), timeout=timeout
+        )
         if r.status_code != 200:
             raise RuntimeError(
                 f"{self.spec.name}: POST /v1/completions answered {r.status_code}: {r.text[:500]}"
@@ -284,9 +289,7 @@ class RealServer(Orchestrated):
         """The prompts as one batch, greedy, streamed (POST /v1/completions, stream): a `Streamed` per prompt, in
         prompt order (its first chunk is the token the prefill produced; what follows is decode, verify steps), and
         the spec_accept_length SGLang reports for each request at the end. on_first: as read_stream's."""
-        body = {"model": str(self.model_dir), "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, "return_spec_tokens_details": True,
-                "stream": True}  # fmt: skip
+        body = self._body(prompts, max_tokens, stream=True)
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{self.spec.name}: POST /v1/completions (stream) answered {r.status_code}: "
