@@ -81,6 +81,9 @@ class StateDirSettings(KdtreeSettings):
 # The bound is about twice the measured maximum (kernel_build/NOTES.md, "fp8 pools"); the setting's rtol applies
 # when it is the larger.
 FP8_PARITY_RTOL = {"float8_e4m3fn": 0.06, "float8_e5m2": 0.12}
+# The largest v_scale the kernel reads an fp8 pool with (KDTREE_FP8_MAX_V_SCALE): its P (<= 2^8) times v_scale is
+# stored in f16 for the f16 mma (kernel_build/NOTES.md, "fp8 pools"). A layer above it falls back as "kv_scale".
+FP8_MAX_V_SCALE = 128
 
 
 class KernelSettings(KdtreeSettings):

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from kdtree.config import KernelSettings
+from kdtree.config import FP8_MAX_V_SCALE, KernelSettings
 
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
-ABI_VERSION = 5  # kernel_build/include/kdtree_verify.h
+ABI_VERSION = 6  # kernel_build/include/kdtree_verify.h
 CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
 # Pool dtypes (enum kdtree_kv_dtype): SGLang's MLA pool for --kv-cache-dtype auto, fp8_e4m3 and fp8_e5m2.
 KV_DTYPES = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -383,6 +383,10 @@ def tree_verify(
         _need(isinstance(x, numbers.Real) and math.isfinite(x) and x > 0, name, "a positive finite float", x)
     if k_buf.dtype == torch.bfloat16 and (k_scale, v_scale) != (1.0, 1.0):
         raise Unsupported(f"kv_scales {kv_scales} on a bf16 pool: kdtree reads a bf16 pool unscaled")
+    if k_buf.dtype != torch.bfloat16 and v_scale > FP8_MAX_V_SCALE:
+        raise Unsupported(
+            f"v_scale {v_scale} above {FP8_MAX_V_SCALE} on an fp8 pool: its P times v_scale runs in f16"
+        )
     _need(q.dtype == torch.bfloat16, "q", "bfloat16", q.dtype)
     _need(q.is_cuda, "q", "a CUDA tensor", q.device)
     dev = q.device

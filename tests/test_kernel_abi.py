@@ -36,6 +36,7 @@ def define(name: str) -> int:
 def test_constants_and_enums_agree():
     assert kernel.ABI_VERSION == define("KDTREE_ABI_VERSION")
     assert (kernel.QK_DIM, kernel.V_DIM) == (define("KDTREE_QK_DIM"), define("KDTREE_V_DIM"))
+    assert kernel.FP8_MAX_V_SCALE == define("KDTREE_FP8_MAX_V_SCALE")
     assert {"KDTREE_I32": kernel._I32, "KDTREE_I64": kernel._I64} == enum("kdtree_index_type")
     assert {f"KDTREE_CONFIG_{k.upper()}": v for k, v in kernel.CONFIGS.items()} == enum("kdtree_config")
     assert {f"KDTREE_MODE_{k.upper()}": v for k, v in kernel.MODE_CODES.items()} == enum("kdtree_mode")

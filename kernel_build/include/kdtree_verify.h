@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 5
+#define KDTREE_ABI_VERSION 6
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
@@ -28,9 +28,12 @@ enum kdtree_mode { KDTREE_MODE_OFF = 0, KDTREE_MODE_VALIDATE = 1, KDTREE_MODE_ON
 /* Tile configurations. WIDE needs ~191 KB of shared memory per block (sm_90, sm_100);
  * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
 enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
-/* The pool's element type. fp8 rows are widened to bf16 (exactly) in shared memory, on the way into the bf16
- * mma.sync path; the scales are applied in fp32 to the prefix's scores (k_scale) and probabilities (v_scale). */
+/* The pool's element type. An fp8 pool's kernels run mma.sync in f16: its rows are widened to f16 (exactly) in
+ * registers, q and the draft rows converted to f16 (exactly within f16's range, |x| <= 65504: SGLang's Triton kernel
+ * casts q to the pool's fp8 type, whose range is smaller); the scales are applied in fp32 to the prefix's scores
+ * (k_scale) and probabilities (v_scale, at most KDTREE_FP8_MAX_V_SCALE: P times v_scale is stored in f16). */
 enum kdtree_kv_dtype { KDTREE_KV_BF16 = 0, KDTREE_KV_FP8_E4M3 = 1, KDTREE_KV_FP8_E5M2 = 2 };
+#define KDTREE_FP8_MAX_V_SCALE 128
 
 enum kdtree_status {
   KDTREE_OK = 0,

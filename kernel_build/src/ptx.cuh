@@ -1,5 +1,6 @@
 // Thin wrappers over the PTX instructions the kernel is built from: cp.async, ldmatrix, mma.sync
-// m16n8k16 bf16 (sm_80 and later), and the thread-block-cluster ones (sm_90 and later, sm_120 included).
+// m16n8k16 bf16 and f16 (sm_80 and later), fp8 -> f16 conversion (sm_89 and later), and the thread-block-cluster
+// ones (sm_90 and later, sm_120 included).
 #pragma once
 #include <cstdint>
 
@@ -34,6 +35,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 // c += a (16x16, row) * b (16x8, col); bf16 inputs, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -41,6 +46,32 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a * b as mma_bf16, f16 inputs.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four fp8 values (bytes 0..3 of w, e4m3 when E4M3, else e5m2) as two f16x2, exactly (every e4m3 and e5m2 value is
+// an f16 value): lo = (byte 0, byte 2), hi = (byte 1, byte 3). One prmt and two F2FP.
+template <bool E4M3>
+__device__ __forceinline__ void fp8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  if constexpr (E4M3) {
+    asm("{\n .reg .b16 l, h;\n .reg .b32 t;\n prmt.b32 t, %2, 0, 0x3120;\n mov.b32 {l, h}, t;\n"
+        " cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+  } else {
+    asm("{\n .reg .b16 l, h;\n .reg .b32 t;\n prmt.b32 t, %2, 0, 0x3120;\n mov.b32 {l, h}, t;\n"
+        " cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+  }
 }
 
 // Every thread of the cluster's CTAs: writes before it (shared memory included) are visible after it.

@@ -1,9 +1,9 @@
 """The kernel on fp8 KV pools (e4m3, e5m2) with scales: against an fp64 reference of the dequantised pool (the same
 fp8 inputs) and against SGLang's own Triton extend kernel on the same pool, on the cases of test_kernel_gpu.
 
-kdtree widens the pool to bf16 exactly and applies the scales in fp32, so it must land as close to the fp64 as on a
-bf16 pool, and no further than Triton, which quantises q and P to the pool's fp8 dtype (kernel_build/NOTES.md, "fp8
-pools"). Validate compares kdtree with Triton against kdtree.verify.FP8_PARITY_RTOL, so that bound must hold here.
+kdtree widens the pool to f16 exactly (q and the draft rows to f16, P in f16, an f16 mma.sync) and applies the scales in
+fp32, so it must land as close to the fp64 as on a bf16 pool, and no further than Triton, which quantises q and P to
+the pool's fp8 dtype (kernel_build/NOTES.md, "fp8 pools"). Validate compares kdtree with Triton against kdtree.verify.FP8_PARITY_RTOL, so that bound must hold here.
 With KDTREE_FP8_ERRORS set, each case's errors are appended to that file as JSON lines (device_run.sh fp8 keeps them).
 """
 
