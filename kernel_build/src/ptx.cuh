@@ -35,6 +35,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+// N = 4 or 2 matrices, as ldmatrix_x4 / ldmatrix_x2.
+template <int N>
+__device__ __forceinline__ void ldmatrix_n(uint32_t (&r)[N], uint32_t addr) {
+  static_assert(N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 matrices");
+  if constexpr (N == 4) ldmatrix_x4(r, addr);
+  else ldmatrix_x2(r, addr);
+}
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
@@ -61,16 +68,15 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
 // an f16 value): lo = (byte 0, byte 2), hi = (byte 1, byte 3). One prmt and two F2FP.
 template <bool E4M3>
 __device__ __forceinline__ void fp8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  uint32_t t;
+  asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(t) : "r"(w));  // bytes 0, 2, 1, 3
+  const uint16_t l = static_cast<uint16_t>(t), h = static_cast<uint16_t>(t >> 16);
   if constexpr (E4M3) {
-    asm("{\n .reg .b16 l, h;\n .reg .b32 t;\n prmt.b32 t, %2, 0, 0x3120;\n mov.b32 {l, h}, t;\n"
-        " cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(l));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(h));
   } else {
-    asm("{\n .reg .b16 l, h;\n .reg .b32 t;\n prmt.b32 t, %2, 0, 0x3120;\n mov.b32 {l, h}, t;\n"
-        " cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(lo) : "h"(l));
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(hi) : "h"(h));
   }
 }
 

@@ -390,7 +390,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
       for (int e = 0; e < 4; ++e) sc[j][e] = s2[j][e] = 0.f;
     if constexpr (is_fp8(KV)) {
       if (!w.draft_tile(t)) {  // fp8 key rows: one 16-byte chunk is a whole k-step of a row
-        // Lane l reads key row nb*8 + l (the x4's n-tiles nb..nb+3; an x2 takes lanes 0-15), fp8 chunk ks.
+        // Lane l reads key row nb*8 + l (n-tile nb + l / 8; an x2 takes lanes 0-15), fp8 chunk ks.
         const uint32_t k_row = smem_u32(Kt + lane * ROW_BYTES);
 #pragma unroll
         for (int ks = 0; ks < QK / 16; ++ks) {
@@ -398,29 +398,16 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
           uint32_t a[4];
           q_frag(ks, a);
           float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
-          if constexpr (C::NB_QK % 4 == 0) {
+          constexpr int X = C::NB_QK % 4 == 0 ? 4 : 2;  // n-tiles per ldmatrix
 #pragma unroll
-            for (int nb = 0; nb < C::NB_QK; nb += 4) {
-              uint32_t r[4];
-              ldmatrix_x4(r, k_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
+          for (int nb = 0; nb < C::NB_QK; nb += X) {
+            uint32_t r[X];
+            ldmatrix_n<X>(r, k_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
 #pragma unroll
-              for (int m = 0; m < 4; ++m) {
-                uint32_t b0, b1;
-                fp8x4_to_f16x2x2<KV == kKvE4m3>(r[m], b0, b1);
-                mma_f16(acc[nb + m], a, b0, b1);
-              }
-            }
-          } else {
-#pragma unroll
-            for (int nb = 0; nb < C::NB_QK; nb += 2) {
-              uint32_t r[2];
-              ldmatrix_x2(r, k_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
-#pragma unroll
-              for (int m = 0; m < 2; ++m) {
-                uint32_t b0, b1;
-                fp8x4_to_f16x2x2<KV == kKvE4m3>(r[m], b0, b1);
-                mma_f16(acc[nb + m], a, b0, b1);
-              }
+            for (int m = 0; m < X; ++m) {
+              uint32_t b0, b1;
+              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[m], b0, b1);
+              mma_f16(acc[nb + m], a, b0, b1);
             }
           }
         }
