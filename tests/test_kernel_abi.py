@@ -122,3 +122,22 @@ def test_every_entry_point_records_why_it_refused_its_arguments():
             RuntimeError, match=rf"^{name} failed \(KDTREE_ERR_ARGUMENT\): {re.escape(message)}$"
         ):
             kernel._check(rc, name)
+
+
+def test_the_launch_refuses_an_fp8_pool_v_scale_its_f16_p_cannot_hold():
+    """An fp8 pool's P (<= 2^8) times v_scale is stored in f16: the launch refuses v_scale above
+    KDTREE_FP8_MAX_V_SCALE before any CUDA call (the pointers are never read)."""
+    try:
+        lib = kernel.library()
+    except kernel.KernelUnavailable as e:
+        pytest.skip(str(e))
+    a = kernel._Args(q=1, k_ext=1, k_buf=1, out=1, qo_indptr=1, kv_indptr=1, batch=1, num_heads=1, max_q_len=1,
+                     cta_slots=1, config=1, sm_scale=0.1, k_buf_stride=576, k_scale=1.0)  # fmt: skip
+    for dtype, v_scale, says in [
+        (kernel.KV_DTYPES[torch.float8_e4m3fn], kernel.FP8_MAX_V_SCALE * 1.01, "v_scale above"),
+        (kernel.KV_DTYPES[torch.float8_e5m2], kernel.FP8_MAX_V_SCALE * 1.01, "v_scale above"),
+        (kernel.KV_DTYPES[torch.bfloat16], 2.0, "a bf16 pool is read unscaled"),
+    ]:
+        a.kv_dtype, a.v_scale = dtype, v_scale
+        assert kernel.STATUS.get(lib.kdtree_verify_launch(ctypes.byref(a), None)) == "KDTREE_ERR_ARGUMENT"
+        assert says in lib.kdtree_last_error().decode()
