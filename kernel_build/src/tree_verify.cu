@@ -98,6 +98,8 @@ struct Cfg {
 #define KDTREE_RESCALE_SLACK 8.f
 #endif
 constexpr float RESCALE_SLACK = KDTREE_RESCALE_SLACK;
+// An fp8 pool's P (<= 2^RESCALE_SLACK) times v_scale (<= KDTREE_FP8_MAX_V_SCALE) is stored in f16 (< 65504).
+static_assert(RESCALE_SLACK <= 8.f, "P x KDTREE_FP8_MAX_V_SCALE must stay within f16");
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
@@ -172,7 +174,8 @@ __host__ __device__ constexpr bool is_fp8(Kv kv) { return kv != kKvBf16; }
 //   dim 2c and dim 2c + 1, which is what ldmatrix.trans of a de-interleaved f16 row gives.
 // So O's n-tile pair (2i, 2i + 1) holds block i interleaved: lane q has dims 4q..4q+3 (see the epilogue).
 // 16 bf16 values (chunks a: dims 0..7, b: dims 8..15 of a block) as f16, de-interleaved: even = dims 0, 2, .., 14;
-// odd = dims 1, 3, .., 15. Exact within f16's range (bf16's 8-bit significand fits f16's 11).
+// odd = dims 1, 3, .., 15. Exact for magnitudes in f16's normal range, 2^-14 to 65504 (bf16's 8-bit significand fits
+// f16's 11); smaller ones round to f16's subnormals, larger ones become inf (kdtree_verify.h says so).
 __device__ __forceinline__ void bf16x16_to_f16_deinterleaved(const uint4& a, const uint4& b, uint4& even, uint4& odd) {
   auto h2 = [](uint32_t w) {
     const __half2 h = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w)));
@@ -776,8 +779,9 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     const int kt0 = w.template start<is_fp8(KV)>(t, C::BN);
 
     // Draft values from a separate tensor replace this warp's dims of the staged draft rows (an fp8 pool's: as
-    // f16, de-interleaved, as convert_draft wrote the keys).
-    if (p.v_ext != nullptr && kt0 + C::BN > w.P) {
+    // f16, de-interleaved, as convert_draft wrote the keys; only in its draft tiles: a prefix tile past P holds
+    // zero-filled fp8 rows, which f16 bytes would turn into NaN).
+    if (p.v_ext != nullptr && (is_fp8(KV) ? w.draft_tile(t) : kt0 + C::BN > w.P)) {
       const int d_lo = max(kt0, w.P), d_hi = min(kt0 + C::BN, w.k_hi);
       if constexpr (is_fp8(KV)) {
         for (int c = lane; c < (d_hi - d_lo) * (C::CW / 2); c += 32) {
@@ -858,6 +862,13 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     }
     __syncwarp();  // every lane is done reading this stage before this warp refills it
     bar_arrive(C::BAR_P_FREE + buf, C::NT);
+    if constexpr (is_fp8(KV)) {
+      // A stage going from a prefix tile (fp8: this warp's dims are 64 bytes of a row) to a draft tile (f16: 128
+      // bytes) is refilled over other output warps' fp8 dims: all of them must be done with this tile's PV first.
+      // At most STAGES times a CTA, the same on every output warp.
+      if (!w.draft_tile(t) && t + C::STAGES < w.ntiles && w.draft_tile(t + C::STAGES))
+        bar_sync(C::BAR_EPILOGUE, C::NO * 32);
+    }
     if (t + C::STAGES < w.ntiles) load_tile(t + C::STAGES, next_slot);
     cp_async_commit();
     next_slot = slot_of(t + C::STAGES + 1);
