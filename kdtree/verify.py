@@ -38,8 +38,8 @@ import torch
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from kdtree.config import FP8_MAX_V_SCALE, Mode, VerifySettings
 from kdtree.config import FP8_PARITY_RTOL as FP8_PARITY_RTOL_BY_NAME
+from kdtree.config import Mode, VerifySettings
 from kdtree.control import ModeHolder
 
 # Absorbed MLA (DeepSeek-V3, Kimi-K2): q/k = 512 latent + 64 rope dims, v = the 512 latent dims, one KV head.
@@ -115,8 +115,6 @@ def fallback_reason(c: VerifyCall) -> str | None:
         return "kv_dtype"
     if pool_dtype == torch.bfloat16 and scales != (1.0, 1.0):
         return "kv_scale"  # a bf16 pool is read unscaled: the kernel applies scales to fp8 pools only
-    if pool_dtype != torch.bfloat16 and scales[1] > FP8_MAX_V_SCALE:
-        return "kv_scale"  # an fp8 pool's P runs in f16: P (<= 2^8) times v_scale must stay in its range
     if layer.k_scale is not None and not getattr(backend, "use_mla", False):
         return "kv_scale"  # forward_extend quantises a non-MLA pool through its scaled write, not kdtree's
     mask = backend.forward_metadata.custom_mask

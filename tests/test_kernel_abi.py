@@ -10,6 +10,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+import typing
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,16 @@ def define(name: str) -> int:
 def test_constants_and_enums_agree():
     assert kernel.ABI_VERSION == define("KDTREE_ABI_VERSION")
     assert (kernel.QK_DIM, kernel.V_DIM) == (define("KDTREE_QK_DIM"), define("KDTREE_V_DIM"))
-    assert kernel.FP8_MAX_V_SCALE == define("KDTREE_FP8_MAX_V_SCALE")
     assert {"KDTREE_I32": kernel._I32, "KDTREE_I64": kernel._I64} == enum("kdtree_index_type")
     assert {f"KDTREE_CONFIG_{k.upper()}": v for k, v in kernel.CONFIGS.items()} == enum("kdtree_config")
     assert {f"KDTREE_MODE_{k.upper()}": v for k, v in kernel.MODE_CODES.items()} == enum("kdtree_mode")
     assert {m.value for m in config.Mode} == set(kernel.MODE_CODES)
     names = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2"}
     assert {f"KDTREE_KV_{names[d]}": v for d, v in kernel.KV_DTYPES.items()} == enum("kdtree_kv_dtype")
+    assert {f"KDTREE_FP8_{k.upper()}": v for k, v in kernel.FP8_PATHS.items()} == enum("kdtree_fp8_path")
+    assert set(kernel.FP8_PATHS) == set(
+        typing.get_args(config.KernelSettings.model_fields["fp8_path"].annotation)
+    )
     assert {v: k for k, v in enum("kdtree_status").items()} == kernel.STATUS
 
 
@@ -124,20 +128,20 @@ def test_every_entry_point_records_why_it_refused_its_arguments():
             kernel._check(rc, name)
 
 
-def test_the_launch_refuses_an_fp8_pool_v_scale_its_f16_p_cannot_hold():
-    """An fp8 pool's P (<= 2^8) times v_scale is stored in f16: the launch refuses v_scale above
-    KDTREE_FP8_MAX_V_SCALE before any CUDA call (the pointers are never read)."""
+def test_the_launch_refuses_bad_scales_and_an_unknown_fp8_path():
+    """Scales on a bf16 pool and an fp8_path outside enum kdtree_fp8_path are refused before any CUDA call (the
+    pointers are never read); an fp8 pool's large v_scale is not (it is applied in fp32)."""
     try:
         lib = kernel.library()
     except kernel.KernelUnavailable as e:
         pytest.skip(str(e))
     a = kernel._Args(q=1, k_ext=1, k_buf=1, out=1, qo_indptr=1, kv_indptr=1, batch=1, num_heads=1, max_q_len=1,
                      cta_slots=1, config=1, sm_scale=0.1, k_buf_stride=576, k_scale=1.0)  # fmt: skip
-    for dtype, v_scale, says in [
-        (kernel.KV_DTYPES[torch.float8_e4m3fn], kernel.FP8_MAX_V_SCALE * 1.01, "v_scale above"),
-        (kernel.KV_DTYPES[torch.float8_e5m2], kernel.FP8_MAX_V_SCALE * 1.01, "v_scale above"),
-        (kernel.KV_DTYPES[torch.bfloat16], 2.0, "a bf16 pool is read unscaled"),
+    for dtype, v_scale, fp8_path, says in [
+        (kernel.KV_DTYPES[torch.float8_e4m3fn], 1.0, 2, "fp8_path must be"),
+        (kernel.KV_DTYPES[torch.float8_e5m2], 1000.0, -1, "fp8_path must be"),
+        (kernel.KV_DTYPES[torch.bfloat16], 2.0, 0, "a bf16 pool is read unscaled"),
     ]:
-        a.kv_dtype, a.v_scale = dtype, v_scale
+        a.kv_dtype, a.v_scale, a.fp8_path = dtype, v_scale, fp8_path
         assert kernel.STATUS.get(lib.kdtree_verify_launch(ctypes.byref(a), None)) == "KDTREE_ERR_ARGUMENT"
         assert says in lib.kdtree_last_error().decode()

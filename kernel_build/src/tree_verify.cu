@@ -2,9 +2,10 @@
 // (draft token x head) rows packed into the MMA M dimension so every key row is read once per row
 // tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of
 // two CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate),
-// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool's kernels run the same instruction in f16: its
-// prefix tiles are read fp8 from shared memory and widened in registers (exactly: every e4m3 / e5m2 value is an
-// f16 value), its scales applied in fp32.
+// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool's prefix tiles stay fp8 in shared memory and take
+// one of two paths (enum kdtree_fp8_path): widened exactly to f16 in registers into the same instruction in f16
+// (widen), or mma.sync m16n8k32 fp8 x fp8 with q and P quantised as SGLang's Triton kernel does (mma); its scales
+// are applied in fp32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -98,8 +99,8 @@ struct Cfg {
 #define KDTREE_RESCALE_SLACK 8.f
 #endif
 constexpr float RESCALE_SLACK = KDTREE_RESCALE_SLACK;
-// An fp8 pool's P (<= 2^RESCALE_SLACK) times v_scale (<= KDTREE_FP8_MAX_V_SCALE) is stored in f16 (< 65504).
-static_assert(RESCALE_SLACK <= 8.f, "P x KDTREE_FP8_MAX_V_SCALE must stay within f16");
+// An fp8 pool's P (<= 2^RESCALE_SLACK) is stored in f16 (widen) or e4m3 (mma, at most 448).
+static_assert(RESCALE_SLACK <= 8.f, "P must stay within e4m3's range");
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
@@ -173,6 +174,15 @@ __host__ __device__ constexpr bool is_fp8(Kv kv) { return kv != kKvBf16; }
 //   (dim 2c: both keys) and (dim 2c + 1: both keys): the B fragments of two n-tiles whose column c is the block's
 //   dim 2c and dim 2c + 1, which is what ldmatrix.trans of a de-interleaved f16 row gives.
 // So O's n-tile pair (2i, 2i + 1) holds block i interleaved: lane q has dims 4q..4q+3 (see the epilogue).
+// The mma path (MMA8) keeps that layout, and the draft tiles and Q in shared memory as they are (f16, de-interleaved),
+// for its prefix tiles only:
+// - QK^T: q as the pool's fp8 type (Triton's q.to(k.dtype)) in registers, m16n8k32 A fragments straight from global
+//   memory; ldmatrix of fp8 key rows gives the B fragment as it is (lane l: dims 4q..4q+3 of key l / 4);
+// - PV: the k slots of an m16n8k32 are the tile's keys permuted, slot 4q + i of each 16 = key
+//   {2q, 2q + 1, 8 + 2q, 9 + 2q}[i]: what a score lane holds of a row (n-tiles 2m and 2m + 1) and what two
+//   ldmatrix.trans of 8 fp8 keys give a lane of one dim pair (bytes 0, 2 of each: dim 2c; bytes 1, 3: dim 2c + 1).
+//   P is stored as e4m3 in that order (unscaled: P <= 2^RESCALE_SLACK is within e4m3's 448; Triton casts P <= 1 to
+//   the pool's type, e5m2 too, which keeps one bit fewer).
 // 16 bf16 values (chunks a: dims 0..7, b: dims 8..15 of a block) as f16, de-interleaved: even = dims 0, 2, .., 14;
 // odd = dims 1, 3, .., 15. Exact for magnitudes in f16's normal range, 2^-14 to 65504 (bf16's 8-bit significand fits
 // f16's 11); smaller ones round to f16's subnormals, larger ones become inf (kdtree_verify.h says so).
@@ -181,16 +191,11 @@ __device__ __forceinline__ void bf16x16_to_f16_deinterleaved(const uint4& a, con
     const __half2 h = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w)));
     return *reinterpret_cast<const uint32_t*>(&h);
   };
-  auto pick = [](uint32_t x, uint32_t y, uint32_t sel) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(sel));
-    return r;
-  };
   const uint32_t w[8] = {h2(a.x), h2(a.y), h2(a.z), h2(a.w), h2(b.x), h2(b.y), h2(b.z), h2(b.w)};
-  even = make_uint4(pick(w[0], w[1], 0x5410), pick(w[2], w[3], 0x5410), pick(w[4], w[5], 0x5410),
-                    pick(w[6], w[7], 0x5410));
-  odd = make_uint4(pick(w[0], w[1], 0x7632), pick(w[2], w[3], 0x7632), pick(w[4], w[5], 0x7632),
-                   pick(w[6], w[7], 0x7632));
+  even = make_uint4(prmt(w[0], w[1], 0x5410), prmt(w[2], w[3], 0x5410), prmt(w[4], w[5], 0x5410),
+                    prmt(w[6], w[7], 0x5410));
+  odd = make_uint4(prmt(w[0], w[1], 0x7632), prmt(w[2], w[3], 0x7632), prmt(w[4], w[5], 0x7632),
+                   prmt(w[6], w[7], 0x7632));
 }
 
 struct Params {
@@ -205,7 +210,7 @@ struct Params {
   float* part_o; float* part_lse;
   unsigned long long* counter; unsigned long long* counter_mirror;
   float scale_log2;
-  float k_scale, v_scale;  // an fp8 pool's scales (the bf16 kernel reads neither)
+  float k_scale, v_scale;  // an fp8 pool's scales (the bf16 kernels read neither)
   int H, splits, m_tiles;
   int pair;  // two splits, launched in clusters of two CTAs that merge on chip (see the kernel's epilogue)
 };
@@ -290,7 +295,7 @@ static_assert(sizeof(SmemLayout<Wide>) == Wide::SMEM && sizeof(SmemLayout<Compac
 // Score warp `sw`: rows sw*16.., every key of each tile. Row max / sum stay in registers (the warp owns
 // whole rows); P (bf16, as SGLang's Triton kernel feeds its P.V product) and the rescale factor go to
 // shared memory for the output warps.
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const Smem<C>& sm, int sw, int lane) {
   // The warp's 16 Q rows, consecutive lanes on consecutive chunks of a row; rows past this request's rows
   // are zero-filled. One row address per row, stepped from the first: a division by H per chunk made Q
@@ -308,8 +313,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     if (++head == p.H) head = 0, ++tok;
   }
   cp_async_commit();
-  uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
-  if constexpr (C::Q_DIRECT) {  // the register part of Q as mma A fragments, straight from global memory
+  uint32_t qf[C::QREG > 0 && !MMA8 ? C::QREG : 1][4];
+  if constexpr (C::Q_DIRECT && !MMA8) {  // the register part of Q as mma A fragments, straight from global memory
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int gr = w.m0 + sw * 16 + (lane >> 2) + 8 * h;
@@ -335,6 +340,43 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
       }
     }
   }
+  // MMA8: this lane's rows of Q (g = lane / 4 and g + 8 of the warp's 16) in global memory, and Q as the pool's fp8
+  // type, every 32-dim k-step an m16n8k32 A fragment in registers (72 of them).
+  const __nv_bfloat16* q_g[2];
+  bool q_ok[2];
+  uint32_t q8[MMA8 ? QK / 32 : 1][4];
+  if constexpr (MMA8) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = w.m0 + sw * 16 + (lane >> 2) + 8 * h;
+      q_ok[h] = gr < w.rows;
+      q_g[h] = p.q + (q_ok[h] ? (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh : 0);
+    }
+    auto fp8x4 = [](uint2 v) {  // four bf16 (dims d..d+3) as fp8, exactly as a float's cast
+      return f32x4_to_fp8x4<KV == kKvE4m3>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                           __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    };
+#pragma unroll
+    for (int ks = 0; ks < QK / 32; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2* row = reinterpret_cast<const uint2*>(q_g[h] + ks * 32) + (lane & 3);  // dims 32ks + 4t..
+        q8[ks][h] = fp8x4(q_ok[h] ? __ldg(row) : make_uint2(0u, 0u));
+        q8[ks][2 + h] = fp8x4(q_ok[h] ? __ldg(row + 4) : make_uint2(0u, 0u));  // dims 32ks + 16 + 4t..
+      }
+  }
+  // MMA8 with Q_DIRECT: a draft tile's f16 k-step below Q_FROM (not in shared memory), from global memory.
+  auto q_f16_global = [&](int ks, uint32_t (&a)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2* row = reinterpret_cast<const uint2*>(q_g[h]) + (lane & 3);
+      const uint2 v = q_ok[h] ? __ldg(row + ks * 4) : make_uint2(0u, 0u);
+      uint4 even, odd;
+      bf16x16_to_f16_deinterleaved(make_uint4(v.x, v.y, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), even, odd);
+      a[h] = even.x;
+      a[2 + h] = odd.x;
+    }
+  };
   cp_async_wait<0>();
   __syncwarp();
   if constexpr (is_fp8(KV)) {  // the warp's Q rows in shared memory as f16, each 16-dim block de-interleaved
@@ -357,7 +399,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * C::Q_ROW_BYTES);
   const int q_x = ((lane >> 4) ^ lane) & 7;
   auto q_at = [&](int ks) { return q_row + swz_in_row(2 * (ks - C::Q_FROM), q_x); };
-  if constexpr (!C::Q_DIRECT) {
+  if constexpr (!C::Q_DIRECT && !MMA8) {
 #pragma unroll
     for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_at(ks));
   }
@@ -376,7 +418,10 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   // S = Q K^T of tile t (16 rows x BN keys, raw scores) in two accumulator sets (even / odd k-steps:
   // half the mma dependency chain); straight-line code, so it can interleave with other work.
   auto q_frag = [&](int ks, uint32_t (&a)[4]) {
-    if (ks < C::QREG) {
+    if constexpr (MMA8) {  // a draft tile's: Q's f16 k-steps are in shared memory from Q_FROM on
+      if (ks >= C::Q_FROM) ldmatrix_x4(a, q_at(ks));
+      else q_f16_global(ks, a);
+    } else if (ks < C::QREG) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) a[e] = qf[ks < C::QREG ? ks : 0][e];
     } else {
@@ -391,10 +436,29 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[j][e] = s2[j][e] = 0.f;
-    if constexpr (is_fp8(KV)) {
+    if constexpr (MMA8) {
+      if (!w.draft_tile(t)) {  // fp8 x fp8, addressed as the bf16 rows below (a k-step is 32 fp8 dims, two chunks):
+        // the x4 gives b0, b1 of n-tiles nb and nb + 1
+        const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
+        const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
+#pragma unroll
+        for (int ks = 0; ks < QK / 32; ++ks) {
+          side(ks);
+          float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
+#pragma unroll
+          for (int nb = 0; nb < C::NB_QK; nb += 2) {
+            uint32_t bb[4];
+            ldmatrix_x4(bb, k_row + nb * 8 * ROW_BYTES + swz_in_row(2 * ks, k_x));
+            mma_fp8<KV == kKvE4m3, KV == kKvE4m3>(acc[nb], q8[ks], bb[0], bb[1]);
+            mma_fp8<KV == kKvE4m3, KV == kKvE4m3>(acc[nb + 1], q8[ks], bb[2], bb[3]);
+          }
+        }
+        return;
+      }
+    } else if constexpr (is_fp8(KV)) {
       if (!w.draft_tile(t)) {  // fp8 key rows: one 16-byte chunk is a whole k-step of a row
         // Lane l reads key row nb*8 + l (n-tile nb + l / 8; an x2 takes lanes 0-15), fp8 chunk ks.
-        const uint32_t k_row = smem_u32(Kt + lane * ROW_BYTES);
+        const uint32_t k8_row = smem_u32(Kt + lane * ROW_BYTES);
 #pragma unroll
         for (int ks = 0; ks < QK / 16; ++ks) {
           side(ks);
@@ -405,7 +469,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 #pragma unroll
           for (int nb = 0; nb < C::NB_QK; nb += X) {
             uint32_t r[X];
-            ldmatrix_n<X>(r, k_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
+            ldmatrix_n<X>(r, k8_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
 #pragma unroll
             for (int m = 0; m < X; ++m) {
               uint32_t b0, b1;
@@ -524,30 +588,46 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     }
   };
 
-  // P (bf16; f16 for an fp8 pool) and the rescale factor of tile t into P buffer t & 1 for the output warps. An fp8
-  // pool's value scale multiplies the prefix keys' P here (the row sum l stays unscaled).
+  // P (bf16; f16 for an fp8 pool, e4m3 in an MMA8 prefix tile) and the rescale factor of tile t into P buffer t & 1
+  // for the output warps. An fp8 pool's value scale goes onto O once, after its prefix tiles: in the rescale factor
+  // of the first draft tile (or, with none, in the epilogue's normalisation), never into P.
   auto publish = [&](int t, const float (&pr)[C::NB_QK][4], const float (&alpha)[2]) {
     const int buf = t & 1;
     if (t >= 2) bar_sync(C::BAR_P_FREE + buf, C::NT);  // the output warps are done with tile t-2's P
     uint8_t* Pt = sm.p + buf * C::BM * C::P_ROW_BYTES;
+    bool fp8_p = false;
+    if constexpr (MMA8) fp8_p = !w.draft_tile(t);
+    if (fp8_p) {
+      // Slot 16m + 4q + i of a row = key 16m + {2q, 2q + 1, 8 + 2q, 9 + 2q}[i]: n-tiles 2m and 2m + 1 of this lane.
 #pragma unroll
-    for (int j = 0; j < C::NB_QK; ++j) {
-      const int col = j * 8 + 2 * (lane & 3);
-      if constexpr (is_fp8(KV)) {  // f16 P for the f16 mma; a prefix tile's P times v_scale (<= 2^8 x 128)
-        const float f = w.draft_tile(t) ? 1.f : p.v_scale;
-        *reinterpret_cast<__half2*>(Pt + r0 * C::P_ROW_BYTES + col * 2) = __floats2half2_rn(pr[j][0] * f, pr[j][1] * f);
-        *reinterpret_cast<__half2*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
-            __floats2half2_rn(pr[j][2] * f, pr[j][3] * f);
-      } else {
-        *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) =
-            __floats2bfloat162_rn(pr[j][0], pr[j][1]);
-        *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
-            __floats2bfloat162_rn(pr[j][2], pr[j][3]);
+      for (int m = 0; m < C::NB_QK / 2; ++m) {
+        const int at = 16 * m + 4 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(Pt + r0 * C::P_ROW_BYTES + at) =
+            f32x4_to_fp8x4<true>(pr[2 * m][0], pr[2 * m][1], pr[2 * m + 1][0], pr[2 * m + 1][1]);
+        *reinterpret_cast<uint32_t*>(Pt + (r0 + 8) * C::P_ROW_BYTES + at) =
+            f32x4_to_fp8x4<true>(pr[2 * m][2], pr[2 * m][3], pr[2 * m + 1][2], pr[2 * m + 1][3]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < C::NB_QK; ++j) {
+        const int col = j * 8 + 2 * (lane & 3);
+        if constexpr (is_fp8(KV)) {  // f16 P for the f16 mma (<= 2^RESCALE_SLACK)
+          *reinterpret_cast<__half2*>(Pt + r0 * C::P_ROW_BYTES + col * 2) = __floats2half2_rn(pr[j][0], pr[j][1]);
+          *reinterpret_cast<__half2*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
+              __floats2half2_rn(pr[j][2], pr[j][3]);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) =
+              __floats2bfloat162_rn(pr[j][0], pr[j][1]);
+          *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
+              __floats2bfloat162_rn(pr[j][2], pr[j][3]);
+        }
       }
     }
     if ((lane & 3) == 0) {
-      sm.alpha[buf * C::BM + r0] = alpha[0];
-      sm.alpha[buf * C::BM + r0 + 8] = alpha[1];
+      float f = 1.f;
+      if constexpr (is_fp8(KV)) f = t == w.np && t > 0 ? p.v_scale : 1.f;
+      sm.alpha[buf * C::BM + r0] = alpha[0] * f;
+      sm.alpha[buf * C::BM + r0 + 8] = alpha[1] * f;
     }
     bar_arrive(C::BAR_P_READY + buf, C::NT);
     if (t == 0 && r0 == 0 && lane == 0) stamp(kFirstP);
@@ -607,7 +687,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 // Output warp `ow`: loads its share of every key tile (its own value dims of each key row, so no other
 // output warp reads what it overwrites, plus an even share of the rope dims), then O = O * alpha + P V
 // for all BM rows x its DV_W dims.
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 __device__ __forceinline__ void output_warp(const Params& p, const Work& w, const Smem<C>& sm, int ow, int lane,
                                             float (&o)[C::RB][C::NB_PV][4]) {
   // Lane k reads the pool slot of key row k of a tile (a tile ahead); the copies themselves go out in
@@ -814,48 +894,91 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       }
     }
     const uint8_t* Pt = sm.p + buf * C::BM * C::P_ROW_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < C::BN / 16; ++kk) {
+    bool fp8_mma = false;
+    if constexpr (MMA8) fp8_mma = !w.draft_tile(t);
+    if (fp8_mma) {
+      // One m16n8k32 over the tile's keys (16-key tiles: slots 16..31 zero). A: the e4m3 P rows as the score warps
+      // stored them (in slot order). B: per fp8 chunk i (16 dims) of this warp's own, ldmatrix.trans of 8 keys
+      // each (lane l = key l), whose bytes 0, 2 of two key groups are the even dims' slots and bytes 1, 3 the
+      // odd dims': n-tiles 2i and 2i + 1, as the widen path lays them out.
+      constexpr bool FULL = C::BN == 32;
+      static_assert(C::BN == 32 || C::BN == 16, "an m16n8k32 over one or half a tile");
       uint32_t a[C::RB][4];
 #pragma unroll
-      for (int rb = 0; rb < C::RB; ++rb)
-        ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
-      // Lane l reads key row kk*16 + ((l >> 3) & 1)*8 + (l & 7), chunk d0/8 + nb + (l >> 4) (d0/8 is a
-      // multiple of 8, nb even).
-      const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
-      const int v_x = ((lane >> 4) ^ lane) & 7;
-      if constexpr (is_fp8(KV)) {
-        if (!w.draft_tile(t)) {
-          // fp8 chunk c = d0/16 + i (16 dims) of the warp's own: each register widens to the B fragments of n-tiles
-          // 2i (the block's even dims) and 2i + 1 (its odd dims).
-#pragma unroll
-          for (int i = 0; i < CW8; ++i) {
-            uint32_t r[2], e0, o0, e1, o1;
-            ldmatrix_x2_trans(r, v_row + swz_in_row(d0 / 16 + i, lane));  // lanes 0-7 keys 0-7, 8-15 keys 8-15
-            fp8x4_to_f16x2x2<KV == kKvE4m3>(r[0], e0, o0);
-            fp8x4_to_f16x2x2<KV == kKvE4m3>(r[1], e1, o1);
-#pragma unroll
-            for (int rb = 0; rb < C::RB; ++rb) {
-              mma_f16(o[rb][2 * i], a[rb], e0, e1);
-              mma_f16(o[rb][2 * i + 1], a[rb], o0, o1);
-            }
-          }
-          continue;
+      for (int rb = 0; rb < C::RB; ++rb) {
+        const uint32_t at = smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + (lane >> 4) * 16);
+        if constexpr (FULL) {
+          ldmatrix_x4(a[rb], at);
+        } else {
+          uint32_t h[2];
+          ldmatrix_x2(h, at);
+          a[rb][0] = h[0], a[rb][1] = h[1], a[rb][2] = a[rb][3] = 0u;
         }
       }
+      const int key = FULL ? lane : lane & 15;
+      const uint32_t v8_row = smem_u32(Kt + key * ROW_BYTES);
 #pragma unroll
-      for (int nb = 0; nb < C::NB_PV; nb += 2) {
-        const uint32_t v_addr = v_row + swz_in_row(d0 / 8 + nb, v_x);
-        uint32_t bb[4];
-        ldmatrix_x4_trans(bb, v_addr);
+      for (int i = 0; i < CW8; ++i) {
+        uint32_t r[4] = {0u, 0u, 0u, 0u};
+        if constexpr (FULL) {
+          ldmatrix_x4_trans(r, v8_row + swz_in_row(d0 / 16 + i, key));
+        } else {
+          uint32_t h[2];
+          ldmatrix_x2_trans(h, v8_row + swz_in_row(d0 / 16 + i, key));
+          r[0] = h[0], r[1] = h[1];
+        }
+        const uint32_t e0 = prmt(r[0], r[1], 0x6420), e1 = prmt(r[2], r[3], 0x6420);
+        const uint32_t o0 = prmt(r[0], r[1], 0x7531), o1 = prmt(r[2], r[3], 0x7531);
 #pragma unroll
         for (int rb = 0; rb < C::RB; ++rb) {
-          if constexpr (is_fp8(KV)) {
-            mma_f16(o[rb][nb], a[rb], bb[0], bb[1]);
-            mma_f16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
-          } else {
-            mma_bf16(o[rb][nb], a[rb], bb[0], bb[1]);
-            mma_bf16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
+          mma_fp8<true, KV == kKvE4m3>(o[rb][2 * i], a[rb], e0, e1);
+          mma_fp8<true, KV == kKvE4m3>(o[rb][2 * i + 1], a[rb], o0, o1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < C::BN / 16; ++kk) {
+        uint32_t a[C::RB][4];
+#pragma unroll
+        for (int rb = 0; rb < C::RB; ++rb)
+          ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
+        // Lane l reads key row kk*16 + ((l >> 3) & 1)*8 + (l & 7), chunk d0/8 + nb + (l >> 4) (d0/8 is a
+        // multiple of 8, nb even).
+        const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
+        const int v_x = ((lane >> 4) ^ lane) & 7;
+        if constexpr (is_fp8(KV)) {
+          if (!w.draft_tile(t)) {
+            // fp8 chunk c = d0/16 + i (16 dims) of the warp's own: each register widens to the B fragments of n-tiles
+            // 2i (the block's even dims) and 2i + 1 (its odd dims).
+#pragma unroll
+            for (int i = 0; i < CW8; ++i) {
+              uint32_t r[2], e0, o0, e1, o1;
+              ldmatrix_x2_trans(r, v_row + swz_in_row(d0 / 16 + i, lane));  // lanes 0-7 keys 0-7, 8-15 keys 8-15
+              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[0], e0, o0);
+              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[1], e1, o1);
+#pragma unroll
+              for (int rb = 0; rb < C::RB; ++rb) {
+                mma_f16(o[rb][2 * i], a[rb], e0, e1);
+                mma_f16(o[rb][2 * i + 1], a[rb], o0, o1);
+              }
+            }
+            continue;
+          }
+        }
+#pragma unroll
+        for (int nb = 0; nb < C::NB_PV; nb += 2) {
+          const uint32_t v_addr = v_row + swz_in_row(d0 / 8 + nb, v_x);
+          uint32_t bb[4];
+          ldmatrix_x4_trans(bb, v_addr);
+#pragma unroll
+          for (int rb = 0; rb < C::RB; ++rb) {
+            if constexpr (is_fp8(KV)) {
+              mma_f16(o[rb][nb], a[rb], bb[0], bb[1]);
+              mma_f16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
+            } else {
+              mma_bf16(o[rb][nb], a[rb], bb[0], bb[1]);
+              mma_bf16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
+            }
           }
         }
       }
@@ -926,7 +1049,8 @@ __device__ __noinline__ void merge_pair(__nv_bfloat16* out, int64_t o_st, int64_
   }
 }
 
-template <class C, Kv KV>
+// MMA8: an fp8 pool's prefix tiles through fp8 x fp8 mma (KDTREE_FP8_MMA), else widened to f16 (KDTREE_FP8_WIDEN).
+template <class C, Kv KV, bool MMA8>
 __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #ifdef __CUDA_ARCH__
   if constexpr (C::SMEM > SMEM_PER_BLOCK) return;  // a config this architecture cannot launch: no code
@@ -979,7 +1103,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   }
 
   if (warp < C::NS) {
-    score_warp<C, KV>(p, w, sm, warp, lane);
+    score_warp<C, KV, MMA8>(p, w, sm, warp, lane);
     if (tid == 0) stamp(kScoreLoopDone);
     __syncthreads();  // row sums and maxima are in shared memory
     if (sm.epi->mode == Epilogue::kPair) {  // the cluster barriers count every thread of both CTAs
@@ -994,7 +1118,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   for (int i = 0; i < C::RB; ++i)
 #pragma unroll
     for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
-  output_warp<C, KV>(p, w, sm, ow, lane, o);
+  output_warp<C, KV, MMA8>(p, w, sm, ow, lane, o);
   if (ow == 0 && lane == 0) stamp(kOutputLoopDone);
   __syncthreads();
   const Epilogue epi = *sm.epi;
@@ -1005,6 +1129,8 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   // STAGE_ROUNDS rounds of rows when all of them do not fit at once.
   const int d0 = ow * C::DV_W;
   float* staged = reinterpret_cast<float*>(smem_raw);
+  float o_scale = 1.f;  // an fp8 pool's value scale when no draft tile's rescale carried it (see publish)
+  if constexpr (is_fp8(KV)) o_scale = w.np == w.ntiles ? p.v_scale : 1.f;
   constexpr int ROUND_RB = C::RB / C::STAGE_ROUNDS, ROUND_ROWS = ROUND_RB * 16;
 #pragma unroll
   for (int round = 0; round < C::STAGE_ROUNDS; ++round) {
@@ -1015,7 +1141,8 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
         const int r = rb * 16 + (lane >> 2) + 8 * h;
         const int gr = w.m0 + r;
         const float l = sm.l_fin[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
+        float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
+        if constexpr (is_fp8(KV)) inv *= o_scale;
         // An fp8 pool's n-tile pair (2i, 2i + 1) holds 16-dim block i interleaved (the f16 fragments' order, see
         // bf16x16_to_f16_deinterleaved): this lane's four values of the pair are dims 16i + 4q .. 16i + 4q + 3.
         if (epi.mode == Epilogue::kStore) {
@@ -1192,13 +1319,14 @@ static cudaLaunchAttribute pair_cluster() {
 // and count the clusters of two CTAs the device holds at once. A cluster's CTAs share a GPC, so that can be
 // fewer than half the CTA slots (a GPC with an odd number of SMs, a MIG slice); pairs are only planned
 // when all of them fit in one wave.
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 static int prepare(int* pair_slots) {
   static thread_local int prepared_device = -1, pairs = 0;
   int dev = 0;
   cudaGetDevice(&dev);
   if (prepared_device != dev) {
-    cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    cudaError_t e =
+        cudaFuncSetAttribute(tree_verify_kernel<C, KV, MMA8>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (e != cudaSuccess) return fail_cuda(e, "cudaFuncSetAttribute (the kernel's shared memory)");
     pairs = 0;  // a config that stages its rows in rounds does not pair (Cfg::PAIR)
     cudaLaunchConfig_t cfg = {};
@@ -1208,7 +1336,7 @@ static int prepare(int* pair_slots) {
     cudaLaunchAttribute cluster = pair_cluster();
     cfg.attrs = &cluster;
     cfg.numAttrs = 1;
-    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C, KV>, &cfg) != cudaSuccess) {
+    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C, KV, MMA8>, &cfg) != cudaSuccess) {
       pairs = 0;  // no clusters here: two splits go through the combine, as more do
       cudaGetLastError();
     }
@@ -1222,18 +1350,19 @@ static int prepare(int* pair_slots) {
 // and threads all counted): the split sizing fills exactly one wave of them.
 template <class C>
 static int resident_ctas(int* ctas) {
-  if (int rc = prepare<C, kKvBf16>(nullptr); rc != KDTREE_OK) return rc;
+  if (int rc = prepare<C, kKvBf16, false>(nullptr); rc != KDTREE_OK) return rc;
   // The fp8 kernels have the same threads and shared memory, and the launch bounds cap every one's registers.
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C, kKvBf16>, C::NT, C::SMEM);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C, kKvBf16, false>, C::NT,
+                                                               C::SMEM);
   if (e != cudaSuccess) return fail_cuda(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (*ctas < 1) return fail(KDTREE_ERR_CUDA, "the kernel does not fit on this device");
   return KDTREE_OK;
 }
 
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   int pair_slots = 0;
-  if (int rc = prepare<C, KV>(&pair_slots); rc != KDTREE_OK) return rc;
+  if (int rc = prepare<C, KV, MMA8>(&pair_slots); rc != KDTREE_OK) return rc;
   const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots, pair_slots);
   if (a->workspace_bytes < pl.ws_bytes || (pl.ws_bytes > 0 && a->workspace == nullptr))
     return fail(KDTREE_ERR_WORKSPACE, "workspace is smaller than kdtree_verify_workspace_bytes()");
@@ -1262,7 +1391,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   cudaLaunchAttribute cluster = pair_cluster();
   main_cfg.attrs = &cluster;
   main_cfg.numAttrs = pl.pair ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C, KV>, p);
+  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C, KV, MMA8>, p);
   if (e != cudaSuccess) return fail_cuda(e, "launching the verify kernel");
   if (pl.splits > 1 && !pl.pair) {  // a pair merged on chip
     cudaLaunchConfig_t cfg = {};
@@ -1285,9 +1414,12 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
 
 template <class C>
 static int launch_kv(const kdtree_verify_args* a, cudaStream_t stream) {
-  if (a->kv_dtype == KDTREE_KV_FP8_E4M3) return launch<C, kKvE4m3>(a, stream);
-  if (a->kv_dtype == KDTREE_KV_FP8_E5M2) return launch<C, kKvE5m2>(a, stream);
-  return launch<C, kKvBf16>(a, stream);
+  const bool mma = a->fp8_path == KDTREE_FP8_MMA;
+  if (a->kv_dtype == KDTREE_KV_FP8_E4M3)
+    return mma ? launch<C, kKvE4m3, true>(a, stream) : launch<C, kKvE4m3, false>(a, stream);
+  if (a->kv_dtype == KDTREE_KV_FP8_E5M2)
+    return mma ? launch<C, kKvE5m2, true>(a, stream) : launch<C, kKvE5m2, false>(a, stream);
+  return launch<C, kKvBf16, false>(a, stream);
 }
 
 // The one place a kdtree_config becomes a tile configuration: f(Wide{}) or f(Compact{}) (f takes the type by value:
@@ -1350,8 +1482,8 @@ __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_ver
     return fail(KDTREE_ERR_ARGUMENT, "k_scale and v_scale must be positive and finite");
   if (a->kv_dtype == KDTREE_KV_BF16 && (a->k_scale != 1.f || a->v_scale != 1.f))
     return fail(KDTREE_ERR_ARGUMENT, "a bf16 pool is read unscaled: k_scale and v_scale must be 1");
-  if (a->kv_dtype != KDTREE_KV_BF16 && a->v_scale > KDTREE_FP8_MAX_V_SCALE)
-    return fail(KDTREE_ERR_ARGUMENT, "an fp8 pool's v_scale above KDTREE_FP8_MAX_V_SCALE (its P runs in f16)");
+  if (a->fp8_path != KDTREE_FP8_WIDEN && a->fp8_path != KDTREE_FP8_MMA)
+    return fail(KDTREE_ERR_ARGUMENT, "fp8_path must be KDTREE_FP8_WIDEN or KDTREE_FP8_MMA");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return with_config(a->config, [&](auto c) { return launch_kv<decltype(c)>(a, s); });
 }
