@@ -123,6 +123,9 @@ def test_the_fp8_mma_path_is_native_on_sm120_and_emulated_on_sm90(build):
             qmma = len(re.findall(r"\bQMMA\.16832\.F32\.E[45]M[23]\.E[45]M[23]\b", body))
             assert (qmma > 0) == (native and _mma_path(name)), (arch, name, qmma)
 
+
+def test_shared_memory_fits_each_target(build):
+
     lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))  # loads without a GPU: static cudart
     # The library, its header and the binding agree on the ABI (the binding refuses any other library).
     header = int(

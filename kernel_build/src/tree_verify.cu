@@ -638,6 +638,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   // chains. Otherwise tile by tile.
   constexpr int SOFTMAX_SPACING = 2;  // a softmax step every second k-step
   static_assert(SOFTMAX_STEPS * SOFTMAX_SPACING <= QK / 16, "softmax steps fit in the k-steps");
+  static_assert(!(C::PIPELINE && MMA8) || (SOFTMAX_STEPS - 1) * SOFTMAX_SPACING < QK / 32,
+                "softmax steps fit in an MMA8 prefix tile's 32-dim k-steps");
   float cur[C::NB_QK][4], nxt[C::NB_QK][4], nxt2[C::NB_QK][4], alpha[2];
   auto no_side_work = [](int) {};
   auto whole_softmax = [&] {
