@@ -80,11 +80,12 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / (ms * 1e-3)
 
 
-def time_ours(batches, config: str | None = None) -> float:
-    """us per call: one CUDA graph of a call per input set, replayed; `config` forces a tile configuration."""
+def time_ours(batches, config: str | None = None, fp8_path: str | None = None) -> float:
+    """us per call: one CUDA graph of a call per input set, replayed; `config` forces a tile configuration and
+    `fp8_path` an fp8 pool's path."""
     from kdtree import kernel
 
-    with kernel.forced_config(config):
+    with kernel.forced(config, fp8_path):
         return _time_graph(batches)
 
 
@@ -188,9 +189,9 @@ def measure(
     l2_bytes: float = L2_BYTES,
 ) -> dict:
     """One row of the table: kdtree, the baselines asked for (nan otherwise), and the roofline; with `compact`,
-    also kdtree forced into the compact configuration (sm_120's) on the same inputs; with `fp8`, also kdtree (and
-    the Triton baseline, if asked for) on the same inputs with an fp8 e4m3 pool (scales 0.5: any scale costs the
-    same), beside the bf16 times."""
+    also kdtree forced into the compact configuration (sm_120's) on the same inputs; with `fp8`, also kdtree by
+    both fp8 paths (and the Triton baseline, if asked for) on the same inputs with an fp8 e4m3 pool (scales 0.5: any
+    scale costs the same), beside the bf16 times."""
     import torch
 
     from kdtree.reference import fp8_pool, make_batch
@@ -205,11 +206,12 @@ def measure(
     extra = {}
     if fp8:
         batches = [fp8_pool(b, torch.float8_e4m3fn, 0.5, 0.5) for b in batches]
-        extra["fp8_us"] = time_ours(batches)
-        extra["fp8_vs_ours"] = extra["fp8_us"] / ours
-        if compact:
-            extra["compact_fp8_us"] = time_ours(batches, "compact")
-            extra["compact_fp8_vs_compact"] = extra["compact_fp8_us"] / compact_us
+        for path, key in (("widen", "fp8"), ("mma", "fp8_mma")):
+            extra[f"{key}_us"] = time_ours(batches, None, path)
+            extra[f"{key}_vs_ours"] = extra[f"{key}_us"] / ours
+            if compact:
+                extra[f"compact_{key}_us"] = time_ours(batches, "compact", path)
+                extra[f"compact_{key}_vs_compact"] = extra[f"compact_{key}_us"] / compact_us
         extra["triton_fp8_us"] = time_triton(batches[0]) if triton else float("nan")
     del batches
     torch.cuda.empty_cache()
@@ -246,10 +248,11 @@ def progress(r: dict) -> str:
     )
     if "compact_us" in r:
         line += f"; compact {r['compact_us']:.1f} us ({r['compact_vs_ours']:.2f}x), {r['compact_pct_roofline']:.0f}%"
-    if "fp8_us" in r:
-        line += f"; fp8 {r['fp8_us']:.1f} us ({r['fp8_vs_ours']:.2f}x)"
-        if "compact_fp8_us" in r:
-            line += f", compact fp8 {r['compact_fp8_us']:.1f} us ({r['compact_fp8_vs_compact']:.2f}x)"
+    for key, name in (("fp8", "fp8"), ("fp8_mma", "fp8 mma")):
+        if f"{key}_us" in r:
+            line += f"; {name} {r[f'{key}_us']:.1f} us ({r[f'{key}_vs_ours']:.2f}x)"
+            if f"compact_{key}_us" in r:
+                line += f", compact {name} {r[f'compact_{key}_us']:.1f} us ({r[f'compact_{key}_vs_compact']:.2f}x)"
     return line
 
 
@@ -262,10 +265,18 @@ def table(rows: list[dict]) -> list[str]:
     head = "| batch | H | N | prefix | ours (us) | Triton (us) | PyTorch (us) | speedup vs Triton | KV GB/s | TFLOP/s | roofline (us) | % of roofline |"
     if compact:
         head += " compact (us) | compact, % of roofline | compact / ours |"
+    fp8_mma = any("fp8_mma_us" in r for r in rows)  # tables saved before the mma path have none
     if fp8:
         head += " fp8 (us) | fp8 / ours | Triton fp8 (us) |"
+        if fp8_mma:
+            head += " fp8 mma (us) | fp8 mma / ours |"
         if compact:
             head += " compact fp8 (us) | compact fp8 / compact |"
+            if fp8_mma:
+                head += " compact fp8 mma (us) | compact fp8 mma / compact |"
+
+    def pair(r: dict, us: str, ratio: str) -> str:  # a time and its ratio, or dashes for a row without them
+        return f" {r[us]:.1f} | {r[ratio]:.2f}x |" if us in r else " - | - |"
 
     def cells(r: dict) -> str:
         line = (
@@ -285,12 +296,12 @@ def table(rows: list[dict]) -> list[str]:
                 if "fp8_us" in r
                 else " - | - | - |"
             )
+            if fp8_mma:
+                line += pair(r, "fp8_mma_us", "fp8_mma_vs_ours")
             if compact:
-                line += (
-                    f" {r['compact_fp8_us']:.1f} | {r['compact_fp8_vs_compact']:.2f}x |"
-                    if "compact_fp8_us" in r
-                    else " - | - |"
-                )
+                line += pair(r, "compact_fp8_us", "compact_fp8_vs_compact")
+                if fp8_mma:
+                    line += pair(r, "compact_fp8_mma_us", "compact_fp8_mma_vs_compact")
         return line
 
     return [head, "|---" * head.count(" |") + "|"] + [cells(r) for r in rows]
@@ -320,7 +331,7 @@ def device_info() -> dict:
 
     try:
         kernel.library()
-        _, config = kernel._device_plan(torch.cuda.current_device())
+        _, config, _ = kernel._device_plan(torch.cuda.current_device())
     except (
         kernel.KernelUnavailable,
         ConfigError,

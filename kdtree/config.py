@@ -84,11 +84,16 @@ FP8_PARITY_RTOL = {"float8_e4m3fn": 0.06, "float8_e5m2": 0.12}
 
 
 class KernelSettings(KdtreeSettings):
-    """The kernel binding's (kdtree.kernel): which library it loads and which tile configuration it plans in. Read
-    at each load and plan, so kdtree.kernel.forced_config can force a configuration within one process."""
+    """The kernel binding's (kdtree.kernel): which library it loads, which tile configuration it plans in and how it
+    reads an fp8 pool. Read at each load and plan, so kdtree.kernel.forced can force them within one process."""
 
     kernel_config: Literal["wide", "compact"] | None = Field(
         None, description="a tile configuration forced (kdtree.kernel.CONFIGS); unset: by shared memory"
+    )
+    fp8_path: Literal["widen", "mma"] = Field(
+        "widen",
+        description="an fp8 pool's prefix: widened exactly to f16, or fp8 x fp8 mma with q and P quantised as "
+        "SGLang's Triton kernel does (kdtree.kernel.FP8_PATHS)",
     )
     kernel_lib: str | None = Field(
         None, description="the kernel library's path; unset: kdtree/lib/, then kernel_build/build/"

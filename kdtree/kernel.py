@@ -23,10 +23,12 @@ from kdtree.config import KernelSettings
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
-ABI_VERSION = 5  # kernel_build/include/kdtree_verify.h
+ABI_VERSION = 7  # kernel_build/include/kdtree_verify.h
 CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
 # Pool dtypes (enum kdtree_kv_dtype): SGLang's MLA pool for --kv-cache-dtype auto, fp8_e4m3 and fp8_e5m2.
 KV_DTYPES = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# How an fp8 pool's prefix is computed (enum kdtree_fp8_path, KDTREE_FP8_PATH): widened exactly to f16, or fp8 x fp8.
+FP8_PATHS = {"widen": 0, "mma": 1}
 _I32, _I64 = 0, 1
 
 
@@ -74,6 +76,7 @@ class _Args(ctypes.Structure):
         ("kv_dtype", ctypes.c_int),
         ("k_scale", ctypes.c_float),
         ("v_scale", ctypes.c_float),
+        ("fp8_path", ctypes.c_int),
     ]
 
 
@@ -179,8 +182,8 @@ def smem_bytes(config: str) -> int:
 
 
 @functools.cache
-def _device_plan(index: int) -> tuple[int, int]:
-    """(resident CTA slots, tile config) for a device; raises KernelUnavailable if no code runs there."""
+def _device_plan(index: int) -> tuple[int, int, int]:
+    """(resident CTA slots, tile config, fp8 path) for a device; raises KernelUnavailable if no code runs there."""
     props = torch.cuda.get_device_properties(index)
     cc = props.major * 10 + props.minor
     archs = [int(a.removeprefix("sm_")) for a in compiled_archs()]
@@ -189,7 +192,8 @@ def _device_plan(index: int) -> tuple[int, int]:
             f"the kdtree library has no code for sm_{cc} ({props.name}); it has {compiled_archs()}: "
             f"rebuild with -DCMAKE_CUDA_ARCHITECTURES including {cc} (image build arg KDTREE_CUDA_ARCHS)"
         )
-    config = KernelSettings.load().kernel_config
+    settings = KernelSettings.load()
+    config = settings.kernel_config
     if config is None:
         config = "wide" if props.shared_memory_per_block_optin >= smem_bytes("wide") else "compact"
     need = smem_bytes(config)
@@ -202,25 +206,29 @@ def _device_plan(index: int) -> tuple[int, int]:
     with torch.cuda.device(index):
         rc = library().kdtree_verify_ctas_per_sm(CONFIGS[config], ctypes.byref(per_sm))
     _check(rc, f"kdtree_verify_ctas_per_sm (config {config})", KernelUnavailable)
-    return props.multi_processor_count * per_sm.value, CONFIGS[config]
+    return props.multi_processor_count * per_sm.value, CONFIGS[config], FP8_PATHS[settings.fp8_path]
 
 
 @contextlib.contextmanager
-def forced_config(name: str | None):
-    """Within the block, tree_verify plans in tile configuration `name` ('wide' or 'compact'), as
-    KDTREE_KERNEL_CONFIG does for a whole process; None leaves the choice as it is. For benchmarks and tests that
-    compare the two configurations in one process (a captured graph keeps the configuration it was captured with)."""
-    old = os.environ.get("KDTREE_KERNEL_CONFIG")
-    if name is not None:
-        os.environ["KDTREE_KERNEL_CONFIG"] = name
+def forced(config: str | None = None, fp8_path: str | None = None):
+    """Within the block, tree_verify plans in tile configuration `config` ('wide' or 'compact') and reads fp8 pools
+    by `fp8_path` ('widen' or 'mma'), as KDTREE_KERNEL_CONFIG and KDTREE_FP8_PATH do for a whole process; None leaves
+    that choice as it is. For benchmarks and tests that compare them in one process (a captured graph keeps what it
+    was captured with)."""
+    names = {"KDTREE_KERNEL_CONFIG": config, "KDTREE_FP8_PATH": fp8_path}
+    old = {var: os.environ.get(var) for var in names}
+    for var, value in names.items():
+        if value is not None:
+            os.environ[var] = value
     _device_plan.cache_clear()
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("KDTREE_KERNEL_CONFIG", None)
-        else:
-            os.environ["KDTREE_KERNEL_CONFIG"] = old
+        for var, value in old.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
         _device_plan.cache_clear()
 
 
@@ -233,7 +241,7 @@ def _device_index(device) -> int:
 
 def workspace_bytes(batch: int, num_heads: int, max_q_len: int, device) -> int:
     """Bytes of workspace tree_verify needs for these sizes on `device` (0 is possible)."""
-    cta_slots, config = _device_plan(_device_index(device))
+    cta_slots, config, _ = _device_plan(_device_index(device))
     out = ctypes.c_size_t()
     rc = library().kdtree_verify_workspace_bytes(
         batch, num_heads, max_q_len, cta_slots, config, ctypes.byref(out)
@@ -307,7 +315,7 @@ def _tree_verify_op(
     v_scale: float,
 ) -> None:
     lib = library()
-    cta_slots, config = _device_plan(q.device.index)
+    cta_slots, config, fp8_path = _device_plan(q.device.index)
     a = _Args(
         q=q.data_ptr(),
         q_stride_t=q.stride(0),
@@ -343,6 +351,7 @@ def _tree_verify_op(
         kv_dtype=KV_DTYPES[k_buf.dtype],
         k_scale=k_scale,
         v_scale=v_scale,
+        fp8_path=fp8_path,
     )
     rc = lib.kdtree_verify_launch(ctypes.byref(a), torch.cuda.current_stream(q.device).cuda_stream)
     _check(rc, "kdtree_verify_launch")

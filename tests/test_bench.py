@@ -127,3 +127,52 @@ def test_bench_verify_runs_on_the_shared_functions():
         assert getattr(bench_verify, name) is getattr(bench, name), name
     for own in ("time_ours", "time_triton", "time_torch", "L2_BYTES"):
         assert not hasattr(bench_verify, own), f"bench_verify.py has its own {own}: one implementation only"
+
+
+def test_fp8_rows_time_both_paths_in_both_configurations(monkeypatch):
+    """With fp8, a row times kdtree on the fp8 pool by each path (widen, mma) in the device's and the compact
+    configuration, and its table line has a cell for every heading (a table saved before the mma path renders
+    without its columns)."""
+    timed = []
+
+    def time_ours(batches, config=None, fp8_path=None):
+        fp8 = str(batches[0].k_buf.dtype) != "torch.bfloat16"
+        timed.append((config, fp8_path if fp8 else None))
+        return {None: 10.0, "compact": 12.0}[config] * ({None: 1, "widen": 1.5, "mma": 1.25}[timed[-1][1]])
+
+    class Batch:
+        def __init__(self):
+            import torch
+
+            self.k_buf = torch.zeros(1, dtype=torch.bfloat16)
+
+    def fp8_pool(b, dtype, k_scale, v_scale):
+        import torch
+
+        b = Batch()
+        b.k_buf = torch.zeros(1, dtype=dtype)
+        return b
+
+    monkeypatch.setattr("kdtree.reference.make_batch", lambda *a, **k: Batch())
+    monkeypatch.setattr("kdtree.reference.fp8_pool", fp8_pool)
+    monkeypatch.setattr(bench, "time_ours", time_ours)
+    row = bench.measure((1, 8, 16, 4096), 4e12, 600, triton=False, torch_sdpa=False, compact=True, fp8=True)
+    assert sorted(timed, key=str) == sorted(
+        [
+            (None, None),
+            ("compact", None),
+            (None, "widen"),
+            ("compact", "widen"),
+            (None, "mma"),
+            ("compact", "mma"),
+        ],
+        key=str,
+    )
+    assert (row["fp8_vs_ours"], row["fp8_mma_vs_ours"]) == (1.5, 1.25)
+    assert (row["compact_fp8_vs_compact"], row["compact_fp8_mma_vs_compact"]) == (1.5, 1.25)
+    head, _, line = bench.table([row])
+    assert head.count(" |") == line.count(" |")
+    assert "fp8 mma / ours" in head and "compact fp8 mma / compact" in head and " 12.5 | 1.25x |" in line
+    old = {k: v for k, v in row.items() if "mma" not in k}
+    head, _, line = bench.table([old])
+    assert "mma" not in head and head.count(" |") == line.count(" |")

@@ -10,6 +10,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+import typing
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,10 @@ def test_constants_and_enums_agree():
     assert {m.value for m in config.Mode} == set(kernel.MODE_CODES)
     names = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2"}
     assert {f"KDTREE_KV_{names[d]}": v for d, v in kernel.KV_DTYPES.items()} == enum("kdtree_kv_dtype")
+    assert {f"KDTREE_FP8_{k.upper()}": v for k, v in kernel.FP8_PATHS.items()} == enum("kdtree_fp8_path")
+    assert set(kernel.FP8_PATHS) == set(
+        typing.get_args(config.KernelSettings.model_fields["fp8_path"].annotation)
+    )
     assert {v: k for k, v in enum("kdtree_status").items()} == kernel.STATUS
 
 
@@ -121,3 +126,22 @@ def test_every_entry_point_records_why_it_refused_its_arguments():
             RuntimeError, match=rf"^{name} failed \(KDTREE_ERR_ARGUMENT\): {re.escape(message)}$"
         ):
             kernel._check(rc, name)
+
+
+def test_the_launch_refuses_bad_scales_and_an_unknown_fp8_path():
+    """Scales on a bf16 pool and an fp8_path outside enum kdtree_fp8_path are refused before any CUDA call (the
+    pointers are never read); an fp8 pool's large v_scale is not (it is applied in fp32)."""
+    try:
+        lib = kernel.library()
+    except kernel.KernelUnavailable as e:
+        pytest.skip(str(e))
+    a = kernel._Args(q=1, k_ext=1, k_buf=1, out=1, qo_indptr=1, kv_indptr=1, batch=1, num_heads=1, max_q_len=1,
+                     cta_slots=1, config=1, sm_scale=0.1, k_buf_stride=576, k_scale=1.0)  # fmt: skip
+    for dtype, v_scale, fp8_path, says in [
+        (kernel.KV_DTYPES[torch.float8_e4m3fn], 1.0, 2, "fp8_path must be"),
+        (kernel.KV_DTYPES[torch.float8_e5m2], 1000.0, -1, "fp8_path must be"),
+        (kernel.KV_DTYPES[torch.bfloat16], 2.0, 0, "a bf16 pool is read unscaled"),
+    ]:
+        a.kv_dtype, a.v_scale, a.fp8_path = dtype, v_scale, fp8_path
+        assert kernel.STATUS.get(lib.kdtree_verify_launch(ctypes.byref(a), None)) == "KDTREE_ERR_ARGUMENT"
+        assert says in lib.kdtree_last_error().decode()

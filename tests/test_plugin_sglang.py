@@ -411,6 +411,7 @@ KV_CASES = [
     ("float8_e4m3fn", (0.05, 2.5), "not_cuda"),
     ("float8_e4m3fn", (0.75, -1.0), "not_cuda"),  # one scale: SGLang uses it for both
     ("float8_e5m2", (1.5, 0.25), "not_cuda"),
+    ("float8_e4m3fn", (1.0, 1000.0), "not_cuda"),  # any positive finite v_scale: applied to O in fp32
     ("float16", None, "kv_dtype"),
     ("float32", None, "kv_dtype"),
 ]

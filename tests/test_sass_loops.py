@@ -88,7 +88,9 @@ def test_cli_prints_each_matching_kernel_with_its_key_loops(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "_Z18tree_verify_kernelv: 16 instructions, 2 local loads/stores"
-    assert lines[1].startswith("  loop 0x00030-0x00060: 4 instructions; HMMA 1, LDSM 1, LDS 1, STS 0, LDL 0")
+    assert lines[1].startswith(
+        "  loop 0x00030-0x00060: 4 instructions; HMMA 1, QMMA 0, LDSM 1, LDS 1, STS 0, LDL 0"
+    )
     assert len(lines) == 3 and "combine" not in r.stdout
 
 

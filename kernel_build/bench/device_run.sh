@@ -13,9 +13,10 @@
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
 # 'modes' measures what live mode switching costs per verify call (bench_modes.py: modes.md + modes.json).
-# 'fp8' (one call of under 540 s on an H200, build included) runs the fp8 GPU tests (tests/gpu/test_fp8_gpu.py and
-# the fp8 pool tests of test_hook_gpu.py) in the device's configuration and with compact forced, the fp8 benchmark
-# (bench_verify.py --fp8 --ours-only: fp8 columns beside bf16 on every row of the grid; fp8-bench.md + .json), then
+# 'fp8' (one call of under 540 s on an H200, build included) runs the fp8 GPU tests (tests/gpu/test_fp8_gpu.py, both
+# fp8 paths, and the fp8 pool tests of test_hook_gpu.py) in the device's configuration, with compact forced and with
+# the mma path (its junit stays behind: fp8.log has its lines), the fp8 benchmark (bench_verify.py --fp8 --ours-only:
+# both paths' fp8 columns beside bf16 on every row of the grid; fp8-bench.md + .json), then
 # the rest of the GPU suite in both configurations (what 'tests' runs), each stage cut off (SIGINT: its junit
 # report is still written) before the call's limit. $OUT gets at most 8 files: fp8-tests{,-compact}.xml,
 # fp8-errors.jsonl (each exactness case's relative L2 errors), fp8-bench.{md,json}, suite{,-compact}.xml, and
@@ -84,22 +85,23 @@ if [ "$what" = fp8 ]; then
   left() { local l=$((${KDTREE_FP8_BUDGET_S:-525} - (SECONDS - t0))); echo $((l > 1 ? l : 1)); }  # to the limit
   stage() {  # stage NAME JUNIT PYTEST_ARGS...: pytest cut off by SIGINT before the limit, its junit still written
     local name=$1 xml=$2; shift 2
-    timeout -s INT -k 10 "$(left)" python3 -m pytest -p no:cacheprovider -q -rs --junitxml="$out/$xml" "$@"
+    timeout -s INT -k 10 "$(left)" python3 -m pytest -p no:cacheprovider -q -rs --junitxml="$xml" "$@"
     local r=$?; echo "$name: $((SECONDS - t0)) s (rc=$r)"; [ "$rc" = 0 ] && rc=$r
   }
   export KDTREE_FP8_ERRORS=$out/fp8-errors.jsonl
   fp8_tests=(tests/gpu/test_fp8_gpu.py tests/gpu/test_hook_gpu.py -k "fp8")
   {
-    stage "fp8 tests" fp8-tests.xml "${fp8_tests[@]}" "$@"
-    if [ "$cc" -lt 120 ]; then  # test_fp8_gpu forces both configurations itself; the hook tests run in auto
-      KDTREE_KERNEL_CONFIG=compact stage "fp8 tests, compact forced" fp8-tests-compact.xml \
+    stage "fp8 tests" "$out/fp8-tests.xml" "${fp8_tests[@]}" "$@"
+    if [ "$cc" -lt 120 ]; then  # test_fp8_gpu forces both configurations and paths itself; the hook tests run in auto
+      KDTREE_KERNEL_CONFIG=compact stage "fp8 tests, compact forced" "$out/fp8-tests-compact.xml" \
         tests/gpu/test_hook_gpu.py -k fp8 "$@"
     fi
+    KDTREE_FP8_PATH=mma stage "fp8 hook tests, mma path" "$logs/fp8-tests-mma.xml" tests/gpu/test_hook_gpu.py -k fp8 "$@"
     timeout -s INT -k 10 "$(left)" python3 kernel_build/bench/bench_verify.py --fp8 --ours-only --calls 20 \
       --out "$out/fp8-bench.md"
     echo "fp8 bench: $((SECONDS - t0)) s (rc=$?)"
-    stage "suite" suite.xml -m "not engine" tests/gpu -k "not fp8" "$@"
-    [ "$cc" -lt 120 ] && KDTREE_KERNEL_CONFIG=compact stage "suite, compact forced" suite-compact.xml \
+    stage "suite" "$out/suite.xml" -m "not engine" tests/gpu -k "not fp8" "$@"
+    [ "$cc" -lt 120 ] && KDTREE_KERNEL_CONFIG=compact stage "suite, compact forced" "$out/suite-compact.xml" \
       -m "not engine" tests/gpu -k "not fp8" "$@"
   } 2>&1 | tee "$out/fp8.log"
   grep -q "(rc=[1-9]" "$out/fp8.log" && rc=1

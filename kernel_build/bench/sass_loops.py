@@ -6,8 +6,8 @@ few percent), so compare two builds here before spending GPU time on them:
 
     python3 kernel_build/bench/sass_loops.py kernel_build/build/libkdtree_verify.so --arch sm_90
 
-A loop is a backward branch and its target; the ones shown hold mma (HMMA) and contain no other loop that
-does, i.e. the loops the kernel spends its time in. Needs `cuobjdump` (CUDA toolkit, or the pip package
+A loop is a backward branch and its target; the ones shown hold mma (HMMA, or QMMA: fp8 on sm_120) and contain no
+other loop that does, i.e. the loops the kernel spends its time in. Needs `cuobjdump` (CUDA toolkit, or the pip package
 nvidia-cuda-cuobjdump) on PATH.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 _FUNCTION = re.compile(r"^\s*Function : (\S+)")
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
-COUNTED = ("HMMA", "LDSM", "LDS", "STS", "LDL", "STL", "BAR", "SHFL")
+COUNTED = ("HMMA", "QMMA", "LDSM", "LDS", "STS", "LDL", "STL", "BAR", "SHFL")
 
 
 @dataclass
@@ -62,7 +62,7 @@ def key_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             s = index[int(m.group(1), 16)]
             loops.append(Loop(instructions[s][0], addr, [t for _, t in instructions[s : i + 1]]))
-    with_mma = [lp for lp in loops if lp.count("HMMA")]
+    with_mma = [lp for lp in loops if lp.count("HMMA") or lp.count("QMMA")]  # QMMA: fp8 (sm_120)
     inner = [
         lp
         for lp in with_mma

@@ -16,9 +16,10 @@ Per shape of the benchmark grid (kdtree.bench.GRID):
 - best case = the same with compact's H200 rate per SM and clock instead, capped by sm_120's tensor pipe;
 - fp8 pools (e4m3 / e5m2): path (a), built, reads half the prefix bytes and widens them into the same bf16
   mma.sync; its widening costs compute-side time, measured on the H200: the predicted time times what an fp8 pool
-  cost compact there at the same shape (H200_FP8_RUN_JSON), no lower than the fp8 bytes' memory roofline; path (b),
-  not built, would run QK^T and PV as fp8 mma.sync at twice the bf16 rate: the compute part halved, at bf16's
-  efficiency (uncalibrated).
+  cost compact there at the same shape (H200_FP8_RUN_JSON), no lower than the fp8 bytes' memory roofline; path (b)
+  (`KDTREE_FP8_PATH=mma`, built, not measured on any GPU) runs QK^T as fp8 mma.sync (QMMA) at twice the bf16 rate
+  and, in compact's 16-key tiles, PV as half-filled m16n8k32 (as many instructions as bf16): the compute part
+  times MMA8_COMPUTE_SHARE, at bf16's efficiency (uncalibrated).
 Pure Python: no GPU, no torch.
 """
 
@@ -117,6 +118,10 @@ def best_case_tflops(mma_tflops: float, clock_ghz: float = SM120_CLOCK_GHZ) -> f
     return min(per_sm_clk_h200, per_sm_clk_cap) * SM120_SMS * clock_ghz * 1e9 / 1e12
 
 
+# Path (b) in compact: QK^T's 576 of the 1088 FLOP per key at twice the rate, PV's 512 at the same rate.
+MMA8_COMPUTE_SHARE = (576 / 2 + 512) / (576 + 512)
+
+
 def model(
     copy_tbps: float = SM120_COPY_TBPS,
     mma_tflops: float = SM120_MMA_TFLOPS,
@@ -143,7 +148,7 @@ def model(
                 fp8_a_us=max(
                     memory_fp8 + fixed, (max(memory, compute / eff) + fixed) * H200_COMPACT_FP8_RATIO[shape]
                 ),
-                fp8_b_us=max(memory_fp8, compute / (2 * eff)) + fixed,
+                fp8_b_us=max(memory_fp8, compute * MMA8_COMPUTE_SHARE / eff) + fixed,
                 h200_wide_us=wide[shape],
             )
         )

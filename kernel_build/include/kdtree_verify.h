@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 5
+#define KDTREE_ABI_VERSION 7
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
@@ -28,9 +28,15 @@ enum kdtree_mode { KDTREE_MODE_OFF = 0, KDTREE_MODE_VALIDATE = 1, KDTREE_MODE_ON
 /* Tile configurations. WIDE needs ~191 KB of shared memory per block (sm_90, sm_100);
  * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
 enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
-/* The pool's element type. fp8 rows are widened to bf16 (exactly) in shared memory, on the way into the bf16
- * mma.sync path; the scales are applied in fp32 to the prefix's scores (k_scale) and probabilities (v_scale). */
+/* The pool's element type. An fp8 pool's draft rows and q are converted to f16 (exactly within f16's range,
+ * |x| <= 65504: SGLang's Triton kernel casts q to the pool's fp8 type, whose range is smaller) for mma.sync in f16;
+ * its prefix rows take the fp8_path; the scales are applied in fp32 to the prefix's scores (k_scale) and values
+ * (v_scale). */
 enum kdtree_kv_dtype { KDTREE_KV_BF16 = 0, KDTREE_KV_FP8_E4M3 = 1, KDTREE_KV_FP8_E5M2 = 2 };
+/* An fp8 pool's prefix: WIDEN, its rows widened to f16 (exactly) in registers into the f16 mma; MMA, fp8 x fp8
+ * mma.sync (m16n8k32) with q cast to the pool's type and P to e4m3, as SGLang's Triton kernel quantises them (it
+ * casts P to the pool's type). Checked for every pool; a bf16 pool's kernels do not read it. */
+enum kdtree_fp8_path { KDTREE_FP8_WIDEN = 0, KDTREE_FP8_MMA = 1 };
 
 enum kdtree_status {
   KDTREE_OK = 0,
@@ -64,6 +70,7 @@ typedef struct {
   int config; /* enum kdtree_config */
   int kv_dtype; /* enum kdtree_kv_dtype */
   float k_scale, v_scale; /* positive, finite; 1 for a bf16 pool */
+  int fp8_path; /* enum kdtree_fp8_path */
 } kdtree_verify_args;
 
 int kdtree_abi_version(void);

@@ -2,9 +2,12 @@
 // (draft token x head) rows packed into the MMA M dimension so every key row is read once per row
 // tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of
 // two CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate),
-// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool is widened to bf16 in shared memory as its
-// tiles land (exactly: every e4m3 / e5m2 value is a bf16 value) and its scales applied in fp32.
+// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool's prefix tiles stay fp8 in shared memory and take
+// one of two paths (enum kdtree_fp8_path): widened exactly to f16 in registers into the same instruction in f16
+// (widen), or mma.sync m16n8k32 fp8 x fp8 with q and P quantised as SGLang's Triton kernel does (mma); its scales
+// are applied in fp32.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -96,6 +99,8 @@ struct Cfg {
 #define KDTREE_RESCALE_SLACK 8.f
 #endif
 constexpr float RESCALE_SLACK = KDTREE_RESCALE_SLACK;
+// An fp8 pool's P (<= 2^RESCALE_SLACK) is stored in f16 (widen) or e4m3 (mma, at most 448).
+static_assert(RESCALE_SLACK <= 8.f, "P must stay within e4m3's range");
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
@@ -156,25 +161,41 @@ __device__ __forceinline__ void stamp_combine(int) {}
 // The pool's element type (enum kdtree_kv_dtype), a template parameter of the main kernel.
 enum Kv : int { kKvBf16 = KDTREE_KV_BF16, kKvE4m3 = KDTREE_KV_FP8_E4M3, kKvE5m2 = KDTREE_KV_FP8_E5M2 };
 
-// 16 fp8 values (one 16-byte chunk of a pool row) as 16 bf16 values, exactly: each byte moved into the high byte
-// of a 16-bit lane (prmt), its exponent and mantissa bits shifted into bf16's places and the sign kept, which is
-// the value times 2^-120 (e4m3) or 2^-112 (e5m2) with fp8's subnormals landing on bf16's, then one bf16 multiply
-// by the power of two. Integer ops and one HMUL2 per two values; a NaN or inf (e5m2) byte reads as a finite value.
-template <Kv KV>
-__device__ __forceinline__ void widen_fp8(const uint4& raw, uint4& lo, uint4& hi) {
-  constexpr int SHIFT = KV == kKvE4m3 ? 4 : 3;
-  constexpr uint32_t BITS = KV == kKvE4m3 ? 0x07f007f0u : 0x0fe00fe0u;
-  const __nv_bfloat162 pow2 = __halves2bfloat162(__ushort_as_bfloat16(KV == kKvE4m3 ? 0x7b80 : 0x7780),
-                                                 __ushort_as_bfloat16(KV == kKvE4m3 ? 0x7b80 : 0x7780));
-  auto two = [&](uint32_t w, uint32_t sel) {
-    uint32_t x;
-    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(w), "r"(sel));
-    const uint32_t b = (x & 0x80008000u) | ((x >> SHIFT) & BITS);
-    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), pow2);
-    return *reinterpret_cast<uint32_t*>(&v);
+__host__ __device__ constexpr bool is_fp8(Kv kv) { return kv != kKvBf16; }
+
+// An fp8 pool's kernels compute in f16 (mma.sync f16 x f16, fp32 accumulate): fp8 widens to f16 exactly in one
+// instruction per two values (fp8x4_to_f16x2x2), where bf16 takes five. Their prefix tiles stay fp8 in shared
+// memory and are widened in registers after ldmatrix; Q and the draft rows are stored as f16 with each 16-dim block
+// de-interleaved (its 8 even dims, then its 8 odd dims), the order in which the fp8 fragments arrive:
+// - QK^T: ldmatrix of 8 fp8 key rows gives lane l dims 4q..4q+3 (q = l % 4) of row l / 4, widened to (4q, 4q+2)
+//   and (4q+1, 4q+3): the B fragment's k slots 2q, 2q+1 and 2q+8, 2q+9, which are the same dims in a
+//   de-interleaved row (slot s < 8 is dim 2s, slot 8 + s dim 2s + 1);
+// - PV: ldmatrix.trans gives lane l keys 2q, 2q+1 of the dim pair (2c, 2c+1), c = l / 4, widened to
+//   (dim 2c: both keys) and (dim 2c + 1: both keys): the B fragments of two n-tiles whose column c is the block's
+//   dim 2c and dim 2c + 1, which is what ldmatrix.trans of a de-interleaved f16 row gives.
+// So O's n-tile pair (2i, 2i + 1) holds block i interleaved: lane q has dims 4q..4q+3 (see the epilogue).
+// The mma path (MMA8) keeps that layout, and the draft tiles and Q in shared memory as they are (f16, de-interleaved),
+// for its prefix tiles only:
+// - QK^T: q as the pool's fp8 type (Triton's q.to(k.dtype)) in registers, m16n8k32 A fragments straight from global
+//   memory; ldmatrix of fp8 key rows gives the B fragment as it is (lane l: dims 4q..4q+3 of key l / 4);
+// - PV: the k slots of an m16n8k32 are the tile's keys permuted, slot 4q + i of each 16 = key
+//   {2q, 2q + 1, 8 + 2q, 9 + 2q}[i]: what a score lane holds of a row (n-tiles 2m and 2m + 1) and what two
+//   ldmatrix.trans of 8 fp8 keys give a lane of one dim pair (bytes 0, 2 of each: dim 2c; bytes 1, 3: dim 2c + 1).
+//   P is stored as e4m3 in that order (unscaled: P <= 2^RESCALE_SLACK is within e4m3's 448; Triton casts P <= 1 to
+//   the pool's type, e5m2 too, which keeps one bit fewer).
+// 16 bf16 values (chunks a: dims 0..7, b: dims 8..15 of a block) as f16, de-interleaved: even = dims 0, 2, .., 14;
+// odd = dims 1, 3, .., 15. Exact for magnitudes in f16's normal range, 2^-14 to 65504 (bf16's 8-bit significand fits
+// f16's 11); smaller ones round to f16's subnormals, larger ones become inf (kdtree_verify.h says so).
+__device__ __forceinline__ void bf16x16_to_f16_deinterleaved(const uint4& a, const uint4& b, uint4& even, uint4& odd) {
+  auto h2 = [](uint32_t w) {
+    const __half2 h = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w)));
+    return *reinterpret_cast<const uint32_t*>(&h);
   };
-  lo = make_uint4(two(raw.x, 0x1404), two(raw.x, 0x3424), two(raw.y, 0x1404), two(raw.y, 0x3424));
-  hi = make_uint4(two(raw.z, 0x1404), two(raw.z, 0x3424), two(raw.w, 0x1404), two(raw.w, 0x3424));
+  const uint32_t w[8] = {h2(a.x), h2(a.y), h2(a.z), h2(a.w), h2(b.x), h2(b.y), h2(b.z), h2(b.w)};
+  even = make_uint4(prmt(w[0], w[1], 0x5410), prmt(w[2], w[3], 0x5410), prmt(w[4], w[5], 0x5410),
+                    prmt(w[6], w[7], 0x5410));
+  odd = make_uint4(prmt(w[0], w[1], 0x7632), prmt(w[2], w[3], 0x7632), prmt(w[4], w[5], 0x7632),
+                   prmt(w[6], w[7], 0x7632));
 }
 
 struct Params {
@@ -189,7 +210,7 @@ struct Params {
   float* part_o; float* part_lse;
   unsigned long long* counter; unsigned long long* counter_mirror;
   float scale_log2;
-  float k_scale, v_scale;  // an fp8 pool's scales (the bf16 kernel reads neither)
+  float k_scale, v_scale;  // an fp8 pool's scales (the bf16 kernels read neither)
   int H, splits, m_tiles;
   int pair;  // two splits, launched in clusters of two CTAs that merge on chip (see the kernel's epilogue)
 };
@@ -216,10 +237,19 @@ __device__ __forceinline__ void split_range(int L, int splits, int s, int BN, in
   hi = min(L, lo + chunk);
 }
 
-// What one CTA works on: rows [m0, m0 + BM) of request b, keys [k_lo, k_hi) of prefix ++ draft.
+// What one CTA works on: rows [m0, m0 + BM) of request b, keys [k_lo, k_hi) of prefix ++ draft, in ntiles tiles.
+// A bf16 pool: tile t starts at k_lo + t * BN (a tile can hold prefix and draft keys). An fp8 pool: tiles
+// 0..np-1 are the prefix's (fp8 in shared memory; the last one masked past P), from np on the draft's (f16), so
+// that a tile holds one format: tile t >= np starts at d_lo + (t - np) * BN, d_lo = max(k_lo, P).
 struct Work {
   int64_t qs, kv0, mbase;
-  int qlen, rows, m0, P, L, k_lo, k_hi, ntiles;
+  int qlen, rows, m0, P, L, k_lo, k_hi, ntiles, np, d_lo;  // np, d_lo: an fp8 pool's only
+  template <bool FP8>
+  __device__ int start(int t, int BN) const {
+    if constexpr (FP8) return t < np ? k_lo + t * BN : d_lo + (t - np) * BN;
+    return k_lo + t * BN;
+  }
+  __device__ bool draft_tile(int t) const { return t >= np; }  // an fp8 pool's tiles only
 };
 
 // What a CTA does with its rows after the key loop, decided at launch and kept in shared memory rather
@@ -265,7 +295,7 @@ static_assert(sizeof(SmemLayout<Wide>) == Wide::SMEM && sizeof(SmemLayout<Compac
 // Score warp `sw`: rows sw*16.., every key of each tile. Row max / sum stay in registers (the warp owns
 // whole rows); P (bf16, as SGLang's Triton kernel feeds its P.V product) and the rescale factor go to
 // shared memory for the output warps.
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const Smem<C>& sm, int sw, int lane) {
   // The warp's 16 Q rows, consecutive lanes on consecutive chunks of a row; rows past this request's rows
   // are zero-filled. One row address per row, stepped from the first: a division by H per chunk made Q
@@ -283,30 +313,93 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     if (++head == p.H) head = 0, ++tok;
   }
   cp_async_commit();
-  uint32_t qf[C::QREG > 0 ? C::QREG : 1][4];
-  if constexpr (C::Q_DIRECT) {  // the register part of Q as mma A fragments, straight from global memory
+  uint32_t qf[C::QREG > 0 && !MMA8 ? C::QREG : 1][4];
+  if constexpr (C::Q_DIRECT && !MMA8) {  // the register part of Q as mma A fragments, straight from global memory
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int gr = w.m0 + sw * 16 + (lane >> 2) + 8 * h;
       const bool ok = gr < w.rows;
-      const uint32_t* row =
-          reinterpret_cast<const uint32_t*>(p.q + (ok ? (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh : 0)) + (lane & 3);
+      const __nv_bfloat16* base = p.q + (ok ? (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh : 0);
+      if constexpr (is_fp8(KV)) {  // f16, de-interleaved: slots 2q, 2q+1 are dims 4q, 4q+2; slots 8+2q, 9+2q 4q+1, 4q+3
+        const uint2* row = reinterpret_cast<const uint2*>(base) + (lane & 3);
 #pragma unroll
-      for (int ks = 0; ks < C::QREG; ++ks) {
-        qf[ks][h] = ok ? __ldg(row + ks * 8) : 0u;
-        qf[ks][2 + h] = ok ? __ldg(row + ks * 8 + 4) : 0u;
+        for (int ks = 0; ks < C::QREG; ++ks) {
+          const uint2 v = ok ? __ldg(row + ks * 4) : make_uint2(0u, 0u);
+          uint4 even, odd;  // only .x of each is used: the lane's four dims
+          bf16x16_to_f16_deinterleaved(make_uint4(v.x, v.y, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), even, odd);
+          qf[ks][h] = even.x;
+          qf[ks][2 + h] = odd.x;
+        }
+      } else {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(base) + (lane & 3);
+#pragma unroll
+        for (int ks = 0; ks < C::QREG; ++ks) {
+          qf[ks][h] = ok ? __ldg(row + ks * 8) : 0u;
+          qf[ks][2 + h] = ok ? __ldg(row + ks * 8 + 4) : 0u;
+        }
       }
     }
   }
+  // MMA8: this lane's rows of Q (g = lane / 4 and g + 8 of the warp's 16) in global memory, and Q as the pool's fp8
+  // type, every 32-dim k-step an m16n8k32 A fragment in registers (72 of them).
+  const __nv_bfloat16* q_g[2];
+  bool q_ok[2];
+  uint32_t q8[MMA8 ? QK / 32 : 1][4];
+  if constexpr (MMA8) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int gr = w.m0 + sw * 16 + (lane >> 2) + 8 * h;
+      q_ok[h] = gr < w.rows;
+      q_g[h] = p.q + (q_ok[h] ? (w.qs + gr / p.H) * p.q_st + (gr % p.H) * p.q_sh : 0);
+    }
+    auto fp8x4 = [](uint2 v) {  // four bf16 (dims d..d+3) as fp8, exactly as a float's cast
+      return f32x4_to_fp8x4<KV == kKvE4m3>(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                           __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    };
+#pragma unroll
+    for (int ks = 0; ks < QK / 32; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2* row = reinterpret_cast<const uint2*>(q_g[h] + ks * 32) + (lane & 3);  // dims 32ks + 4t..
+        q8[ks][h] = fp8x4(q_ok[h] ? __ldg(row) : make_uint2(0u, 0u));
+        q8[ks][2 + h] = fp8x4(q_ok[h] ? __ldg(row + 4) : make_uint2(0u, 0u));  // dims 32ks + 16 + 4t..
+      }
+  }
+  // MMA8 with Q_DIRECT: a draft tile's f16 k-step below Q_FROM (not in shared memory), from global memory.
+  auto q_f16_global = [&](int ks, uint32_t (&a)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2* row = reinterpret_cast<const uint2*>(q_g[h]) + (lane & 3);
+      const uint2 v = q_ok[h] ? __ldg(row + ks * 4) : make_uint2(0u, 0u);
+      uint4 even, odd;
+      bf16x16_to_f16_deinterleaved(make_uint4(v.x, v.y, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), even, odd);
+      a[h] = even.x;
+      a[2 + h] = odd.x;
+    }
+  };
   cp_async_wait<0>();
   __syncwarp();
+  if constexpr (is_fp8(KV)) {  // the warp's Q rows in shared memory as f16, each 16-dim block de-interleaved
+    constexpr int BLOCKS = C::Q_ROW_BYTES / 32;
+#pragma unroll 2
+    for (int i = lane; i < 16 * BLOCKS; i += 32) {
+      const int r = sw * 16 + i / BLOCKS, blk = i % BLOCKS;
+      uint4* c0 = reinterpret_cast<uint4*>(sm.q + r * C::Q_ROW_BYTES + swz_in_row(2 * blk, r));
+      uint4* c1 = reinterpret_cast<uint4*>(sm.q + r * C::Q_ROW_BYTES + swz_in_row(2 * blk + 1, r));
+      uint4 even, odd;
+      bf16x16_to_f16_deinterleaved(*c0, *c1, even, odd);
+      *c0 = even;
+      *c1 = odd;
+    }
+    __syncwarp();
+  }
   if (sw == 0 && lane == 0) stamp(kQLanded);
   // Lane l reads row sw*16 + (l & 15), chunk 2*ks + (l >> 4) of Q. With 2*ks even, the chunk's low bit
   // (l >> 4) goes into the xor key q_x with the row (the same holds for the K and V addresses below).
   const uint32_t q_row = smem_u32(sm.q + (sw * 16 + (lane & 15)) * C::Q_ROW_BYTES);
   const int q_x = ((lane >> 4) ^ lane) & 7;
   auto q_at = [&](int ks) { return q_row + swz_in_row(2 * (ks - C::Q_FROM), q_x); };
-  if constexpr (!C::Q_DIRECT) {
+  if constexpr (!C::Q_DIRECT && !MMA8) {
 #pragma unroll
     for (int ks = 0; ks < C::QREG; ++ks) ldmatrix_x4(qf[ks], q_at(ks));
   }
@@ -324,6 +417,17 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 
   // S = Q K^T of tile t (16 rows x BN keys, raw scores) in two accumulator sets (even / odd k-steps:
   // half the mma dependency chain); straight-line code, so it can interleave with other work.
+  auto q_frag = [&](int ks, uint32_t (&a)[4]) {
+    if constexpr (MMA8) {  // a draft tile's: Q's f16 k-steps are in shared memory from Q_FROM on
+      if (ks >= C::Q_FROM) ldmatrix_x4(a, q_at(ks));
+      else q_f16_global(ks, a);
+    } else if (ks < C::QREG) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = qf[ks < C::QREG ? ks : 0][e];
+    } else {
+      ldmatrix_x4(a, q_at(ks));
+    }
+  };
   auto scores = [&](int t, float (&sc)[C::NB_QK][4], float (&s2)[C::NB_QK][4], auto&& side) {
     const int stage = t % C::STAGES;
     bar_sync(C::BAR_K + stage, C::NT);
@@ -332,6 +436,52 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[j][e] = s2[j][e] = 0.f;
+    if constexpr (MMA8) {
+      if (!w.draft_tile(t)) {  // fp8 x fp8, addressed as the bf16 rows below (a k-step is 32 fp8 dims, two chunks):
+        // the x4 gives b0, b1 of n-tiles nb and nb + 1
+        const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
+        const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
+#pragma unroll
+        for (int ks = 0; ks < QK / 32; ++ks) {
+          side(ks);
+          float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
+#pragma unroll
+          for (int nb = 0; nb < C::NB_QK; nb += 2) {
+            uint32_t bb[4];
+            ldmatrix_x4(bb, k_row + nb * 8 * ROW_BYTES + swz_in_row(2 * ks, k_x));
+            mma_fp8<KV == kKvE4m3, KV == kKvE4m3>(acc[nb], q8[ks], bb[0], bb[1]);
+            mma_fp8<KV == kKvE4m3, KV == kKvE4m3>(acc[nb + 1], q8[ks], bb[2], bb[3]);
+          }
+        }
+        return;
+      }
+    } else if constexpr (is_fp8(KV)) {
+      if (!w.draft_tile(t)) {  // fp8 key rows: one 16-byte chunk is a whole k-step of a row
+        // Lane l reads key row nb*8 + l (n-tile nb + l / 8; an x2 takes lanes 0-15), fp8 chunk ks.
+        const uint32_t k8_row = smem_u32(Kt + lane * ROW_BYTES);
+#pragma unroll
+        for (int ks = 0; ks < QK / 16; ++ks) {
+          side(ks);
+          uint32_t a[4];
+          q_frag(ks, a);
+          float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
+          constexpr int X = C::NB_QK % 4 == 0 ? 4 : 2;  // n-tiles per ldmatrix
+#pragma unroll
+          for (int nb = 0; nb < C::NB_QK; nb += X) {
+            uint32_t r[X];
+            ldmatrix_n<X>(r, k8_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
+#pragma unroll
+            for (int m = 0; m < X; ++m) {
+              uint32_t b0, b1;
+              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[m], b0, b1);
+              mma_f16(acc[nb + m], a, b0, b1);
+            }
+          }
+        }
+        return;
+      }
+    }
+    // bf16 key rows, or an fp8 pool's draft tile (f16, de-interleaved).
     // Lane l reads key row nb*8 + ((l >> 4) << 3) + (l & 7), chunk 2*ks + ((l >> 3) & 1).
     const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
     const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
@@ -339,35 +489,40 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     for (int ks = 0; ks < QK / 16; ++ks) {
       side(ks);
       uint32_t a[4];
-      if (ks < C::QREG) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = qf[ks < C::QREG ? ks : 0][e];
-      } else {
-        ldmatrix_x4(a, q_at(ks));
-      }
+      q_frag(ks, a);
       float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
 #pragma unroll
       for (int nb = 0; nb < C::NB_QK; nb += 2) {
         uint32_t bb[4];
         ldmatrix_x4(bb, k_row + nb * 8 * ROW_BYTES + swz_in_row(2 * ks, k_x));
-        mma_bf16(acc[nb], a, bb[0], bb[1]);
-        mma_bf16(acc[nb + 1], a, bb[2], bb[3]);
+        if constexpr (is_fp8(KV)) {
+          mma_f16(acc[nb], a, bb[0], bb[1]);
+          mma_f16(acc[nb + 1], a, bb[2], bb[3]);
+        } else {
+          mma_bf16(acc[nb], a, bb[0], bb[1]);
+          mma_bf16(acc[nb + 1], a, bb[2], bb[3]);
+        }
       }
     }
   };
 
   // Sum the two sets; mask draft keys (tree or causal) and keys past the range. An fp8 pool's prefix keys
-  // were widened without their scale: it multiplies their scores here, in fp32.
+  // were widened without their scale: it multiplies their scores here, in fp32 (its prefix tiles hold no draft
+  // key: past P they are masked).
   auto mask = [&](int t, float (&sc)[C::NB_QK][4], const float (&s2)[C::NB_QK][4]) {
-    const int kt0 = w.k_lo + t * C::BN;
+    const int kt0 = w.template start<is_fp8(KV)>(t, C::BN);
     const bool edge = kt0 + C::BN > w.P;
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = sc[j][e] + s2[j][e];
-        if constexpr (KV != kKvBf16) {
-          if (!edge || kt0 + j * 8 + 2 * (lane & 3) + (e & 1) < w.P) v *= p.k_scale;
+        if constexpr (is_fp8(KV)) {
+          if (!w.draft_tile(t)) {
+            v = kt0 + j * 8 + 2 * (lane & 3) + (e & 1) < w.P ? v * p.k_scale : -INFINITY;
+            sc[j][e] = v;
+            continue;
+          }
         }
         if (edge) {
           const int h = e >> 1;
@@ -433,29 +588,46 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     }
   };
 
-  // P (bf16) and the rescale factor of tile t into P buffer t & 1 for the output warps. An fp8 pool's value
-  // scale multiplies the prefix keys' P here (the row sum l stays unscaled).
+  // P (bf16; f16 for an fp8 pool, e4m3 in an MMA8 prefix tile) and the rescale factor of tile t into P buffer t & 1
+  // for the output warps. An fp8 pool's value scale goes onto O once, after its prefix tiles: in the rescale factor
+  // of the first draft tile (or, with none, in the epilogue's normalisation), never into P.
   auto publish = [&](int t, const float (&pr)[C::NB_QK][4], const float (&alpha)[2]) {
     const int buf = t & 1;
     if (t >= 2) bar_sync(C::BAR_P_FREE + buf, C::NT);  // the output warps are done with tile t-2's P
     uint8_t* Pt = sm.p + buf * C::BM * C::P_ROW_BYTES;
+    bool fp8_p = false;
+    if constexpr (MMA8) fp8_p = !w.draft_tile(t);
+    if (fp8_p) {
+      // Slot 16m + 4q + i of a row = key 16m + {2q, 2q + 1, 8 + 2q, 9 + 2q}[i]: n-tiles 2m and 2m + 1 of this lane.
 #pragma unroll
-    for (int j = 0; j < C::NB_QK; ++j) {
-      const int col = j * 8 + 2 * (lane & 3);
-      float f0 = 1.f, f1 = 1.f;
-      if constexpr (KV != kKvBf16) {
-        const int kp = w.k_lo + t * C::BN + col;
-        f0 = kp < w.P ? p.v_scale : 1.f;
-        f1 = kp + 1 < w.P ? p.v_scale : 1.f;
+      for (int m = 0; m < C::NB_QK / 2; ++m) {
+        const int at = 16 * m + 4 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(Pt + r0 * C::P_ROW_BYTES + at) =
+            f32x4_to_fp8x4<true>(pr[2 * m][0], pr[2 * m][1], pr[2 * m + 1][0], pr[2 * m + 1][1]);
+        *reinterpret_cast<uint32_t*>(Pt + (r0 + 8) * C::P_ROW_BYTES + at) =
+            f32x4_to_fp8x4<true>(pr[2 * m][2], pr[2 * m][3], pr[2 * m + 1][2], pr[2 * m + 1][3]);
       }
-      *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) =
-          __floats2bfloat162_rn(pr[j][0] * f0, pr[j][1] * f1);
-      *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
-          __floats2bfloat162_rn(pr[j][2] * f0, pr[j][3] * f1);
+    } else {
+#pragma unroll
+      for (int j = 0; j < C::NB_QK; ++j) {
+        const int col = j * 8 + 2 * (lane & 3);
+        if constexpr (is_fp8(KV)) {  // f16 P for the f16 mma (<= 2^RESCALE_SLACK)
+          *reinterpret_cast<__half2*>(Pt + r0 * C::P_ROW_BYTES + col * 2) = __floats2half2_rn(pr[j][0], pr[j][1]);
+          *reinterpret_cast<__half2*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
+              __floats2half2_rn(pr[j][2], pr[j][3]);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(Pt + r0 * C::P_ROW_BYTES + col * 2) =
+              __floats2bfloat162_rn(pr[j][0], pr[j][1]);
+          *reinterpret_cast<__nv_bfloat162*>(Pt + (r0 + 8) * C::P_ROW_BYTES + col * 2) =
+              __floats2bfloat162_rn(pr[j][2], pr[j][3]);
+        }
+      }
     }
     if ((lane & 3) == 0) {
-      sm.alpha[buf * C::BM + r0] = alpha[0];
-      sm.alpha[buf * C::BM + r0 + 8] = alpha[1];
+      float f = 1.f;
+      if constexpr (is_fp8(KV)) f = t == w.np && t > 0 ? p.v_scale : 1.f;
+      sm.alpha[buf * C::BM + r0] = alpha[0] * f;
+      sm.alpha[buf * C::BM + r0 + 8] = alpha[1] * f;
     }
     bar_arrive(C::BAR_P_READY + buf, C::NT);
     if (t == 0 && r0 == 0 && lane == 0) stamp(kFirstP);
@@ -466,6 +638,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   // chains. Otherwise tile by tile.
   constexpr int SOFTMAX_SPACING = 2;  // a softmax step every second k-step
   static_assert(SOFTMAX_STEPS * SOFTMAX_SPACING <= QK / 16, "softmax steps fit in the k-steps");
+  static_assert(!(C::PIPELINE && MMA8) || (SOFTMAX_STEPS - 1) * SOFTMAX_SPACING < QK / 32,
+                "softmax steps fit in an MMA8 prefix tile's 32-dim k-steps");
   float cur[C::NB_QK][4], nxt[C::NB_QK][4], nxt2[C::NB_QK][4], alpha[2];
   auto no_side_work = [](int) {};
   auto whole_softmax = [&] {
@@ -515,24 +689,49 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
 // Output warp `ow`: loads its share of every key tile (its own value dims of each key row, so no other
 // output warp reads what it overwrites, plus an even share of the rope dims), then O = O * alpha + P V
 // for all BM rows x its DV_W dims.
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 __device__ __forceinline__ void output_warp(const Params& p, const Work& w, const Smem<C>& sm, int ow, int lane,
                                             float (&o)[C::RB][C::NB_PV][4]) {
   // Lane k reads the pool slot of key row k of a tile (a tile ahead); the copies themselves go out in
   // 16-byte chunks with consecutive lanes on consecutive chunks of a row, so each request is whole lines.
   const int key = lane % C::BN;
   auto slot_of = [&](int t) -> int {  // a pool holds fewer than 2^31 rows (that would be 2.4 TB)
-    const int kp = w.k_lo + t * C::BN + key;
+    const int kp = w.template start<is_fp8(KV)>(t, C::BN) + key;
     return kp < w.P && kp < w.k_hi ? static_cast<int>(load_idx(p.kv_indices, p.kvi_t, w.kv0 + kp)) : 0;
   };
-  // fp8 pools: one 16-byte chunk of a pool row holds the values of bf16 chunks c and c + 1 (c even). Lane `idx`
-  // of copy i takes such a pair of key row r (the warp's own dims, then its share of the rope rows: the same
-  // rows as in bf16), copies the pool's chunk into the stage slot of chunk c + 1 and, once it landed, widens it
-  // in place into slots c and c + 1 (widen below). The same lane does both: cp.async's wait covers only the
-  // copies of the thread that waits. Draft rows are bf16: both slots copied from k_ext.
+  // An fp8 pool's prefix tile: the pool's 16-byte chunks (16 dims each) as they are, chunk c of row r at swz(r, c)
+  // (chunks 0..35: the first 640 bytes of the row slot). Lane `idx` of copy i takes chunk idx % CW8 of the warp's
+  // own CW8 chunks of row idx / CW8, then its share of the rope chunks (32..35).
+  constexpr int CW8 = C::CW / 2, LAT8_PER_LANE = C::BN * CW8 / 32, ROPE8_PER_WARP = C::BN * 4 / C::NO;
+  static_assert(!is_fp8(KV) || ((C::BN * CW8) % 32 == 0 && ROPE8_PER_WARP <= 32), "fp8 chunks spread evenly");
+  auto load_prefix_fp8 = [&](int t, int slot) {
+    const int k0 = w.template start<is_fp8(KV)>(t, C::BN);
+    uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+    const uint8_t* pool = reinterpret_cast<const uint8_t*>(p.k_buf);
+    const uint32_t st = static_cast<uint32_t>(p.k_buf_st);  // bytes (an fp8 row), < 2^31, checked at launch
+#pragma unroll
+    for (int i = 0; i < LAT8_PER_LANE + 1; ++i) {
+      int r, c;
+      bool mine = true;
+      if (i < LAT8_PER_LANE) {
+        const int idx = lane + 32 * i;
+        r = idx / CW8, c = ow * CW8 + idx % CW8;
+      } else {
+        const int g = ow * ROPE8_PER_WARP + lane;
+        r = g / 4, c = DV / 16 + g % 4, mine = lane < ROPE8_PER_WARP;
+      }
+      const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));  // every lane shuffles
+      const bool ok = k0 + r < w.P;  // the last prefix tile past P: zero-filled, then masked
+      if (mine) cp_async16(stage + swz(r, c), ok ? pool + static_cast<uint64_t>(sl) * st + c * 16 : pool, ok);
+    }
+  };
+  // An fp8 pool's draft tile: bf16 rows of k_ext copied as bf16 (chunk pairs c, c + 1 = one 16-dim block, both by
+  // the same lane: cp.async's wait covers only the copies of the thread that waits), then, once landed, each block
+  // rewritten as f16 de-interleaved in place (convert_draft). Lane `idx` of copy i takes block idx % (CW / 2) of the
+  // warp's own dims of row idx / (CW / 2), then its share of the rope blocks.
   constexpr int LAT_PAIRS = C::BN * C::CW / 2 / 32, ROPE_PAIRS = C::ROPE_PER_WARP / 2;
-  static_assert(KV == kKvBf16 || (C::CW % 2 == 0 && (C::BN * C::CW / 2) % 32 == 0 && ROPE_PAIRS <= 32),
-                "fp8 chunk pairs spread evenly over the lanes");
+  static_assert(!is_fp8(KV) || (C::CW % 2 == 0 && (C::BN * C::CW / 2) % 32 == 0 && ROPE_PAIRS <= 32),
+                "draft blocks spread evenly over the lanes");
   auto pair_at = [&](int i, int& r, int& c, bool& mine) {
     if (i < LAT_PAIRS) {
       const int idx = lane + 32 * i;
@@ -542,50 +741,44 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       r = g / (ROPE_CHUNKS / 2), c = DV / 8 + 2 * (g % (ROPE_CHUNKS / 2)), mine = lane < ROPE_PAIRS;
     }
   };
-  auto load_tile_fp8 = [&](int t, int slot) {
-    const int k0 = w.k_lo + t * C::BN;
+  auto load_draft = [&](int t) {
+    const int k0 = w.template start<is_fp8(KV)>(t, C::BN);
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
-    const uint8_t* pool = reinterpret_cast<const uint8_t*>(p.k_buf);
-    const bool all_pool = k0 + C::BN <= min(w.P, w.k_hi);
-    const uint32_t st = static_cast<uint32_t>(p.k_buf_st);  // < 2^31, checked at launch
 #pragma unroll
     for (int i = 0; i < LAT_PAIRS + 1; ++i) {
       int r, c;
       bool mine;
       pair_at(i, r, c, mine);
-      const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));  // every lane shuffles
       const int kp = k0 + r;
-      if (all_pool || (kp < w.P && kp < w.k_hi)) {
-        if (mine) cp_async16(stage + swz(r, c + 1), pool + static_cast<uint64_t>(sl) * st + c * 8, true);
-      } else {
-        const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
-        const __nv_bfloat16* src = ok ? p.k_ext + (w.qs + kp - w.P) * p.k_ext_st + c * 8 : p.k_ext;
-        if (mine) {
-          cp_async16(stage + swz(r, c), src, ok);
-          cp_async16(stage + swz(r, c + 1), ok ? src + 8 : src, ok);
-        }
+      const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
+      const __nv_bfloat16* src = ok ? p.k_ext + (w.qs + kp - w.P) * p.k_ext_st + c * 8 : p.k_ext;
+      if (mine) {
+        cp_async16(stage + swz(r, c), src, ok);
+        cp_async16(stage + swz(r, c + 1), ok ? src + 8 : src, ok);
       }
     }
   };
-  auto widen = [&](int t) {
-    const int k0 = w.k_lo + t * C::BN, pool_rows = min(w.P, w.k_hi) - k0;
+  auto convert_draft = [&](int t) {
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
-#pragma unroll 1  // one chunk at a time: unrolled, its loads were hoisted and wide's output warps spilled
+#pragma unroll 1
     for (int i = 0; i < LAT_PAIRS + 1; ++i) {
       int r, c;
       bool mine;
       pair_at(i, r, c, mine);
-      if (mine && r < pool_rows) {
-        uint4 lo, hi;
-        widen_fp8<KV>(*reinterpret_cast<const uint4*>(stage + swz(r, c + 1)), lo, hi);
-        *reinterpret_cast<uint4*>(stage + swz(r, c)) = lo;
-        *reinterpret_cast<uint4*>(stage + swz(r, c + 1)) = hi;
+      if (mine) {
+        uint4* c0 = reinterpret_cast<uint4*>(stage + swz(r, c));
+        uint4* c1 = reinterpret_cast<uint4*>(stage + swz(r, c + 1));
+        uint4 even, odd;
+        bf16x16_to_f16_deinterleaved(*c0, *c1, even, odd);
+        *c0 = even;
+        *c1 = odd;
       }
     }
   };
   auto load_tile = [&](int t, int slot) {
-    if constexpr (KV != kKvBf16) {
-      load_tile_fp8(t, slot);
+    if constexpr (is_fp8(KV)) {
+      if (w.draft_tile(t)) load_draft(t);
+      else load_prefix_fp8(t, slot);
       return;
     }
     const int k0 = w.k_lo + t * C::BN;
@@ -641,7 +834,9 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   load_tile(0, slot_of(0));  // ntiles >= 1
   cp_async_commit();
   cp_async_wait<0>();
-  if constexpr (KV != kKvBf16) widen(0);
+  if constexpr (is_fp8(KV)) {
+    if (w.draft_tile(0)) convert_draft(0);
+  }
   if (ow == 0 && lane == 0) stamp(kTile0Landed);
   bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
 #pragma unroll
@@ -655,21 +850,36 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   for (int t = 0; t < w.ntiles; ++t) {
     if (t + 1 < w.ntiles) {
       cp_async_wait<C::STAGES - 2>();
-      if constexpr (KV != kKvBf16) widen(t + 1);
+      if constexpr (is_fp8(KV)) {
+        if (w.draft_tile(t + 1)) convert_draft(t + 1);
+      }
       bar_arrive(C::BAR_K + (t + 1) % C::STAGES, C::NT);
     }
     const int buf = t & 1;
     bar_sync(C::BAR_P_READY + buf, C::NT);  // P of tile t written; the score warps are done with its keys
     uint8_t* Kt = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
-    const int kt0 = w.k_lo + t * C::BN;
+    const int kt0 = w.template start<is_fp8(KV)>(t, C::BN);
 
-    // Draft values from a separate tensor replace this warp's dims of the staged draft rows.
-    if (p.v_ext != nullptr && kt0 + C::BN > w.P) {
+    // Draft values from a separate tensor replace this warp's dims of the staged draft rows (an fp8 pool's: as
+    // f16, de-interleaved, as convert_draft wrote the keys; only in its draft tiles: a prefix tile past P holds
+    // zero-filled fp8 rows, which f16 bytes would turn into NaN).
+    if (p.v_ext != nullptr && (is_fp8(KV) ? w.draft_tile(t) : kt0 + C::BN > w.P)) {
       const int d_lo = max(kt0, w.P), d_hi = min(kt0 + C::BN, w.k_hi);
-      for (int c = lane; c < (d_hi - d_lo) * C::CW; c += 32) {
-        const int kp = d_lo + c / C::CW, col = ow * C::CW + c % C::CW;
-        const uint4 v = *reinterpret_cast<const uint4*>(p.v_ext + (w.qs + kp - w.P) * p.v_ext_st + col * 8);
-        *reinterpret_cast<uint4*>(Kt + swz(kp - kt0, col)) = v;
+      if constexpr (is_fp8(KV)) {
+        for (int c = lane; c < (d_hi - d_lo) * (C::CW / 2); c += 32) {
+          const int kp = d_lo + c / (C::CW / 2), col = ow * C::CW + 2 * (c % (C::CW / 2));
+          const uint4* src = reinterpret_cast<const uint4*>(p.v_ext + (w.qs + kp - w.P) * p.v_ext_st + col * 8);
+          uint4 even, odd;
+          bf16x16_to_f16_deinterleaved(src[0], src[1], even, odd);
+          *reinterpret_cast<uint4*>(Kt + swz(kp - kt0, col)) = even;
+          *reinterpret_cast<uint4*>(Kt + swz(kp - kt0, col + 1)) = odd;
+        }
+      } else {
+        for (int c = lane; c < (d_hi - d_lo) * C::CW; c += 32) {
+          const int kp = d_lo + c / C::CW, col = ow * C::CW + c % C::CW;
+          const uint4 v = *reinterpret_cast<const uint4*>(p.v_ext + (w.qs + kp - w.P) * p.v_ext_st + col * 8);
+          *reinterpret_cast<uint4*>(Kt + swz(kp - kt0, col)) = v;
+        }
       }
       __syncwarp();
     }
@@ -686,30 +896,104 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       }
     }
     const uint8_t* Pt = sm.p + buf * C::BM * C::P_ROW_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < C::BN / 16; ++kk) {
+    bool fp8_mma = false;
+    if constexpr (MMA8) fp8_mma = !w.draft_tile(t);
+    if (fp8_mma) {
+      // One m16n8k32 over the tile's keys (16-key tiles: slots 16..31 zero). A: the e4m3 P rows as the score warps
+      // stored them (in slot order). B: per fp8 chunk i (16 dims) of this warp's own, ldmatrix.trans of 8 keys
+      // each (lane l = key l), whose bytes 0, 2 of two key groups are the even dims' slots and bytes 1, 3 the
+      // odd dims': n-tiles 2i and 2i + 1, as the widen path lays them out.
+      constexpr bool FULL = C::BN == 32;
+      static_assert(C::BN == 32 || C::BN == 16, "an m16n8k32 over one or half a tile");
       uint32_t a[C::RB][4];
 #pragma unroll
-      for (int rb = 0; rb < C::RB; ++rb)
-        ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
-      // Lane l reads key row kk*16 + ((l >> 3) & 1)*8 + (l & 7), chunk d0/8 + nb + (l >> 4) (d0/8 is a
-      // multiple of 8, nb even).
-      const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
-      const int v_x = ((lane >> 4) ^ lane) & 7;
+      for (int rb = 0; rb < C::RB; ++rb) {
+        const uint32_t at = smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + (lane >> 4) * 16);
+        if constexpr (FULL) {
+          ldmatrix_x4(a[rb], at);
+        } else {
+          uint32_t h[2];
+          ldmatrix_x2(h, at);
+          a[rb][0] = h[0], a[rb][1] = h[1], a[rb][2] = a[rb][3] = 0u;
+        }
+      }
+      const int key = FULL ? lane : lane & 15;
+      const uint32_t v8_row = smem_u32(Kt + key * ROW_BYTES);
 #pragma unroll
-      for (int nb = 0; nb < C::NB_PV; nb += 2) {
-        const uint32_t v_addr = v_row + swz_in_row(d0 / 8 + nb, v_x);
-        uint32_t bb[4];
-        ldmatrix_x4_trans(bb, v_addr);
+      for (int i = 0; i < CW8; ++i) {
+        uint32_t r[4] = {0u, 0u, 0u, 0u};
+        if constexpr (FULL) {
+          ldmatrix_x4_trans(r, v8_row + swz_in_row(d0 / 16 + i, key));
+        } else {
+          uint32_t h[2];
+          ldmatrix_x2_trans(h, v8_row + swz_in_row(d0 / 16 + i, key));
+          r[0] = h[0], r[1] = h[1];
+        }
+        const uint32_t e0 = prmt(r[0], r[1], 0x6420), e1 = prmt(r[2], r[3], 0x6420);
+        const uint32_t o0 = prmt(r[0], r[1], 0x7531), o1 = prmt(r[2], r[3], 0x7531);
 #pragma unroll
         for (int rb = 0; rb < C::RB; ++rb) {
-          mma_bf16(o[rb][nb], a[rb], bb[0], bb[1]);
-          mma_bf16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
+          mma_fp8<true, KV == kKvE4m3>(o[rb][2 * i], a[rb], e0, e1);
+          mma_fp8<true, KV == kKvE4m3>(o[rb][2 * i + 1], a[rb], o0, o1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < C::BN / 16; ++kk) {
+        uint32_t a[C::RB][4];
+#pragma unroll
+        for (int rb = 0; rb < C::RB; ++rb)
+          ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
+        // Lane l reads key row kk*16 + ((l >> 3) & 1)*8 + (l & 7), chunk d0/8 + nb + (l >> 4) (d0/8 is a
+        // multiple of 8, nb even).
+        const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
+        const int v_x = ((lane >> 4) ^ lane) & 7;
+        if constexpr (is_fp8(KV)) {
+          if (!w.draft_tile(t)) {
+            // fp8 chunk c = d0/16 + i (16 dims) of the warp's own: each register widens to the B fragments of n-tiles
+            // 2i (the block's even dims) and 2i + 1 (its odd dims).
+#pragma unroll
+            for (int i = 0; i < CW8; ++i) {
+              uint32_t r[2], e0, o0, e1, o1;
+              ldmatrix_x2_trans(r, v_row + swz_in_row(d0 / 16 + i, lane));  // lanes 0-7 keys 0-7, 8-15 keys 8-15
+              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[0], e0, o0);
+              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[1], e1, o1);
+#pragma unroll
+              for (int rb = 0; rb < C::RB; ++rb) {
+                mma_f16(o[rb][2 * i], a[rb], e0, e1);
+                mma_f16(o[rb][2 * i + 1], a[rb], o0, o1);
+              }
+            }
+            continue;
+          }
+        }
+#pragma unroll
+        for (int nb = 0; nb < C::NB_PV; nb += 2) {
+          const uint32_t v_addr = v_row + swz_in_row(d0 / 8 + nb, v_x);
+          uint32_t bb[4];
+          ldmatrix_x4_trans(bb, v_addr);
+#pragma unroll
+          for (int rb = 0; rb < C::RB; ++rb) {
+            if constexpr (is_fp8(KV)) {
+              mma_f16(o[rb][nb], a[rb], bb[0], bb[1]);
+              mma_f16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
+            } else {
+              mma_bf16(o[rb][nb], a[rb], bb[0], bb[1]);
+              mma_bf16(o[rb][nb + 1], a[rb], bb[2], bb[3]);
+            }
+          }
         }
       }
     }
     __syncwarp();  // every lane is done reading this stage before this warp refills it
     bar_arrive(C::BAR_P_FREE + buf, C::NT);
+    if constexpr (is_fp8(KV)) {
+      // A stage going from a prefix tile (fp8: this warp's dims are 64 bytes of a row) to a draft tile (f16: 128
+      // bytes) is refilled over other output warps' fp8 dims: all of them must be done with this tile's PV first.
+      // At most STAGES times a CTA, the same on every output warp.
+      if (!w.draft_tile(t) && t + C::STAGES < w.ntiles && w.draft_tile(t + C::STAGES))
+        bar_sync(C::BAR_EPILOGUE, C::NO * 32);
+    }
     if (t + C::STAGES < w.ntiles) load_tile(t + C::STAGES, next_slot);
     cp_async_commit();
     next_slot = slot_of(t + C::STAGES + 1);
@@ -767,7 +1051,8 @@ __device__ __noinline__ void merge_pair(__nv_bfloat16* out, int64_t o_st, int64_
   }
 }
 
-template <class C, Kv KV>
+// MMA8: an fp8 pool's prefix tiles through fp8 x fp8 mma (KDTREE_FP8_MMA), else widened to f16 (KDTREE_FP8_WIDEN).
+template <class C, Kv KV, bool MMA8>
 __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
 #ifdef __CUDA_ARCH__
   if constexpr (C::SMEM > SMEM_PER_BLOCK) return;  // a config this architecture cannot launch: no code
@@ -800,7 +1085,14 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   int used;
   split_range(w.L, p.splits, split, C::BN, w.k_lo, w.k_hi, used);
   if (split >= used) return;
-  w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
+  if constexpr (is_fp8(KV)) {  // prefix tiles, then draft tiles from P on (see Work)
+    const int p_hi = min(w.P, w.k_hi);
+    w.np = p_hi > w.k_lo ? (p_hi - w.k_lo + C::BN - 1) / C::BN : 0;
+    w.d_lo = max(w.k_lo, w.P);
+    w.ntiles = w.np + (w.k_hi > w.d_lo ? (w.k_hi - w.d_lo + C::BN - 1) / C::BN : 0);
+  } else {
+    w.ntiles = (w.k_hi - w.k_lo + C::BN - 1) / C::BN;
+  }
   if (tid == 0) {  // read after the key loop, behind its __syncthreads
     stamp(kIndices);
     // Two splits (p.pair) and both have keys (the same on both CTAs of the cluster: same request, same
@@ -813,7 +1105,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   }
 
   if (warp < C::NS) {
-    score_warp<C, KV>(p, w, sm, warp, lane);
+    score_warp<C, KV, MMA8>(p, w, sm, warp, lane);
     if (tid == 0) stamp(kScoreLoopDone);
     __syncthreads();  // row sums and maxima are in shared memory
     if (sm.epi->mode == Epilogue::kPair) {  // the cluster barriers count every thread of both CTAs
@@ -828,7 +1120,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   for (int i = 0; i < C::RB; ++i)
 #pragma unroll
     for (int j = 0; j < C::NB_PV; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
-  output_warp<C, KV>(p, w, sm, ow, lane, o);
+  output_warp<C, KV, MMA8>(p, w, sm, ow, lane, o);
   if (ow == 0 && lane == 0) stamp(kOutputLoopDone);
   __syncthreads();
   const Epilogue epi = *sm.epi;
@@ -839,6 +1131,8 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   // STAGE_ROUNDS rounds of rows when all of them do not fit at once.
   const int d0 = ow * C::DV_W;
   float* staged = reinterpret_cast<float*>(smem_raw);
+  float o_scale = 1.f;  // an fp8 pool's value scale when no draft tile's rescale carried it (see publish)
+  if constexpr (is_fp8(KV)) o_scale = w.np == w.ntiles ? p.v_scale : 1.f;
   constexpr int ROUND_RB = C::RB / C::STAGE_ROUNDS, ROUND_ROWS = ROUND_RB * 16;
 #pragma unroll
   for (int round = 0; round < C::STAGE_ROUNDS; ++round) {
@@ -849,20 +1143,43 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
         const int r = rb * 16 + (lane >> 2) + 8 * h;
         const int gr = w.m0 + r;
         const float l = sm.l_fin[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
+        float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, as the Triton kernel writes
+        if constexpr (is_fp8(KV)) inv *= o_scale;
+        // An fp8 pool's n-tile pair (2i, 2i + 1) holds 16-dim block i interleaved (the f16 fragments' order, see
+        // bf16x16_to_f16_deinterleaved): this lane's four values of the pair are dims 16i + 4q .. 16i + 4q + 3.
         if (epi.mode == Epilogue::kStore) {
           if (gr < w.rows) {
-            __nv_bfloat16* dst = p.out + (w.qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0 + 2 * (lane & 3);
+            __nv_bfloat16* row = p.out + (w.qs + gr / p.H) * p.o_st + (gr % p.H) * p.o_sh + d0;
+            if constexpr (is_fp8(KV)) {
 #pragma unroll
-            for (int j = 0; j < C::NB_PV; ++j)
-              *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
-                  __floats2bfloat162_rn(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+              for (int i = 0; i < C::NB_PV / 2; ++i) {
+                const __nv_bfloat162 lo = __floats2bfloat162_rn(o[rb][2 * i][2 * h] * inv, o[rb][2 * i + 1][2 * h] * inv);
+                const __nv_bfloat162 hi =
+                    __floats2bfloat162_rn(o[rb][2 * i][2 * h + 1] * inv, o[rb][2 * i + 1][2 * h + 1] * inv);
+                *reinterpret_cast<uint2*>(row + 16 * i + 4 * (lane & 3)) =
+                    make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+              }
+            } else {
+#pragma unroll
+              for (int j = 0; j < C::NB_PV; ++j)
+                *reinterpret_cast<__nv_bfloat162*>(row + j * 8 + 2 * (lane & 3)) =
+                    __floats2bfloat162_rn(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+            }
           }
         } else {
+          float* row = staged + (r - round * ROUND_ROWS) * C::STAGED_ROW + d0;
+          if constexpr (is_fp8(KV)) {
 #pragma unroll
-          for (int j = 0; j < C::NB_PV; ++j)
-            *reinterpret_cast<float2*>(staged + (r - round * ROUND_ROWS) * C::STAGED_ROW + d0 + j * 8 + 2 * (lane & 3)) =
-                make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+            for (int i = 0; i < C::NB_PV / 2; ++i)
+              *reinterpret_cast<float4*>(row + 16 * i + 4 * (lane & 3)) =
+                  make_float4(o[rb][2 * i][2 * h] * inv, o[rb][2 * i + 1][2 * h] * inv, o[rb][2 * i][2 * h + 1] * inv,
+                              o[rb][2 * i + 1][2 * h + 1] * inv);
+          } else {
+#pragma unroll
+            for (int j = 0; j < C::NB_PV; ++j)
+              *reinterpret_cast<float2*>(row + j * 8 + 2 * (lane & 3)) =
+                  make_float2(o[rb][j][2 * h] * inv, o[rb][j][2 * h + 1] * inv);
+          }
         }
       }
     if (ow == 0 && lane == 0) stamp(kStaged);
@@ -1004,13 +1321,14 @@ static cudaLaunchAttribute pair_cluster() {
 // and count the clusters of two CTAs the device holds at once. A cluster's CTAs share a GPC, so that can be
 // fewer than half the CTA slots (a GPC with an odd number of SMs, a MIG slice); pairs are only planned
 // when all of them fit in one wave.
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 static int prepare(int* pair_slots) {
   static thread_local int prepared_device = -1, pairs = 0;
   int dev = 0;
   cudaGetDevice(&dev);
   if (prepared_device != dev) {
-    cudaError_t e = cudaFuncSetAttribute(tree_verify_kernel<C, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    cudaError_t e =
+        cudaFuncSetAttribute(tree_verify_kernel<C, KV, MMA8>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (e != cudaSuccess) return fail_cuda(e, "cudaFuncSetAttribute (the kernel's shared memory)");
     pairs = 0;  // a config that stages its rows in rounds does not pair (Cfg::PAIR)
     cudaLaunchConfig_t cfg = {};
@@ -1020,7 +1338,7 @@ static int prepare(int* pair_slots) {
     cudaLaunchAttribute cluster = pair_cluster();
     cfg.attrs = &cluster;
     cfg.numAttrs = 1;
-    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C, KV>, &cfg) != cudaSuccess) {
+    if (C::PAIR && cudaOccupancyMaxActiveClusters(&pairs, tree_verify_kernel<C, KV, MMA8>, &cfg) != cudaSuccess) {
       pairs = 0;  // no clusters here: two splits go through the combine, as more do
       cudaGetLastError();
     }
@@ -1034,18 +1352,19 @@ static int prepare(int* pair_slots) {
 // and threads all counted): the split sizing fills exactly one wave of them.
 template <class C>
 static int resident_ctas(int* ctas) {
-  if (int rc = prepare<C, kKvBf16>(nullptr); rc != KDTREE_OK) return rc;
+  if (int rc = prepare<C, kKvBf16, false>(nullptr); rc != KDTREE_OK) return rc;
   // The fp8 kernels have the same threads and shared memory, and the launch bounds cap every one's registers.
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C, kKvBf16>, C::NT, C::SMEM);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, tree_verify_kernel<C, kKvBf16, false>, C::NT,
+                                                               C::SMEM);
   if (e != cudaSuccess) return fail_cuda(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (*ctas < 1) return fail(KDTREE_ERR_CUDA, "the kernel does not fit on this device");
   return KDTREE_OK;
 }
 
-template <class C, Kv KV>
+template <class C, Kv KV, bool MMA8>
 static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   int pair_slots = 0;
-  if (int rc = prepare<C, KV>(&pair_slots); rc != KDTREE_OK) return rc;
+  if (int rc = prepare<C, KV, MMA8>(&pair_slots); rc != KDTREE_OK) return rc;
   const Plan pl = plan<C>(a->batch, a->num_heads, a->max_q_len, a->cta_slots, pair_slots);
   if (a->workspace_bytes < pl.ws_bytes || (pl.ws_bytes > 0 && a->workspace == nullptr))
     return fail(KDTREE_ERR_WORKSPACE, "workspace is smaller than kdtree_verify_workspace_bytes()");
@@ -1074,7 +1393,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   cudaLaunchAttribute cluster = pair_cluster();
   main_cfg.attrs = &cluster;
   main_cfg.numAttrs = pl.pair ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C, KV>, p);
+  cudaError_t e = cudaLaunchKernelEx(&main_cfg, tree_verify_kernel<C, KV, MMA8>, p);
   if (e != cudaSuccess) return fail_cuda(e, "launching the verify kernel");
   if (pl.splits > 1 && !pl.pair) {  // a pair merged on chip
     cudaLaunchConfig_t cfg = {};
@@ -1097,9 +1416,12 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
 
 template <class C>
 static int launch_kv(const kdtree_verify_args* a, cudaStream_t stream) {
-  if (a->kv_dtype == KDTREE_KV_FP8_E4M3) return launch<C, kKvE4m3>(a, stream);
-  if (a->kv_dtype == KDTREE_KV_FP8_E5M2) return launch<C, kKvE5m2>(a, stream);
-  return launch<C, kKvBf16>(a, stream);
+  const bool mma = a->fp8_path == KDTREE_FP8_MMA;
+  if (a->kv_dtype == KDTREE_KV_FP8_E4M3)
+    return mma ? launch<C, kKvE4m3, true>(a, stream) : launch<C, kKvE4m3, false>(a, stream);
+  if (a->kv_dtype == KDTREE_KV_FP8_E5M2)
+    return mma ? launch<C, kKvE5m2, true>(a, stream) : launch<C, kKvE5m2, false>(a, stream);
+  return launch<C, kKvBf16, false>(a, stream);
 }
 
 // The one place a kdtree_config becomes a tile configuration: f(Wide{}) or f(Compact{}) (f takes the type by value:
@@ -1162,6 +1484,8 @@ __attribute__((visibility("default"))) int kdtree_verify_launch(const kdtree_ver
     return fail(KDTREE_ERR_ARGUMENT, "k_scale and v_scale must be positive and finite");
   if (a->kv_dtype == KDTREE_KV_BF16 && (a->k_scale != 1.f || a->v_scale != 1.f))
     return fail(KDTREE_ERR_ARGUMENT, "a bf16 pool is read unscaled: k_scale and v_scale must be 1");
+  if (a->fp8_path != KDTREE_FP8_WIDEN && a->fp8_path != KDTREE_FP8_MMA)
+    return fail(KDTREE_ERR_ARGUMENT, "fp8_path must be KDTREE_FP8_WIDEN or KDTREE_FP8_MMA");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return with_config(a->config, [&](auto c) { return launch_kv<decltype(c)>(a, s); });
 }

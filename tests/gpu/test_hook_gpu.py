@@ -15,6 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 from sglang_fixture import build, capture, change_inputs_in_place, eager, forward, graph_setup, reference
+from test_fp8_gpu import within_bounds  # the fp8 paths' error bounds, one definition
+
+from kdtree.config import KernelSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
@@ -466,8 +469,9 @@ def test_fp8_pool_on_serves_and_validate_compares(
     torch, installed, needs_kernel, monkeypatch, kv_dtype, kv_scales
 ):
     """On an fp8 pool, eager: on serves (no fallback), writes the pool's bytes as the original does, and lands
-    nearer the fp32 reference of the dequantised pool than the original (SGLang's Triton kernel quantises q and P
-    to fp8); validate serves the original bit for bit and its comparison stays within the fp8 bound."""
+    within the process's fp8 path's bound of the fp32 reference of the dequantised pool (widen: nearer than the
+    original, whose Triton kernel quantises q and P to fp8; mma: quantises as it does, within 1.5x its error);
+    validate serves the original bit for bit and its comparison stays within the fp8 bound."""
     s = fp8_setup(torch, kv_dtype, kv_scales)
     pool0 = s.kv.clone()
     with no_hook(installed):
@@ -482,8 +486,9 @@ def test_fp8_pool_on_serves_and_validate_compares(
     assert torch.equal(s.kv.view(torch.uint8), ref_pool.view(torch.uint8))
     assert not torch.equal(ref_pool.view(torch.uint8), pool0.view(torch.uint8))  # the draft KV was written
     ours, theirs = rel_l2(out, exact), rel_l2(ref, exact)
-    print(f"{kv_dtype} {kv_scales}: ours {ours:.2e} original {theirs:.2e} from the fp32 reference")
-    assert ours <= REL_L2_TOL and ours <= max(theirs, 1e-3)
+    path = KernelSettings().fp8_path
+    print(f"{kv_dtype} {kv_scales} {path}: ours {ours:.2e} original {theirs:.2e} from the fp32 reference")
+    assert within_bounds(ours, theirs, path)
     s.kv.copy_(pool0)
     with own_override(installed, "validate", monkeypatch) as ov:
         out_v = eager(s)
@@ -520,7 +525,8 @@ def test_fp8_pool_graph_serves_every_live_mode_without_recapture(
             assert (served, compared) == {"on": (1, 0), "validate": (0, 1), "standby": (0, 0)}[mode], mode
             if mode == "on":
                 exact = reference(torch, s)
-                assert rel_l2(out, exact) <= max(REL_L2_TOL, rel_l2(out_orig, exact)), mode
+                ours, theirs = rel_l2(out, exact), rel_l2(out_orig, exact)
+                assert within_bounds(ours, theirs, KernelSettings().fp8_path), (ours, theirs)
             else:
                 assert torch.equal(out, out_orig), mode
             assert torch.equal(s.kv.view(torch.uint8), pool_orig.view(torch.uint8)), mode

@@ -65,7 +65,7 @@ def test_matches_fp64_and_triton(case, config):
 def assert_matches_fp64_and_triton(b, config, label):
     """Within 1e-2 of fp64 (relative L2), and no further from it than SGLang's Triton kernel (+10%, or 1e-3)."""
     ref = reference(b)
-    with kernel.forced_config(config):
+    with kernel.forced(config):
         ours = run_ours(b)
     err = rel_l2(ours, ref)
     tri = rel_l2(run_triton(b), ref)
@@ -154,7 +154,7 @@ def test_output_scales_exactly_with_the_values(config, case, exp):
     rows in a narrower format must scale them (NOTES.md: the v12 fp16 tries, the v9 fp16 partials)."""
     batch, heads, q_len, prefix, tree = case
     b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=41)
-    with kernel.forced_config(config):
+    with kernel.forced(config):
         plain = run_ours(b)
         for name, e in (("q", -exp), ("k_ext", exp), ("v_ext", exp), ("k_buf", exp)):
             getattr(b, name).mul_(2.0**e)  # exact in bf16: a power of two
