@@ -104,18 +104,21 @@ __device__ __forceinline__ uint32_t prmt(uint32_t x, uint32_t y, uint32_t sel) {
 }
 
 // Four fp8 values (bytes 0..3 of w, e4m3 when E4M3, else e5m2) as two f16x2, exactly (every e4m3 and e5m2 value is
-// an f16 value): lo = (byte 0, byte 2), hi = (byte 1, byte 3). One prmt and two F2FP.
+// an f16 value): lo = (byte 0, byte 2), hi = (byte 1, byte 3). e5m2 is an f16's high byte: one prmt each (inf and NaN
+// too). e4m3: one prmt and two F2FP; the integer form (sign kept, exponent and mantissa shifted down one bit: the
+// value times 2^-8, the scales carrying 2^8) issues seven operations for the three and measured 10-17% slower on
+// the H200 (kernel_build/NOTES.md, "fp8 pools"), as the conversion is what the widen path's time is spent on.
 template <bool E4M3>
 __device__ __forceinline__ void fp8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  uint32_t t;
-  asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(t) : "r"(w));  // bytes 0, 2, 1, 3
-  const uint16_t l = static_cast<uint16_t>(t), h = static_cast<uint16_t>(t >> 16);
   if constexpr (E4M3) {
+    uint32_t t;
+    asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(t) : "r"(w));  // bytes 0, 2, 1, 3
+    const uint16_t l = static_cast<uint16_t>(t), h = static_cast<uint16_t>(t >> 16);
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(l));
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(h));
   } else {
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(lo) : "h"(l));
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(hi) : "h"(h));
+    lo = prmt(w, 0, 0x2404);  // bytes 0 and 2 into the high bytes of the halves
+    hi = prmt(w, 0, 0x3414);  // bytes 1 and 3
   }
 }
 

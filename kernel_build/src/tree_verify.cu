@@ -164,7 +164,7 @@ enum Kv : int { kKvBf16 = KDTREE_KV_BF16, kKvE4m3 = KDTREE_KV_FP8_E4M3, kKvE5m2 
 __host__ __device__ constexpr bool is_fp8(Kv kv) { return kv != kKvBf16; }
 
 // An fp8 pool's kernels compute in f16 (mma.sync f16 x f16, fp32 accumulate): fp8 widens to f16 exactly in one
-// instruction per two values (fp8x4_to_f16x2x2), where bf16 takes five. Their prefix tiles stay fp8 in shared
+// instruction per two values (fp8x4_to_f16x2x2: a prmt for e5m2, an F2FP for e4m3), where bf16 takes five. Their prefix tiles stay fp8 in shared
 // memory and are widened in registers after ldmatrix; Q and the draft rows are stored as f16 with each 16-dim block
 // de-interleaved (its 8 even dims, then its 8 odd dims), the order in which the fp8 fragments arrive:
 // - QK^T: ldmatrix of 8 fp8 key rows gives lane l dims 4q..4q+3 (q = l % 4) of row l / 4, widened to (4q, 4q+2)
