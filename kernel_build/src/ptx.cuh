@@ -106,8 +106,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t x, uint32_t y, uint32_t sel) {
 // Four fp8 values (bytes 0..3 of w, e4m3 when E4M3, else e5m2) as two f16x2, exactly (every e4m3 and e5m2 value is
 // an f16 value): lo = (byte 0, byte 2), hi = (byte 1, byte 3). e5m2 is an f16's high byte: one prmt each (inf and NaN
 // too). e4m3: one prmt and two F2FP; the integer form (sign kept, exponent and mantissa shifted down one bit: the
-// value times 2^-8, the scales carrying 2^8) issues seven operations for the three and measured 10-17% slower on
-// the H200 (kernel_build/NOTES.md, "fp8 pools"), as the conversion is what the widen path's time is spent on.
+// value times 2^-8, the scales carrying 2^8) issues seven operations for the three and measured slower on the H200
+// (kernel_build/BENCHMARKS.md, "The e5m2 widen as byte moves"): the conversions are the widen path's extra time.
 template <bool E4M3>
 __device__ __forceinline__ void fp8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
   if constexpr (E4M3) {
