@@ -111,8 +111,7 @@ __device__ __forceinline__ uint32_t prmt(uint32_t x, uint32_t y, uint32_t sel) {
 template <bool E4M3>
 __device__ __forceinline__ void fp8x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
   if constexpr (E4M3) {
-    uint32_t t;
-    asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(t) : "r"(w));  // bytes 0, 2, 1, 3
+    const uint32_t t = prmt(w, 0, 0x3120);  // bytes 0, 2, 1, 3
     const uint16_t l = static_cast<uint16_t>(t), h = static_cast<uint16_t>(t >> 16);
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(l));
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(h));
