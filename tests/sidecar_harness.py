@@ -4,6 +4,7 @@ under uvicorn in a thread, and kdtreectl run as a user runs it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -46,16 +47,31 @@ def make_settings(state_dir, port, **overrides) -> SidecarSettings:
     return SidecarSettings(**{**base, **overrides})
 
 
+@contextmanager
+def sidecar_sized_heap():
+    """The objects already in this process left out of garbage collection while a sidecar runs in it.
+
+    The sidecar's own process holds a small heap, but this one also holds what the other tests imported (SGLang,
+    torch: about a million objects), and a full collection of that stalls the event loop for 0.6 s or more, long
+    enough for GET /ready's own deadline to answer 503 in a timing test. Unfrozen afterwards, so nothing leaks."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 @asynccontextmanager
 async def sidecar(settings: SidecarSettings, server=None, timeout: float = 30):
     """The sidecar app with its lifespan running, behind an httpx client (no socket)."""
     app = create_app(settings, server)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://sidecar", timeout=timeout
-        ) as client:
-            yield client
+    with sidecar_sized_heap():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://sidecar", timeout=timeout
+            ) as client:
+                yield client
 
 
 async def wait_ready(c: httpx.AsyncClient, timeout: float = 30) -> dict:
@@ -95,16 +111,17 @@ def serve(settings: SidecarSettings, server):
         uvicorn.Config(create_app(settings, server), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(10)
+    with sidecar_sized_heap():
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not uv.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            uv.should_exit = True
+            thread.join(10)
 
 
 def kdtreectl(
