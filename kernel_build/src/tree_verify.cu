@@ -2,10 +2,10 @@
 // (draft token x head) rows packed into the MMA M dimension so every key row is read once per row
 // tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of
 // two CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate),
-// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool's prefix tiles stay fp8 in shared memory and take
-// one of two paths (enum kdtree_fp8_path): widened exactly to f16 in registers into the same instruction in f16
-// (widen), or mma.sync m16n8k32 fp8 x fp8 with q and P quantised as SGLang's Triton kernel does (mma); its scales
-// are applied in fp32.
+// the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool's prefix tiles take one of two paths (enum
+// kdtree_fp8_path): widened exactly to f16 into the same instruction in f16 (widen: e4m3 in shared memory after it
+// lands, e5m2 in registers after ldmatrix), or mma.sync m16n8k32 fp8 x fp8 with q and P quantised as SGLang's
+// Triton kernel does (mma); its scales are applied in fp32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -162,11 +162,17 @@ __device__ __forceinline__ void stamp_combine(int) {}
 enum Kv : int { kKvBf16 = KDTREE_KV_BF16, kKvE4m3 = KDTREE_KV_FP8_E4M3, kKvE5m2 = KDTREE_KV_FP8_E5M2 };
 
 __host__ __device__ constexpr bool is_fp8(Kv kv) { return kv != kKvBf16; }
+// Where the widen path widens an fp8 pool's prefix tile, measured on the H200 (NOTES.md, "fp8 pools"): e4m3 once per
+// CTA in shared memory, by the output warps after it lands (in the key loops' registers every score warp issues the
+// F2FP for every fragment it reads: 4-10% slower); e5m2 in registers after each ldmatrix, where its widening is byte
+// moves (prmt) and costs less than a pass over shared memory (2-13% faster). The mma path reads both as fp8.
+__host__ __device__ constexpr bool widened_in_smem(Kv kv, bool mma8) { return kv == kKvE4m3 && !mma8; }
 
 // An fp8 pool's kernels compute in f16 (mma.sync f16 x f16, fp32 accumulate): fp8 widens to f16 exactly in one
-// instruction per two values (fp8x4_to_f16x2x2: a prmt for e5m2, an F2FP for e4m3), where bf16 takes five. Their prefix tiles stay fp8 in shared
-// memory and are widened in registers after ldmatrix; Q and the draft rows are stored as f16 with each 16-dim block
-// de-interleaved (its 8 even dims, then its 8 odd dims), the order in which the fp8 fragments arrive:
+// instruction per two values (fp8x4_to_f16x2x2: a prmt for e5m2, an F2FP for e4m3), where bf16 takes five. Q and the
+// draft rows, and an e4m3 pool's prefix tiles once widened in shared memory, are stored as f16 with each 16-dim block
+// de-interleaved (its 8 even dims, then its 8 odd dims), the order in which fp8 fragments arrive when an e5m2 prefix
+// tile stays fp8 in shared memory and is widened in registers after ldmatrix:
 // - QK^T: ldmatrix of 8 fp8 key rows gives lane l dims 4q..4q+3 (q = l % 4) of row l / 4, widened to (4q, 4q+2)
 //   and (4q+1, 4q+3): the B fragment's k slots 2q, 2q+1 and 2q+8, 2q+9, which are the same dims in a
 //   de-interleaved row (slot s < 8 is dim 2s, slot 8 + s dim 2s + 1);
@@ -455,7 +461,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
         }
         return;
       }
-    } else if constexpr (is_fp8(KV)) {
+    } else if constexpr (is_fp8(KV) && !widened_in_smem(KV, MMA8)) {
       if (!w.draft_tile(t)) {  // fp8 key rows: one 16-byte chunk is a whole k-step of a row
         // Lane l reads key row nb*8 + l (n-tile nb + l / 8; an x2 takes lanes 0-15), fp8 chunk ks.
         const uint32_t k8_row = smem_u32(Kt + lane * ROW_BYTES);
@@ -481,7 +487,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
         return;
       }
     }
-    // bf16 key rows, or an fp8 pool's draft tile (f16, de-interleaved).
+    // bf16 key rows, or an fp8 pool's tile as f16, de-interleaved (a draft tile, or a prefix tile widened in shared
+    // memory).
     // Lane l reads key row nb*8 + ((l >> 4) << 3) + (l & 7), chunk 2*ks + ((l >> 3) & 1).
     const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
     const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
@@ -699,39 +706,20 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     const int kp = w.template start<is_fp8(KV)>(t, C::BN) + key;
     return kp < w.P && kp < w.k_hi ? static_cast<int>(load_idx(p.kv_indices, p.kvi_t, w.kv0 + kp)) : 0;
   };
-  // An fp8 pool's prefix tile: the pool's 16-byte chunks (16 dims each) as they are, chunk c of row r at swz(r, c)
-  // (chunks 0..35: the first 640 bytes of the row slot). Lane `idx` of copy i takes chunk idx % CW8 of the warp's
-  // own CW8 chunks of row idx / CW8, then its share of the rope chunks (32..35).
-  constexpr int CW8 = C::CW / 2, LAT8_PER_LANE = C::BN * CW8 / 32, ROPE8_PER_WARP = C::BN * 4 / C::NO;
-  static_assert(!is_fp8(KV) || ((C::BN * CW8) % 32 == 0 && ROPE8_PER_WARP <= 32), "fp8 chunks spread evenly");
-  auto load_prefix_fp8 = [&](int t, int slot) {
-    const int k0 = w.template start<is_fp8(KV)>(t, C::BN);
-    uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
-    const uint8_t* pool = reinterpret_cast<const uint8_t*>(p.k_buf);
-    const uint32_t st = static_cast<uint32_t>(p.k_buf_st);  // bytes (an fp8 row), < 2^31, checked at launch
-#pragma unroll
-    for (int i = 0; i < LAT8_PER_LANE + 1; ++i) {
-      int r, c;
-      bool mine = true;
-      if (i < LAT8_PER_LANE) {
-        const int idx = lane + 32 * i;
-        r = idx / CW8, c = ow * CW8 + idx % CW8;
-      } else {
-        const int g = ow * ROPE8_PER_WARP + lane;
-        r = g / 4, c = DV / 16 + g % 4, mine = lane < ROPE8_PER_WARP;
-      }
-      const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));  // every lane shuffles
-      const bool ok = k0 + r < w.P;  // the last prefix tile past P: zero-filled, then masked
-      if (mine) cp_async16(stage + swz(r, c), ok ? pool + static_cast<uint64_t>(sl) * st + c * 16 : pool, ok);
-    }
-  };
-  // An fp8 pool's draft tile: bf16 rows of k_ext copied as bf16 (chunk pairs c, c + 1 = one 16-dim block, both by
-  // the same lane: cp.async's wait covers only the copies of the thread that waits), then, once landed, each block
-  // rewritten as f16 de-interleaved in place (convert_draft). Lane `idx` of copy i takes block idx % (CW / 2) of the
-  // warp's own dims of row idx / (CW / 2), then its share of the rope blocks.
+  // An fp8 pool's tiles. Lane `idx` of copy i takes the 16-dim block idx % (CW / 2) of the warp's own dims of row
+  // idx / (CW / 2), then its share of the rope blocks: the same rows and dims as its bf16 copies, so every 128-byte
+  // group of a 16-bit stage has one owning warp. A block is the f16 chunk pair (c, c + 1) in the key loops, which
+  // read it de-interleaved (its even dims, then its odd dims), and comes from
+  // - a draft tile: k_ext's bf16 chunks c, c + 1, copied as they are, then rewritten in place (convert_tile);
+  // - a prefix tile widened in shared memory (widened_in_smem): the pool's fp8 chunk c / 2, landed in the slot of
+  //   chunk c + 1 and widened in place;
+  // - any other prefix tile: the pool's fp8 chunk c / 2 at chunk slot c / 2 (the first 640 bytes of the row), read
+  //   as fp8 by the key loops.
+  // The lane that copies a block rewrites it: cp.async's wait covers only the copies of the thread that waits.
+  constexpr int CW8 = C::CW / 2;  // fp8 chunks of a key row a warp owns
   constexpr int LAT_PAIRS = C::BN * C::CW / 2 / 32, ROPE_PAIRS = C::ROPE_PER_WARP / 2;
   static_assert(!is_fp8(KV) || (C::CW % 2 == 0 && (C::BN * C::CW / 2) % 32 == 0 && ROPE_PAIRS <= 32),
-                "draft blocks spread evenly over the lanes");
+                "fp8 pool blocks spread evenly over the lanes");
   auto pair_at = [&](int i, int& r, int& c, bool& mine) {
     if (i < LAT_PAIRS) {
       const int idx = lane + 32 * i;
@@ -741,44 +729,80 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       r = g / (ROPE_CHUNKS / 2), c = DV / 8 + 2 * (g % (ROPE_CHUNKS / 2)), mine = lane < ROPE_PAIRS;
     }
   };
-  auto load_draft = [&](int t) {
+  auto load_fp8_pool = [&](int t, int slot) {
     const int k0 = w.template start<is_fp8(KV)>(t, C::BN);
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+    if (w.draft_tile(t)) {
+#pragma unroll
+      for (int i = 0; i < LAT_PAIRS + 1; ++i) {
+        int r, c;
+        bool mine;
+        pair_at(i, r, c, mine);
+        const int kp = k0 + r;
+        const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
+        const __nv_bfloat16* src = ok ? p.k_ext + (w.qs + kp - w.P) * p.k_ext_st + c * 8 : p.k_ext;
+        if (mine) {
+          cp_async16(stage + swz(r, c), src, ok);
+          cp_async16(stage + swz(r, c + 1), ok ? src + 8 : src, ok);
+        }
+      }
+      return;
+    }
+    const uint8_t* pool = reinterpret_cast<const uint8_t*>(p.k_buf);
+    const uint32_t st = static_cast<uint32_t>(p.k_buf_st);  // bytes (an fp8 row), < 2^31, checked at launch
+    // Every row a pool slot (all but the last prefix tile): the copies without a source size. With one (the
+    // zero-filling form) each lane's 16 bytes went as a request of its own: 2x the L2 sectors and 8x the
+    // shared-memory wavefronts of the copy (Nsight Compute, H200). The mma path keeps the one form: the second
+    // moved its registers past the spill allowance on sm_90 and into spills on sm_120.
+    const bool full = !MMA8 && k0 + C::BN <= w.P;
 #pragma unroll
     for (int i = 0; i < LAT_PAIRS + 1; ++i) {
       int r, c;
       bool mine;
       pair_at(i, r, c, mine);
-      const int kp = k0 + r;
-      const bool ok = kp < w.k_hi;  // past the range: zero-filled, then masked
-      const __nv_bfloat16* src = ok ? p.k_ext + (w.qs + kp - w.P) * p.k_ext_st + c * 8 : p.k_ext;
-      if (mine) {
-        cp_async16(stage + swz(r, c), src, ok);
-        cp_async16(stage + swz(r, c + 1), ok ? src + 8 : src, ok);
+      const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));  // every lane shuffles
+      uint8_t* dst = stage + swz(r, widened_in_smem(KV, MMA8) ? c + 1 : c / 2);
+      if (full) {
+        if (mine) cp_async16(dst, pool + static_cast<uint64_t>(sl) * st + c * 8, true);
+        continue;
       }
+      const bool ok = k0 + r < w.P;  // the last prefix tile past P: zero-filled (0 in fp8 and f16), then masked
+      if (mine) cp_async16(dst, ok ? pool + static_cast<uint64_t>(sl) * st + c * 8 : pool, ok);
     }
   };
-  auto convert_draft = [&](int t) {
-    uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
+  // After a tile has landed (this lane's copies): its blocks as f16, de-interleaved.
+  auto convert_tile = [&](int t) {
+    if constexpr (is_fp8(KV)) {
+      const bool draft = w.draft_tile(t);
+      if (!widened_in_smem(KV, MMA8) && !draft) return;
+      uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
 #pragma unroll 1
-    for (int i = 0; i < LAT_PAIRS + 1; ++i) {
-      int r, c;
-      bool mine;
-      pair_at(i, r, c, mine);
-      if (mine) {
-        uint4* c0 = reinterpret_cast<uint4*>(stage + swz(r, c));
-        uint4* c1 = reinterpret_cast<uint4*>(stage + swz(r, c + 1));
-        uint4 even, odd;
-        bf16x16_to_f16_deinterleaved(*c0, *c1, even, odd);
-        *c0 = even;
-        *c1 = odd;
+      for (int i = 0; i < LAT_PAIRS + 1; ++i) {
+        int r, c;
+        bool mine;
+        pair_at(i, r, c, mine);
+        if (mine) {
+          uint4* c0 = reinterpret_cast<uint4*>(stage + swz(r, c));
+          uint4* c1 = reinterpret_cast<uint4*>(stage + swz(r, c + 1));
+          uint4 even, odd;
+          if (draft) {
+            bf16x16_to_f16_deinterleaved(*c0, *c1, even, odd);
+          } else {
+            const uint4 v = *c1;
+            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.x, even.x, odd.x);
+            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.y, even.y, odd.y);
+            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.z, even.z, odd.z);
+            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.w, even.w, odd.w);
+          }
+          *c0 = even;
+          *c1 = odd;
+        }
       }
     }
   };
   auto load_tile = [&](int t, int slot) {
     if constexpr (is_fp8(KV)) {
-      if (w.draft_tile(t)) load_draft(t);
-      else load_prefix_fp8(t, slot);
+      load_fp8_pool(t, slot);
       return;
     }
     const int k0 = w.k_lo + t * C::BN;
@@ -834,9 +858,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   load_tile(0, slot_of(0));  // ntiles >= 1
   cp_async_commit();
   cp_async_wait<0>();
-  if constexpr (is_fp8(KV)) {
-    if (w.draft_tile(0)) convert_draft(0);
-  }
+  convert_tile(0);
   if (ow == 0 && lane == 0) stamp(kTile0Landed);
   bar_arrive(C::BAR_K, C::NT);  // tile 0 (this warp's part of it) landed
 #pragma unroll
@@ -850,9 +872,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   for (int t = 0; t < w.ntiles; ++t) {
     if (t + 1 < w.ntiles) {
       cp_async_wait<C::STAGES - 2>();
-      if constexpr (is_fp8(KV)) {
-        if (w.draft_tile(t + 1)) convert_draft(t + 1);
-      }
+      convert_tile(t + 1);
       bar_arrive(C::BAR_K + (t + 1) % C::STAGES, C::NT);
     }
     const int buf = t & 1;
@@ -948,7 +968,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
         // multiple of 8, nb even).
         const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
         const int v_x = ((lane >> 4) ^ lane) & 7;
-        if constexpr (is_fp8(KV)) {
+        if constexpr (is_fp8(KV) && !widened_in_smem(KV, MMA8)) {
           if (!w.draft_tile(t)) {
             // fp8 chunk c = d0/16 + i (16 dims) of the warp's own: each register widens to the B fragments of n-tiles
             // 2i (the block's even dims) and 2i + 1 (its odd dims).
@@ -991,7 +1011,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       // A stage going from a prefix tile (fp8: this warp's dims are 64 bytes of a row) to a draft tile (f16: 128
       // bytes) is refilled over other output warps' fp8 dims: all of them must be done with this tile's PV first.
       // At most STAGES times a CTA, the same on every output warp.
-      if (!w.draft_tile(t) && t + C::STAGES < w.ntiles && w.draft_tile(t + C::STAGES))
+      if (!widened_in_smem(KV, MMA8) && !w.draft_tile(t) && t + C::STAGES < w.ntiles && w.draft_tile(t + C::STAGES))
         bar_sync(C::BAR_EPILOGUE, C::NO * 32);
     }
     if (t + C::STAGES < w.ntiles) load_tile(t + C::STAGES, next_slot);
