@@ -6,14 +6,16 @@
 #   copies kernel_build (CMakeLists.txt, src, include) at git REF (`.`: the working tree) to .variants/NAME
 #   with extra nvcc flags, e.g. `add q8 HEAD -DKDTREE_WIDE_QREG=8`. .variants is git-ignored: carry it to the
 #   GPU machine along with .whl.
-# GPU:  bash kernel_build/bench/variants.sh run [ROUNDS]
+# GPU:  bash kernel_build/bench/variants.sh run [ROUNDS] [fp8]
 #   builds every variant for the local GPU, runs the kernel GPU tests against each (a variant that fails or
 #   hangs is dropped after one timeout instead of hanging every benchmark after it), then the quick benchmark
 #   of the others ROUNDS times (default 2), in reverse order every other round. Log: $OUT/variants.log.
+#   With fp8: the fp8 kernel tests (tests/gpu/test_fp8_gpu.py) instead, and bench_pools.py's times (bf16 and both
+#   fp8 dtypes, both configurations) in $OUT/pools.jsonl, with their table at the end of the log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dir=$(realpath -m "${KDTREE_VARIANTS_DIR:-.variants}")  # relative to the repository root
-usage="usage: $0 add NAME REF [NVCC_FLAG...] | $0 run [ROUNDS]"
+usage="usage: $0 add NAME REF [NVCC_FLAG...] | $0 run [ROUNDS] [fp8]"
 
 case "${1:-}" in
 add)
@@ -37,7 +39,10 @@ add)
   echo "$dir/$name: $origin $*"
   ;;
 run)
-  rounds=${2:-2}
+  rounds=${2:-2} pools=${3:-}
+  [ -z "$pools" ] || [ "$pools" = fp8 ] || { echo "$usage" >&2; exit 2; }
+  tests=tests/gpu/test_kernel_gpu.py
+  [ -z "$pools" ] || tests=tests/gpu/test_fp8_gpu.py
   names=()
   for f in "$dir"/*/flags; do [ -e "$f" ] && names+=("$(basename "$(dirname "$f")")"); done
   [ ${#names[@]} -gt 0 ] || { echo "no variants in $dir: add them with '$0 add' and carry them here" >&2; exit 2; }
@@ -62,7 +67,7 @@ run)
       say "## $n ($(cat "$dir/$n/origin")): build failed, dropped (see $out/$n.log)"
       continue
     fi
-    KDTREE_KERNEL_LIB=$lib timeout 180 python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_kernel_gpu.py \
+    KDTREE_KERNEL_LIB=$lib timeout 180 python3 -m pytest -p no:cacheprovider -q -x "$tests" \
       -W ignore::DeprecationWarning >>"$out/$n.log" 2>&1
     rc=$?
     summary=$(tail -1 "$out/$n.log")
@@ -83,10 +88,16 @@ run)
     if ((r % 2)); then mapfile -t order < <(printf '%s\n' "${ok[@]}" | tac); fi
     for n in "${order[@]}"; do
       say "## round $r: $n ($((SECONDS - t0)) s)"
+      if [ -n "$pools" ]; then
+        KDTREE_KERNEL_LIB=$dir/$n/build/libkdtree_verify.so timeout 120 \
+          python3 kernel_build/bench/bench_pools.py time "$n" "$out/pools.jsonl" 2>&1 | tail -3 | tee -a "$log"
+        continue
+      fi
       KDTREE_KERNEL_LIB=$dir/$n/build/libkdtree_verify.so timeout 120 \
         python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --quick --ours-only 2>&1 | grep '^b[0-9]' | tee -a "$log"
     done
   done
+  [ -z "$pools" ] || python3 kernel_build/bench/bench_pools.py table "$out/pools.jsonl" | tee -a "$log"
   say "variants: $((SECONDS - t0)) s"
   ;;
 *)
