@@ -26,7 +26,9 @@ SM90_SMEM_LIMIT = 232448  # 227 KB
 # Spill stores or loads allowed for the verify kernels on sm_90, where both configurations run at the 168-register
 # cap (sm_90 runs `compact` only as the sm_120 configuration's test vehicle); none anywhere else.
 SM90_SPILL_BYTES = 64
-SM90_EMULATED_FP8_SPILL_BYTES = 192  # the mma path on sm_90, emulated by ptxas (see above)
+# The mma path on sm_90, emulated by ptxas (see above): its count moves with the code it shares with the widen path
+# (168 / 200 bytes since the widen path's tiles are widened in shared memory, 144 / 156 before).
+SM90_EMULATED_FP8_SPILL_BYTES = 224
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("cmake") is None,

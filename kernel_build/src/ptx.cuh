@@ -35,13 +35,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
-// N = 4 or 2 matrices, as ldmatrix_x4 / ldmatrix_x2.
-template <int N>
-__device__ __forceinline__ void ldmatrix_n(uint32_t (&r)[N], uint32_t addr) {
-  static_assert(N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 matrices");
-  if constexpr (N == 4) ldmatrix_x4(r, addr);
-  else ldmatrix_x2(r, addr);
-}
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }

@@ -3,8 +3,8 @@
 // tile; the prefix is split across CTAs and merged by log-sum-exp (two splits on chip, in a cluster of
 // two CTAs; more in a second kernel). Tensor cores through mma.sync m16n8k16 (bf16 in, fp32 accumulate),
 // the instruction sm_90, sm_100 and sm_120 all have. An fp8 pool's prefix tiles take one of two paths (enum
-// kdtree_fp8_path): widened exactly to f16 into the same instruction in f16 (widen: e4m3 in shared memory after it
-// lands, e5m2 in registers after ldmatrix), or mma.sync m16n8k32 fp8 x fp8 with q and P quantised as SGLang's
+// kdtree_fp8_path): widened exactly to f16 in shared memory once it lands, into the same instruction in f16
+// (widen), or mma.sync m16n8k32 fp8 x fp8 with q and P quantised as SGLang's
 // Triton kernel does (mma); its scales are applied in fp32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -162,26 +162,17 @@ __device__ __forceinline__ void stamp_combine(int) {}
 enum Kv : int { kKvBf16 = KDTREE_KV_BF16, kKvE4m3 = KDTREE_KV_FP8_E4M3, kKvE5m2 = KDTREE_KV_FP8_E5M2 };
 
 __host__ __device__ constexpr bool is_fp8(Kv kv) { return kv != kKvBf16; }
-// Where the widen path widens an fp8 pool's prefix tile, measured on the H200 (NOTES.md, "fp8 pools"): e4m3 once per
-// CTA in shared memory, by the output warps after it lands (in the key loops' registers every score warp issues the
-// F2FP for every fragment it reads: 4-10% slower); e5m2 in registers after each ldmatrix, where its widening is byte
-// moves (prmt) and costs less than a pass over shared memory (2-13% faster). The mma path reads both as fp8.
-__host__ __device__ constexpr bool widened_in_smem(Kv kv, bool mma8) { return kv == kKvE4m3 && !mma8; }
-
 // An fp8 pool's kernels compute in f16 (mma.sync f16 x f16, fp32 accumulate): fp8 widens to f16 exactly in one
-// instruction per two values (fp8x4_to_f16x2x2: a prmt for e5m2, an F2FP for e4m3), where bf16 takes five. Q and the
-// draft rows, and an e4m3 pool's prefix tiles once widened in shared memory, are stored as f16 with each 16-dim block
-// de-interleaved (its 8 even dims, then its 8 odd dims), the order in which fp8 fragments arrive when an e5m2 prefix
-// tile stays fp8 in shared memory and is widened in registers after ldmatrix:
-// - QK^T: ldmatrix of 8 fp8 key rows gives lane l dims 4q..4q+3 (q = l % 4) of row l / 4, widened to (4q, 4q+2)
-//   and (4q+1, 4q+3): the B fragment's k slots 2q, 2q+1 and 2q+8, 2q+9, which are the same dims in a
-//   de-interleaved row (slot s < 8 is dim 2s, slot 8 + s dim 2s + 1);
-// - PV: ldmatrix.trans gives lane l keys 2q, 2q+1 of the dim pair (2c, 2c+1), c = l / 4, widened to
-//   (dim 2c: both keys) and (dim 2c + 1: both keys): the B fragments of two n-tiles whose column c is the block's
-//   dim 2c and dim 2c + 1, which is what ldmatrix.trans of a de-interleaved f16 row gives.
-// So O's n-tile pair (2i, 2i + 1) holds block i interleaved: lane q has dims 4q..4q+3 (see the epilogue).
-// The mma path (MMA8) keeps that layout, and the draft tiles and Q in shared memory as they are (f16, de-interleaved),
-// for its prefix tiles only:
+// instruction per two values (fp8x4_to_f16x2x2: a prmt for e5m2, an F2FP for e4m3), where bf16 takes five. The widen
+// path widens each prefix tile once per CTA, in shared memory, as soon as it lands (the output warps, convert_tile),
+// so that the key loops read it as they read an f16 draft tile (NOTES.md, "fp8 pools": widened in the key loops'
+// registers instead, after each ldmatrix, every score warp widened every fragment it read, slower for both dtypes).
+// Q, the draft rows and the widened prefix tiles are stored as f16 with each 16-dim block de-interleaved (its 8 even
+// dims, then its 8 odd dims): the order in which the mma path's fp8 value fragments arrive (below), so that one
+// draft-tile format and one epilogue serve both paths. ldmatrix.trans of a de-interleaved f16 row gives the B
+// fragments of two n-tiles whose column c is the block's dim 2c and dim 2c + 1, so O's n-tile pair (2i, 2i + 1)
+// holds block i interleaved: lane q has dims 4q..4q+3 (see the epilogue).
+// The mma path (MMA8) reads its prefix tiles as fp8, at chunk slot c / 2 of the f16 chunk pair (c, c + 1):
 // - QK^T: q as the pool's fp8 type (Triton's q.to(k.dtype)) in registers, m16n8k32 A fragments straight from global
 //   memory; ldmatrix of fp8 key rows gives the B fragment as it is (lane l: dims 4q..4q+3 of key l / 4);
 // - PV: the k slots of an m16n8k32 are the tile's keys permuted, slot 4q + i of each 16 = key
@@ -461,34 +452,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
         }
         return;
       }
-    } else if constexpr (is_fp8(KV) && !widened_in_smem(KV, MMA8)) {
-      if (!w.draft_tile(t)) {  // fp8 key rows: one 16-byte chunk is a whole k-step of a row
-        // Lane l reads key row nb*8 + l (n-tile nb + l / 8; an x2 takes lanes 0-15), fp8 chunk ks.
-        const uint32_t k8_row = smem_u32(Kt + lane * ROW_BYTES);
-#pragma unroll
-        for (int ks = 0; ks < QK / 16; ++ks) {
-          side(ks);
-          uint32_t a[4];
-          q_frag(ks, a);
-          float(&acc)[C::NB_QK][4] = (ks & 1) ? s2 : sc;
-          constexpr int X = C::NB_QK % 4 == 0 ? 4 : 2;  // n-tiles per ldmatrix
-#pragma unroll
-          for (int nb = 0; nb < C::NB_QK; nb += X) {
-            uint32_t r[X];
-            ldmatrix_n<X>(r, k8_row + nb * 8 * ROW_BYTES + swz_in_row(ks, lane));
-#pragma unroll
-            for (int m = 0; m < X; ++m) {
-              uint32_t b0, b1;
-              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[m], b0, b1);
-              mma_f16(acc[nb + m], a, b0, b1);
-            }
-          }
-        }
-        return;
-      }
     }
-    // bf16 key rows, or an fp8 pool's tile as f16, de-interleaved (a draft tile, or a prefix tile widened in shared
-    // memory).
+    // bf16 key rows, or an fp8 pool's tile as f16, de-interleaved (a draft tile, or a widened prefix tile).
     // Lane l reads key row nb*8 + ((l >> 4) << 3) + (l & 7), chunk 2*ks + ((l >> 3) & 1).
     const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
     const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
@@ -513,29 +478,26 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     }
   };
 
-  // Sum the two sets; mask draft keys (tree or causal) and keys past the range. An fp8 pool's prefix keys
-  // were widened without their scale: it multiplies their scores here, in fp32 (its prefix tiles hold no draft
-  // key: past P they are masked).
+  // Sum the two sets; mask draft keys (tree or causal) and keys past the range. An fp8 pool's prefix keys were
+  // widened without their scale: it goes into the softmax's scale of their tiles (s_log2, in fp32), and those tiles
+  // hold no draft key (past P they are masked).
+  float s_log2 = p.scale_log2;  // the tile's: set by mask, read by its softmax
   auto mask = [&](int t, float (&sc)[C::NB_QK][4], const float (&s2)[C::NB_QK][4]) {
     const int kt0 = w.template start<is_fp8(KV)>(t, C::BN);
     const bool edge = kt0 + C::BN > w.P;
+    bool prefix8 = false;
+    if constexpr (is_fp8(KV)) prefix8 = !w.draft_tile(t);
+    s_log2 = prefix8 ? p.scale_log2 * p.k_scale : p.scale_log2;
 #pragma unroll
     for (int j = 0; j < C::NB_QK; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = sc[j][e] + s2[j][e];
-        if constexpr (is_fp8(KV)) {
-          if (!w.draft_tile(t)) {
-            v = kt0 + j * 8 + 2 * (lane & 3) + (e & 1) < w.P ? v * p.k_scale : -INFINITY;
-            sc[j][e] = v;
-            continue;
-          }
-        }
         if (edge) {
           const int h = e >> 1;
           const int kp = kt0 + j * 8 + 2 * (lane & 3) + (e & 1);
           bool vis = kp < w.P;
-          if (!vis && kp < w.k_hi) {
+          if (!vis && kp < w.k_hi && !prefix8) {
             if (!qrow_ok[h]) vis = true;
             else if (p.mask != nullptr) vis = p.mask[w.mbase + static_cast<int64_t>(qi[h]) * w.L + kp] != 0;
             else vis = kp - w.P <= qi[h];
@@ -549,7 +511,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
   // Online softmax of one tile's scores, in place (-> unnormalised P), cut into steps so that they can be
   // spread over the next tile's k-steps: each step needs only results of the one before it, whose
   // latency (shuffles, exp2) the mma of the k-step between them covers. The max is taken on raw scores
-  // and the scale (> 0, checked at launch) folded into the exponent: exp2(s * scale - m * scale).
+  // and the scale (> 0, as k_scale: checked at launch) folded into the exponent: exp2(s * scale - m * scale).
   constexpr int SOFTMAX_STEPS = 5 + C::NB_QK;
   float tm[2], tx[2], m_use[2];
   auto softmax_step = [&](int step, float (&sc)[C::NB_QK][4], float (&alpha)[2]) {
@@ -563,7 +525,7 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
         for (int d = 1; d < C::NB_QK; d *= 2)
 #pragma unroll
           for (int j = 0; j + d < C::NB_QK; j += 2 * d) mx[j] = fmaxf(mx[j], mx[j + d]);
-        tm[h] = mx[0] * p.scale_log2;
+        tm[h] = mx[0] * s_log2;
       } else if (step == 1) {  // across the four lanes of a row
         tx[h] = __shfl_xor_sync(0xffffffffu, tm[h], 1);
       } else if (step == 2) {
@@ -580,8 +542,8 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
         m_use[h] = m_run[h] == -INFINITY ? 0.f : m_run[h];  // no visible key so far: keep zeros, no NaN
       } else if (step < 4 + C::NB_QK) {
         const int j = step - 4;
-        sc[j][2 * h] = exp2f(fmaf(sc[j][2 * h], p.scale_log2, -m_use[h]));
-        sc[j][2 * h + 1] = exp2f(fmaf(sc[j][2 * h + 1], p.scale_log2, -m_use[h]));
+        sc[j][2 * h] = exp2f(fmaf(sc[j][2 * h], s_log2, -m_use[h]));
+        sc[j][2 * h + 1] = exp2f(fmaf(sc[j][2 * h + 1], s_log2, -m_use[h]));
       } else if (step == 4 + C::NB_QK) {
         float sum[C::NB_QK];
 #pragma unroll
@@ -711,16 +673,16 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   // group of a 16-bit stage has one owning warp. A block is the f16 chunk pair (c, c + 1) in the key loops, which
   // read it de-interleaved (its even dims, then its odd dims), and comes from
   // - a draft tile: k_ext's bf16 chunks c, c + 1, copied as they are, then rewritten in place (convert_tile);
-  // - a prefix tile widened in shared memory (widened_in_smem): the pool's fp8 chunk c / 2, landed in the slot of
-  //   chunk c + 1 and widened in place;
-  // - any other prefix tile: the pool's fp8 chunk c / 2 at chunk slot c / 2 (the first 640 bytes of the row), read
-  //   as fp8 by the key loops.
+  // - a prefix tile of the widen path: the pool's fp8 chunk c / 2, landed in the slot of chunk c + 1 and widened in
+  //   place (convert_tile);
+  // - a prefix tile of the mma path: the pool's fp8 chunk c / 2 at chunk slot c / 2 (the first 640 bytes of the
+  //   row), read as fp8 by the key loops.
   // The lane that copies a block rewrites it: cp.async's wait covers only the copies of the thread that waits.
   constexpr int CW8 = C::CW / 2;  // fp8 chunks of a key row a warp owns
   constexpr int LAT_PAIRS = C::BN * C::CW / 2 / 32, ROPE_PAIRS = C::ROPE_PER_WARP / 2;
   static_assert(!is_fp8(KV) || (C::CW % 2 == 0 && (C::BN * C::CW / 2) % 32 == 0 && ROPE_PAIRS <= 32),
                 "fp8 pool blocks spread evenly over the lanes");
-  auto pair_at = [&](int i, int& r, int& c, bool& mine) {
+  auto pair_of = [](int lane, int ow, int i, int& r, int& c, bool& mine) {
     if (i < LAT_PAIRS) {
       const int idx = lane + 32 * i;
       r = idx / (C::CW / 2), c = ow * C::CW + 2 * (idx % (C::CW / 2)), mine = true;
@@ -729,6 +691,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       r = g / (ROPE_CHUNKS / 2), c = DV / 8 + 2 * (g % (ROPE_CHUNKS / 2)), mine = lane < ROPE_PAIRS;
     }
   };
+  auto pair_at = [&](int i, int& r, int& c, bool& mine) { pair_of(lane, ow, i, r, c, mine); };
   auto load_fp8_pool = [&](int t, int slot) {
     const int k0 = w.template start<is_fp8(KV)>(t, C::BN);
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
@@ -761,7 +724,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       bool mine;
       pair_at(i, r, c, mine);
       const uint32_t sl = static_cast<uint32_t>(__shfl_sync(0xffffffffu, slot, r));  // every lane shuffles
-      uint8_t* dst = stage + swz(r, widened_in_smem(KV, MMA8) ? c + 1 : c / 2);
+      uint8_t* dst = stage + swz(r, MMA8 ? c / 2 : c + 1);
       if (full) {
         if (mine) cp_async16(dst, pool + static_cast<uint64_t>(sl) * st + c * 8, true);
         continue;
@@ -770,34 +733,41 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
       if (mine) cp_async16(dst, ok ? pool + static_cast<uint64_t>(sl) * st + c * 8 : pool, ok);
     }
   };
-  // After a tile has landed (this lane's copies): its blocks as f16, de-interleaved.
+  // After a tile has landed (this lane's copies): its blocks as f16, de-interleaved. Block (r, c) is the f16 chunk
+  // pair at swz(r, c) and swz(r, c) ^ 16 (c even); a lane's latent blocks are 32 / CW8 rows apart (whole xor
+  // periods: the same place in their 128-byte groups), so one offset and a stride address them.
+  static_assert(32 / CW8 % 8 == 0, "a lane's latent blocks keep their place in the swizzle");
   auto convert_tile = [&](int t) {
     if constexpr (is_fp8(KV)) {
       const bool draft = w.draft_tile(t);
-      if (!widened_in_smem(KV, MMA8) && !draft) return;
+      if (MMA8 && !draft) return;  // read as fp8
       uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
-#pragma unroll 1
-      for (int i = 0; i < LAT_PAIRS + 1; ++i) {
-        int r, c;
-        bool mine;
-        pair_at(i, r, c, mine);
-        if (mine) {
-          uint4* c0 = reinterpret_cast<uint4*>(stage + swz(r, c));
-          uint4* c1 = reinterpret_cast<uint4*>(stage + swz(r, c + 1));
-          uint4 even, odd;
-          if (draft) {
-            bf16x16_to_f16_deinterleaved(*c0, *c1, even, odd);
-          } else {
-            const uint4 v = *c1;
-            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.x, even.x, odd.x);
-            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.y, even.y, odd.y);
-            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.z, even.z, odd.z);
-            fp8x4_to_f16x2x2<KV == kKvE4m3>(v.w, even.w, odd.w);
-          }
-          *c0 = even;
-          *c1 = odd;
+      auto block = [&](int at) {
+        uint4* lo = reinterpret_cast<uint4*>(stage + at);
+        uint4* hi = reinterpret_cast<uint4*>(stage + (at ^ 16));
+        uint4 even, odd;
+        if (!MMA8 && !draft) {  // the pool's fp8 block, landed in the second chunk
+          const uint4 v = *hi;
+          fp8x4_to_f16x2x2<KV == kKvE4m3>(v.x, even.x, odd.x);
+          fp8x4_to_f16x2x2<KV == kKvE4m3>(v.y, even.y, odd.y);
+          fp8x4_to_f16x2x2<KV == kKvE4m3>(v.z, even.z, odd.z);
+          fp8x4_to_f16x2x2<KV == kKvE4m3>(v.w, even.w, odd.w);
+        } else {  // k_ext's bf16 chunks
+          bf16x16_to_f16_deinterleaved(*lo, *hi, even, odd);
         }
-      }
+        *lo = even;
+        *hi = odd;
+      };
+      // The offsets from the lane and warp, once a tile: held through the key loop, they cost spills.
+      int ln = lane, o = ow, r, c;
+      asm volatile("" : "+r"(ln), "+r"(o));
+      bool mine;
+      pair_of(ln, o, 0, r, c, mine);
+      const int lat = swz(r, c);
+#pragma unroll 1
+      for (int i = 0; i < LAT_PAIRS; ++i) block(lat + i * (32 / CW8) * ROW_BYTES);
+      pair_of(ln, o, LAT_PAIRS, r, c, mine);
+      if (mine) block(swz(r, c));
     }
   };
   auto load_tile = [&](int t, int slot) {
@@ -968,25 +938,6 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
         // multiple of 8, nb even).
         const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
         const int v_x = ((lane >> 4) ^ lane) & 7;
-        if constexpr (is_fp8(KV) && !widened_in_smem(KV, MMA8)) {
-          if (!w.draft_tile(t)) {
-            // fp8 chunk c = d0/16 + i (16 dims) of the warp's own: each register widens to the B fragments of n-tiles
-            // 2i (the block's even dims) and 2i + 1 (its odd dims).
-#pragma unroll
-            for (int i = 0; i < CW8; ++i) {
-              uint32_t r[2], e0, o0, e1, o1;
-              ldmatrix_x2_trans(r, v_row + swz_in_row(d0 / 16 + i, lane));  // lanes 0-7 keys 0-7, 8-15 keys 8-15
-              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[0], e0, o0);
-              fp8x4_to_f16x2x2<KV == kKvE4m3>(r[1], e1, o1);
-#pragma unroll
-              for (int rb = 0; rb < C::RB; ++rb) {
-                mma_f16(o[rb][2 * i], a[rb], e0, e1);
-                mma_f16(o[rb][2 * i + 1], a[rb], o0, o1);
-              }
-            }
-            continue;
-          }
-        }
 #pragma unroll
         for (int nb = 0; nb < C::NB_PV; nb += 2) {
           const uint32_t v_addr = v_row + swz_in_row(d0 / 8 + nb, v_x);
@@ -1007,11 +958,11 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     }
     __syncwarp();  // every lane is done reading this stage before this warp refills it
     bar_arrive(C::BAR_P_FREE + buf, C::NT);
-    if constexpr (is_fp8(KV)) {
-      // A stage going from a prefix tile (fp8: this warp's dims are 64 bytes of a row) to a draft tile (f16: 128
-      // bytes) is refilled over other output warps' fp8 dims: all of them must be done with this tile's PV first.
-      // At most STAGES times a CTA, the same on every output warp.
-      if (!widened_in_smem(KV, MMA8) && !w.draft_tile(t) && t + C::STAGES < w.ntiles && w.draft_tile(t + C::STAGES))
+    if constexpr (MMA8) {
+      // A stage going from an fp8 prefix tile (this warp's dims: 64 bytes of a row) to a draft tile (f16: 128 bytes)
+      // is refilled over other output warps' fp8 dims: all of them must be done with this tile's PV first. At most
+      // STAGES times a CTA, the same on every output warp.
+      if (!w.draft_tile(t) && t + C::STAGES < w.ntiles && w.draft_tile(t + C::STAGES))
         bar_sync(C::BAR_EPILOGUE, C::NO * 32);
     }
     if (t + C::STAGES < w.ntiles) load_tile(t + C::STAGES, next_slot);
