@@ -14,8 +14,8 @@ Per shape of the benchmark grid (kdtree.bench.GRID):
 - predicted = max(memory roofline, compute roofline / compact's H200 efficiency) + fixed: the steady state runs at
   the fraction of the mma.sync rate that compact reaches on the H200 (conservative: see best_case);
 - best case = the same with compact's H200 rate per SM and clock instead, capped by sm_120's tensor pipe;
-- fp8 pools (e4m3; e5m2 widens for less): path (a), the default, reads half the prefix bytes and widens them in
-  registers into f16 mma.sync at bf16's rate; its widening costs compute-side time, measured on the H200: the
+- fp8 pools (e4m3; e5m2 about the same): path (a), the default, reads half the prefix bytes and widens them in
+  shared memory for f16 mma.sync at bf16's rate; its widening costs compute-side time, measured on the H200: the
   predicted time times what an e4m3 pool cost compact there at the same shape (H200_FP8_RUN_JSON), no lower than the
   fp8 bytes' memory roofline; path (b) (`KDTREE_FP8_PATH=mma`, measured on the H200 only through ptxas's emulation
   of its instruction, which says nothing of sm_120's) runs QK^T as fp8 mma.sync (QMMA) at twice the bf16 rate
@@ -71,8 +71,8 @@ _SHAPES = {(r["batch"], r["heads"], r["draft"], r["prefix"]): r for r in _RUN["r
 H200_WIDE_US = {s: r["ours_us"] for s, r in _SHAPES.items()}
 H200_COMPACT_US = {s: r["compact_us"] for s, r in _SHAPES.items()}
 # fp8 path (a) on the H200: compact on an e4m3 pool against compact on bf16, same run, same shapes (BENCHMARKS.md,
-# "fp8 pools: both paths beside bf16"; ded97f1).
-H200_FP8_RUN_JSON = Path(__file__).parent / "results" / "h200-fp8-a0d5f33.json"
+# "fp8 pools: both dtypes widened in shared memory"; d2f41bc).
+H200_FP8_RUN_JSON = Path(__file__).parent / "results" / "h200-fp8-0f8da2d.json"
 H200_COMPACT_FP8_RATIO = {
     (r["batch"], r["heads"], r["draft"], r["prefix"]): r["compact_fp8_vs_compact"]
     for r in json.loads(H200_FP8_RUN_JSON.read_text())["rows"]

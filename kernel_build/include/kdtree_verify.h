@@ -33,7 +33,7 @@ enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
  * its prefix rows take the fp8_path; the scales are applied in fp32 to the prefix's scores (k_scale) and values
  * (v_scale). */
 enum kdtree_kv_dtype { KDTREE_KV_BF16 = 0, KDTREE_KV_FP8_E4M3 = 1, KDTREE_KV_FP8_E5M2 = 2 };
-/* An fp8 pool's prefix: WIDEN, its rows widened to f16 (exactly) in registers into the f16 mma; MMA, fp8 x fp8
+/* An fp8 pool's prefix: WIDEN, its rows widened to f16 (exactly) in shared memory for the f16 mma; MMA, fp8 x fp8
  * mma.sync (m16n8k32) with q cast to the pool's type and P to e4m3, as SGLang's Triton kernel quantises them (it
  * casts P to the pool's type). Checked for every pool; a bf16 pool's kernels do not read it. */
 enum kdtree_fp8_path { KDTREE_FP8_WIDEN = 0, KDTREE_FP8_MMA = 1 };
