@@ -6,9 +6,9 @@ CUDA-graph runner, tree speculation) on a tiny DeepSeek-V3-architecture model wi
 batch sizes 1-4 (larger batches run eagerly), KDTREE_STATE_DIR of its own. They all start at once when the module
 starts (a start takes about a minute; in parallel the starts overlap):
 
-  NGRAM (8 draft tokens):           off (the reference), validate, on, standby
-  NEXTN (topk 4, 3 steps, 8 tokens): off (the reference), validate, on, standby
-  NGRAM on an fp8 e4m3 KV cache:     validate (it serves the original: the reference), on
+  NGRAM (8 draft tokens):             off (the reference), validate, on, standby
+  NEXTN (topk 4, 3 steps, 8 tokens):   off (the reference), validate, on, standby
+  NGRAM on fp8 KV caches (e4m3, e5m2): validate (it serves the original: the reference), on, per dtype
 
 half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
 import hook) with the entry point switched off. Greedy decoding only (temperature > 0 reaches a sampling kernel
@@ -49,8 +49,12 @@ SPECS = {
         ServerSpec("nextn-validate", "NEXTN", Mode.VALIDATE, install="sitecustomize"),
         ServerSpec("nextn-on", "NEXTN", Mode.ON),
         ServerSpec("nextn-standby", "NEXTN", Mode.STANDBY, install="sitecustomize"),
-        ServerSpec("ngram-fp8-validate", "NGRAM", Mode.VALIDATE, kv_cache_dtype="fp8_e4m3"),
-        ServerSpec("ngram-fp8-on", "NGRAM", Mode.ON, install="sitecustomize", kv_cache_dtype="fp8_e4m3"),
+        ServerSpec("ngram-e4m3-validate", "NGRAM", Mode.VALIDATE, kv_cache_dtype="fp8_e4m3"),
+        ServerSpec("ngram-e4m3-on", "NGRAM", Mode.ON, install="sitecustomize", kv_cache_dtype="fp8_e4m3"),
+        ServerSpec(
+            "ngram-e5m2-validate", "NGRAM", Mode.VALIDATE, install="sitecustomize", kv_cache_dtype="fp8_e5m2"
+        ),
+        ServerSpec("ngram-e5m2-on", "NGRAM", Mode.ON, kv_cache_dtype="fp8_e5m2"),
     )
 }
 BF16 = [n for n, s in SPECS.items() if s.kv_cache_dtype == "auto"]
@@ -179,17 +183,24 @@ def test_on_serves_every_verify_step_and_matches_off_token_for_token(fleet, algo
 # ---- an fp8 KV cache ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("servers", [("ngram-fp8-validate", "ngram-fp8-on")])
+# --kv-cache-dtype: the torch dtype of SGLang's MLA pool
+FP8_POOLS = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@pytest.mark.parametrize("servers", [(f"ngram-{d[4:]}-validate", f"ngram-{d[4:]}-on") for d in FP8_POOLS])
 def test_fp8_kv_cache_is_served_in_validate_and_on(fleet, servers):
-    """--kv-cache-dtype fp8_e4m3: validate compares every verify step within the fp8 bound and on serves every one,
-    neither falling back for the pool's dtype. The greedy outputs of on against validate (which serves SGLang's Triton
-    kernel on the same fp8 cache: off's numerics) are reported, not asserted: kdtree reads the fp8 prefix exactly where
-    Triton casts q and P to fp8, so a sequence may legitimately part late; the report names the first position."""
+    """--kv-cache-dtype fp8_e4m3 and fp8_e5m2: validate compares every verify step within the fp8 bound and on serves
+    every one, neither falling back for the pool's dtype. The greedy outputs of on against validate (which serves
+    SGLang's Triton kernel on the same fp8 cache: off's numerics) are reported, not asserted: kdtree reads the fp8
+    prefix exactly where Triton casts q and P to fp8, so a sequence may legitimately part late; the report names the
+    first position."""
     import torch
 
     from kdtree.verify import FP8_PARITY_RTOL
 
     validate, on = (fleet[n] for n in servers)
+    kv_cache_dtype = validate.spec.kv_cache_dtype
+    pool_dtype = FP8_POOLS[kv_cache_dtype]
     before = {n: verify_counts(fleet[n]) for n in servers}
     agreement = []
     for batch in ([PROMPTS[0]], PROMPTS[:3], PROMPTS):  # captured (1, 3), then eager (8)
@@ -212,22 +223,25 @@ def test_fp8_kv_cache_is_served_in_validate_and_on(fleet, servers):
     )
     for server in (validate, on):  # the pool kdtree read was SGLang's fp8 cache, in captured and eager steps
         pools = {k: d["kv_pool"][0] for k, d in server.record(0).verify_inputs.items()}
-        assert {"eager", "captured"} <= set(pools) and set(pools.values()) == {"float8_e4m3fn"}, (
+        assert {"eager", "captured"} <= set(pools) and set(pools.values()) == {pool_dtype}, (
             server.spec.name,
             pools,
         )
     p = validate.record(0).parity
-    bound = max(MAX_REL_L2, FP8_PARITY_RTOL[torch.float8_e4m3fn])
+    bound = max(MAX_REL_L2, FP8_PARITY_RTOL[getattr(torch, pool_dtype)])
     assert fp8_bound(validate.record(0)) == bound  # what the sidecar's gate reads off the record
     assert p.rtol == pytest.approx(bound)  # the record names the bound its calls were counted by
     assert p.nan_inf == 0 and p.calls_over_tol == 0 and p.max_rel_l2 <= bound, p
     same = sum(a["first_difference"] is None for a in agreement)
-    report = {"kv_cache_dtype": "fp8_e4m3", "validate_max_rel_l2": p.max_rel_l2, "requests": len(agreement),
+    report = {"kv_cache_dtype": kv_cache_dtype, "validate_max_rel_l2": p.max_rel_l2, "requests": len(agreement),
               "identical": same, "per_request": agreement}  # fmt: skip
-    (Path(os.environ.get("OUT", fleet.root)) / "fp8-agreement.json").write_text(json.dumps(report, indent=1))
+    (Path(os.environ.get("OUT", fleet.root)) / f"fp8-agreement-{kv_cache_dtype}.json").write_text(
+        json.dumps(report, indent=1)
+    )
+    parted = [a["first_difference"] for a in agreement if a["first_difference"] is not None]
     print(
-        f"fp8_e4m3: validate max rel L2 {p.max_rel_l2:.3e}; on vs validate: {same} of {len(agreement)} identical; "
-        f"first differences {[a['first_difference'] for a in agreement if a['first_difference'] is not None]}"
+        f"{kv_cache_dtype}: validate max rel L2 {p.max_rel_l2:.3e}; on vs validate: {same} of {len(agreement)} "
+        f"identical; first differences {parted}"
     )
 
 
