@@ -177,6 +177,9 @@ def time_torch(b) -> float:
         return float("nan")
 
 
+FP8_POOLS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # an fp8 row's pool: the torch dtype of each
+
+
 def measure(
     shape: tuple[int, int, int, int],
     copy_bw: float,
@@ -185,13 +188,13 @@ def measure(
     triton: bool = True,
     torch_sdpa: bool = True,
     compact: bool = False,
-    fp8: bool = False,
+    fp8: str | None = None,
     l2_bytes: float = L2_BYTES,
 ) -> dict:
     """One row of the table: kdtree, the baselines asked for (nan otherwise), and the roofline; with `compact`,
-    also kdtree forced into the compact configuration (sm_120's) on the same inputs; with `fp8`, also kdtree by
-    both fp8 paths (and the Triton baseline, if asked for) on the same inputs with an fp8 e4m3 pool (scales 0.5: any
-    scale costs the same), beside the bf16 times."""
+    also kdtree forced into the compact configuration (sm_120's) on the same inputs; with `fp8` (a key of
+    FP8_POOLS), also kdtree by both fp8 paths (and the Triton baseline, if asked for) on the same inputs with a pool
+    of that fp8 dtype (scales 0.5: any scale costs the same), beside the bf16 times."""
     import torch
 
     from kdtree.reference import fp8_pool, make_batch
@@ -205,7 +208,7 @@ def measure(
     tch = time_torch(batches[0]) if torch_sdpa else float("nan")
     extra = {}
     if fp8:
-        batches = [fp8_pool(b, torch.float8_e4m3fn, 0.5, 0.5) for b in batches]
+        batches = [fp8_pool(b, getattr(torch, FP8_POOLS[fp8]), 0.5, 0.5) for b in batches]
         for path, key in (("widen", "fp8"), ("mma", "fp8_mma")):
             extra[f"{key}_us"] = time_ours(batches, None, path)
             extra[f"{key}_vs_ours"] = extra[f"{key}_us"] / ours
@@ -213,6 +216,7 @@ def measure(
                 extra[f"compact_{key}_us"] = time_ours(batches, "compact", path)
                 extra[f"compact_{key}_vs_compact"] = extra[f"compact_{key}_us"] / compact_us
         extra["triton_fp8_us"] = time_triton(batches[0]) if triton else float("nan")
+        extra["fp8_pool"] = fp8
     del batches
     torch.cuda.empty_cache()
     roof = max(io_bytes / copy_bw, flops / (mma_tflops * 1e12)) * 1e6

@@ -130,9 +130,9 @@ def test_bench_verify_runs_on_the_shared_functions():
 
 
 def test_fp8_rows_time_both_paths_in_both_configurations(monkeypatch):
-    """With fp8, a row times kdtree on the fp8 pool by each path (widen, mma) in the device's and the compact
-    configuration, and its table line has a cell for every heading (a table saved before the mma path renders
-    without its columns)."""
+    """With fp8 (a pool dtype), a row times kdtree on a pool of that dtype by each path (widen, mma) in the device's
+    and the compact configuration, and its table line has a cell for every heading (a table saved before the mma
+    path renders without its columns)."""
     timed = []
 
     def time_ours(batches, config=None, fp8_path=None):
@@ -146,9 +146,12 @@ def test_fp8_rows_time_both_paths_in_both_configurations(monkeypatch):
 
             self.k_buf = torch.zeros(1, dtype=torch.bfloat16)
 
+    pools = []
+
     def fp8_pool(b, dtype, k_scale, v_scale):
         import torch
 
+        pools.append(dtype)
         b = Batch()
         b.k_buf = torch.zeros(1, dtype=dtype)
         return b
@@ -156,7 +159,7 @@ def test_fp8_rows_time_both_paths_in_both_configurations(monkeypatch):
     monkeypatch.setattr("kdtree.reference.make_batch", lambda *a, **k: Batch())
     monkeypatch.setattr("kdtree.reference.fp8_pool", fp8_pool)
     monkeypatch.setattr(bench, "time_ours", time_ours)
-    row = bench.measure((1, 8, 16, 4096), 4e12, 600, triton=False, torch_sdpa=False, compact=True, fp8=True)
+    row = bench.measure((1, 8, 16, 4096), 4e12, 600, triton=False, torch_sdpa=False, compact=True, fp8="e5m2")
     assert sorted(timed, key=str) == sorted(
         [
             (None, None),
@@ -168,6 +171,9 @@ def test_fp8_rows_time_both_paths_in_both_configurations(monkeypatch):
         ],
         key=str,
     )
+    import torch
+
+    assert set(pools) == {torch.float8_e5m2} and row["fp8_pool"] == "e5m2"  # the pool named, not e4m3's
     assert (row["fp8_vs_ours"], row["fp8_mma_vs_ours"]) == (1.5, 1.25)
     assert (row["compact_fp8_vs_compact"], row["compact_fp8_mma_vs_compact"]) == (1.5, 1.25)
     head, _, line = bench.table([row])

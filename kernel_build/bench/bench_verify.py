@@ -76,7 +76,13 @@ def main() -> None:
     ap.add_argument(
         "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
     )
-    ap.add_argument("--fp8", action="store_true", help="also time every row on an fp8 (e4m3) pool")
+    ap.add_argument(
+        "--fp8",
+        nargs="?",
+        const="e4m3",
+        choices=sorted(bench.FP8_POOLS),
+        help="also time every row on an fp8 pool of this dtype (e4m3 when none is named)",
+    )
     ap.add_argument(
         "--calls", type=int, default=bench.CALLS_PER_ROUND, help="calls per timed round of graph replays"
     )
@@ -120,6 +126,7 @@ def main() -> None:
         ),
         f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}"
         + ("; compact forced in the compact columns" if compact else "")
+        + (f"; the fp8 columns on an fp8 {args.fp8} pool (scales 0.5)" if args.fp8 else "")
         + f"; command: {' '.join(sys.argv)}",
         "",
     ]
