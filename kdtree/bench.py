@@ -1,6 +1,6 @@
 """Benchmark kdtree's tree-verify kernel on this GPU against SGLang's own Triton kernel and the roofline.
 
-    python -m kdtree.bench [--quick | --full] [--torch | --no-torch] [--out DIR]
+    python -m kdtree.bench [--quick | --full] [--torch | --no-torch] [--fp8 [e4m3 | e5m2]] [--out DIR]
 
 In the server image: `docker run --rm --gpus all --entrypoint python kdtree-server -m kdtree.bench`.
 
@@ -9,7 +9,9 @@ First line: the GPU, its SM count and compute capability, the tile configuration
 ceilings measured in the same run (device-to-device copy bandwidth; the mma.sync bf16 rate, measured by the
 kernel library), then one row per shape with the columns of kernel_build/BENCHMARKS.md. --quick (the default)
 times four shapes in about a minute on an H200; --full the whole grid of the published tables. Nothing is read
-from the network: the batches are random (kdtree.reference.make_batch).
+from the network: the batches are random (kdtree.reference.make_batch). --fp8 adds, on every row, kdtree on an fp8
+KV pool of that dtype by each of its two paths (KDTREE_FP8_PATH: widen, the default, and mma) and SGLang's Triton
+kernel on the same pool: what decides which path an fp8 KV cache should take on this GPU.
 
 How it times (the same functions make the published tables, through kernel_build/bench/bench_verify.py):
 kdtree as SGLang runs verify, CUDA-graph replays of R calls over R distinct input sets (more data than the L2
@@ -392,6 +394,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="also time gather + PyTorch SDPA (default: with --full only)",
     )
+    ap.add_argument(
+        "--fp8",
+        nargs="?",
+        const="e4m3",
+        choices=sorted(FP8_POOLS),
+        help="also time every row on an fp8 KV pool of this dtype (e4m3 when none is named), by both fp8 paths "
+        "(KDTREE_FP8_PATH=widen, the default, and mma) and with SGLang's Triton kernel",
+    )
     ap.add_argument("--out", type=Path, metavar="DIR", help="write bench.md and bench.json into this folder")
     return ap.parse_args(argv)
 
@@ -420,18 +430,26 @@ def main(argv: list[str] | None = None) -> int:
         "Baselines: SGLang's Triton extend_attention_fwd"
         + (", gather + PyTorch SDPA" if torch_sdpa else " (PyTorch SDPA not timed: --torch)")
         + f"; {'full grid' if args.full else 'quick grid (--full: all shapes)'}"
+        + (
+            f"; fp8 columns on an fp8 {args.fp8} pool (scales 0.5, the draft rows bf16): `fp8` the widen path "
+            "(the default), `fp8 mma` KDTREE_FP8_PATH=mma"
+            if args.fp8
+            else ""
+        )
     )
     print(head[1], head[2], sep="\n", flush=True)
     rows = []
     for shape in shapes:
-        rows.append(measure(shape, bw, mma, torch_sdpa=torch_sdpa, l2_bytes=dev["l2_bytes"]))
+        rows.append(measure(shape, bw, mma, torch_sdpa=torch_sdpa, fp8=args.fp8, l2_bytes=dev["l2_bytes"]))
         print(progress(rows[-1]), flush=True)
     text = "\n".join([*head, "", *table(rows)])
     print("\n" + "\n".join(table(rows)))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.md").write_text(text + "\n")
-        record = dict(device=dev, copy_bw=bw, mma_tflops=mma, torch_sdpa=torch_sdpa, rows=rows)
+        record = dict(
+            device=dev, copy_bw=bw, mma_tflops=mma, torch_sdpa=torch_sdpa, fp8_pool=args.fp8, rows=rows
+        )
         (args.out / "bench.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out / 'bench.md'} and {args.out / 'bench.json'}")
     return 0

@@ -44,9 +44,73 @@ def test_without_a_gpu_it_exits_2_with_one_line():
 def test_help_names_the_grids_and_the_output():
     r = run_module("--help")
     assert r.returncode == 0, r.stderr
-    for flag in ("--quick", "--full", "--torch", "--out DIR"):
+    for flag in ("--quick", "--full", "--torch", "--fp8 [{e4m3,e5m2}]", "--out DIR"):
         assert flag in r.stdout
     assert run_module("--quick", "--full").returncode == 2  # one grid or the other
+    bad = run_module("--fp8", "e4m3fn")
+    assert bad.returncode == 2 and "invalid choice: 'e4m3fn' (choose from" in bad.stderr
+
+
+@pytest.mark.parametrize("flag, pool", [([], None), (["--fp8"], "e4m3"), (["--fp8", "e5m2"], "e5m2")])
+def test_fp8_flag_times_every_row_on_that_pool_and_names_it(monkeypatch, tmp_path, capsys, flag, pool):
+    """--fp8 reaches measure() for every row (the fp8 columns, both paths: the CPU test of measure() below) and the
+    output names the pool and which column is which path; without it no row is timed on an fp8 pool."""
+    dev = dict(
+        gpu="stand-in GPU (not a device)",
+        sms=1,
+        capability="sm_120",
+        l2_bytes=0,
+        config="compact",
+        config_forced=False,
+        archs=["sm_120"],
+        date="2026-12-03",
+        kdtree="0",
+    )
+    asked = []
+
+    def measure(shape, bw, mma, *, torch_sdpa, fp8, l2_bytes):
+        asked.append(fp8)
+        row = dict(
+            batch=shape[0],
+            heads=shape[1],
+            draft=shape[2],
+            prefix=shape[3],
+            ours_us=10.0,
+            triton_us=100.0,
+            torch_us=50.0,
+            speedup=10.0,
+            gbps=1.0,
+            tflops=1.0,
+            roofline_us=5.0,
+            pct_roofline=50.0,
+        )
+        if fp8:
+            row |= dict(
+                fp8_us=9.0,
+                fp8_vs_ours=0.9,
+                triton_fp8_us=90.0,
+                fp8_mma_us=7.0,
+                fp8_mma_vs_ours=0.7,
+                fp8_pool=fp8,
+            )
+        return row
+
+    monkeypatch.setattr(bench, "device_info", lambda: dev)
+    monkeypatch.setattr(bench, "_require_baseline", lambda: None)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1.8e12)
+    monkeypatch.setattr(kernel, "mma_peak_tflops", lambda: 500.0)
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main([*flag, "--out", str(tmp_path)]) == 0
+    assert asked == [pool] * len(bench.QUICK)
+    text = (tmp_path / "bench.md").read_text()
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["fp8_pool"] == pool
+    if pool:
+        assert f"fp8 columns on an fp8 {pool} pool" in text and "`fp8 mma` KDTREE_FP8_PATH=mma" in text
+        assert "| fp8 (us) | fp8 / ours | Triton fp8 (us) | fp8 mma (us) | fp8 mma / ours |" in text
+        assert "| 7.0 | 0.70x |" in capsys.readouterr().out
+    else:
+        assert "fp8" not in text
 
 
 def test_a_missing_library_is_named_in_one_line(monkeypatch):

@@ -39,3 +39,14 @@ def test_one_row_times_kdtree_and_fills_the_columns():
     kv, io, flops = bench.shape_costs(1, 8, 16, 4096)
     assert row["roofline_us"] == pytest.approx(max(io / 1e12, flops / 100e12) * 1e6)
     assert len(bench.table([row])) == 3
+
+
+def test_an_fp8_row_times_both_paths_on_that_pool():
+    """`python -m kdtree.bench --fp8 e5m2`'s row on this GPU: both fp8 paths timed on an e5m2 pool, beside bf16."""
+    row = bench.measure((1, 8, 16, 4096), 1e12, 100.0, triton=False, torch_sdpa=False, fp8="e5m2")
+    assert row["fp8_pool"] == "e5m2" and math.isnan(row["triton_fp8_us"])
+    for key in ("fp8", "fp8_mma"):
+        assert 1 < row[f"{key}_us"] < 10_000, row
+        assert row[f"{key}_vs_ours"] == pytest.approx(row[f"{key}_us"] / row["ours_us"])
+    head, _, line = bench.table([row])
+    assert "fp8 mma / ours" in head and head.count(" |") == line.count(" |")
