@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--ours-only", action="store_true", help="skip the baselines (for tuning runs)")
     ap.add_argument(
+        "--no-torch", action="store_true", help="skip the PyTorch SDPA baseline (Triton still timed)"
+    )
+    ap.add_argument(
         "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
     )
     ap.add_argument(
@@ -106,7 +109,7 @@ def main() -> None:
                 bw,
                 mma,
                 triton=not args.ours_only,
-                torch_sdpa=not args.ours_only,
+                torch_sdpa=not (args.ours_only or args.no_torch),
                 compact=compact,
                 fp8=args.fp8,
                 l2_bytes=l2,
