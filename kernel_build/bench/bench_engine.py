@@ -127,6 +127,12 @@ def main() -> int:
     ap.add_argument("--batches", type=_ints, default=[1, 4])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+        help="SGLang's --kv-cache-dtype for every server (auto: bf16 here)",
+    )
     ap.add_argument("--root", default="/tmp/kdtree-bench-engine", help="model folders and server state")
     ap.add_argument(
         "--time-budget-s", type=float, default=None, help="start no new row after this many seconds"
@@ -148,7 +154,8 @@ def main() -> int:
             for mode in (Mode.OFF, Mode.ON):
                 # --sleep-on-idle: the servers not being measured must not busy-poll the CPUs the measured one needs
                 spec = ServerSpec(f"{algo.lower()}-{layers}l-{mode.value}", algo, mode, layers=layers,
-                                  max_total_tokens=tokens, extra_args=("--sleep-on-idle",))  # fmt: skip
+                                  max_total_tokens=tokens, kv_cache_dtype=args.kv_cache_dtype,
+                                  extra_args=("--sleep-on-idle",))  # fmt: skip
                 servers[(layers, algo, mode.value)] = RealServer(spec, root / spec.name, model).start()
     props = torch.cuda.get_device_properties(0)
     cfg = config(layers=args.layers[0])
@@ -157,7 +164,8 @@ def main() -> int:
         f"Command: {' '.join(sys.argv)}",
         f"Model: tiny DeepSeek-V3 architecture, random weights (--load-format dummy), layers {args.layers}, hidden "
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA kv_lora_rank {cfg['kv_lora_rank']} + rope "
-        f"{cfg['qk_rope_head_dim']}, dense MLP {cfg['intermediate_size']}; one MTP layer (MoE) for NEXTN; bf16 KV",
+        f"{cfg['qk_rope_head_dim']}, dense MLP {cfg['intermediate_size']}; one MTP layer (MoE) for NEXTN; "
+        + ("bf16 KV" if args.kv_cache_dtype == "auto" else f"KV cache {args.kv_cache_dtype} (scales 1.0)"),
         f"Server: tp 1, Triton attention, CUDA graphs for batch 1-4, greedy, ignore_eos, {args.max_tokens} tokens per "
         f"request, {args.repeats} rounds per mode (interleaved), prompt in the prefix cache, --sleep-on-idle; decode "
         "tokens/s from the streamed chunks (after each request's first token), time to first token apart",
