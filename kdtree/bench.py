@@ -273,7 +273,7 @@ def table(rows: list[dict]) -> list[str]:
         head += " compact (us) | compact, % of roofline | compact / ours |"
     fp8_mma = any("fp8_mma_us" in r for r in rows)  # tables saved before the mma path have none
     if fp8:
-        head += " fp8 (us) | fp8 / ours | Triton fp8 (us) |"
+        head += " fp8 (us) | fp8 / ours | Triton fp8 (us) | fp8 speedup vs Triton fp8 |"
         if fp8_mma:
             head += " fp8 mma (us) | fp8 mma / ours |"
         if compact:
@@ -299,8 +299,9 @@ def table(rows: list[dict]) -> list[str]:
         if fp8:
             line += (
                 f" {r['fp8_us']:.1f} | {r['fp8_vs_ours']:.2f}x | {r['triton_fp8_us']:.0f} |"
+                f" {r['triton_fp8_us'] / r['fp8_us']:.3g}x |"
                 if "fp8_us" in r
-                else " - | - | - |"
+                else " - | - | - | - |"
             )
             if fp8_mma:
                 line += pair(r, "fp8_mma_us", "fp8_mma_vs_ours")

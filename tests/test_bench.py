@@ -107,7 +107,11 @@ def test_fp8_flag_times_every_row_on_that_pool_and_names_it(monkeypatch, tmp_pat
     assert record["fp8_pool"] == pool
     if pool:
         assert f"fp8 columns on an fp8 {pool} pool" in text and "`fp8 mma` KDTREE_FP8_PATH=mma" in text
-        assert "| fp8 (us) | fp8 / ours | Triton fp8 (us) | fp8 mma (us) | fp8 mma / ours |" in text
+        assert (
+            "| fp8 (us) | fp8 / ours | Triton fp8 (us) | fp8 speedup vs Triton fp8 | fp8 mma (us) | fp8 mma / ours |"
+            in text
+        )
+        assert "| 9.0 | 0.90x | 90 | 10x | 7.0 | 0.70x |" in text
         assert "| 7.0 | 0.70x |" in capsys.readouterr().out
     else:
         assert "fp8" not in text
@@ -246,3 +250,16 @@ def test_fp8_rows_time_both_paths_in_both_configurations(monkeypatch):
     old = {k: v for k, v in row.items() if "mma" not in k}
     head, _, line = bench.table([old])
     assert "mma" not in head and head.count(" |") == line.count(" |")
+
+
+def test_the_fp8_table_against_triton_is_its_raw_record_rendered():
+    """BENCHMARKS.md's fp8 grid beside SGLang's own fp8 path is table() of the raw record it names, line for line."""
+    run = json.loads(
+        (ROOT / "kernel_build" / "bench" / "results" / "h200-fp8-triton-19c6e00.json").read_text()
+    )
+    assert {(r["batch"], r["heads"], r["draft"], r["prefix"]) for r in run["rows"]} == set(bench.GRID)
+    text = (ROOT / "kernel_build" / "BENCHMARKS.md").read_text()
+    lines = bench.table(run["rows"])
+    assert "fp8 speedup vs Triton fp8" in lines[0]
+    for line in lines:
+        assert line in text, line
