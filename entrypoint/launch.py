@@ -374,7 +374,7 @@ def plan(
         raise LaunchError(
             f"{len(found)} GPUs are visible and --tp-size {args.tp_size} uses {per_node}",
             f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
-            f"in compose.override.yaml or compose.one-gpu.yaml; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
+            f"in compose.override.yaml or compose/one-gpu.yaml; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
         )
 
     have = archs()

@@ -128,7 +128,7 @@ class SidecarSettings(StateDirSettings):
             raise ValueError(
                 "set it to process (a restart request in the state volume, no Docker socket: "
                 "compose.yaml's default) or docker (restart the container KDTREE_SERVER_CONTAINER through the "
-                "Docker socket: add compose.docker.yaml)"
+                "Docker socket: add compose/docker.yaml)"
             )
         return v
 

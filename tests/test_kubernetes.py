@@ -37,7 +37,7 @@ from sidecar.settings import SidecarSettings  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"
 COMPOSE = REPO / "compose.yaml"
-ONE_GPU = REPO / "compose.one-gpu.yaml"  # the one-GPU overlay's counterpart
+ONE_GPU = REPO / "compose" / "one-gpu.yaml"  # the one-GPU overlay's counterpart
 DOCKERFILE = REPO / "Dockerfile"
 
 # The oldest Kubernetes the manifests promise, and the newest the pinned kubernetes-validate knows.
@@ -51,7 +51,7 @@ TARGETS = {
     "one-gpu+hostpath": ("overlays/one-gpu", ("components/models-hostpath",)),
     "default+gpu-node": ("", ("components/gpu-node",)),
 }
-# compose's sidecar names its server container for the Docker API (compose.docker.yaml); in Kubernetes it
+# compose's sidecar names its server container for the Docker API (compose/docker.yaml); in Kubernetes it
 # signals the process.
 DOCKER_ONLY_ENV = {"KDTREE_SERVER_CONTAINER"}
 KUBERNETES_ONLY_ENV = {"KDTREE_ADMIN_TOKEN_FILE"}  # compose's sidecar gets the token from .env (README)
@@ -175,7 +175,7 @@ def expand(value, env: dict[str, str]) -> str:
 
 def compose_for(target: str) -> tuple[dict, dict[str, str]]:
     """compose.yaml's services for the render `target`, and the .env it is read with (none: the defaults). For
-    the one-GPU overlay, with compose.one-gpu.yaml over them as compose merges its keys: the server's command
+    the one-GPU overlay, with compose/one-gpu.yaml over them as compose merges its keys: the server's command
     replaced whole, environment entries by name (tests/test_compose_files.py renders it with compose itself)."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     if target.startswith("one-gpu"):

@@ -511,7 +511,7 @@ def test_server_control_setting_is_validated_with_the_fix(monkeypatch, tmp_path)
     with pytest.raises(ConfigError) as e:
         SidecarSettings.load(admin_token="t", state_dir=str(tmp_path))
     assert str(e.value).startswith("KDTREE_SERVER_CONTROL='socket' is invalid: set it to process")
-    assert "compose.docker.yaml" in str(e.value)
+    assert "compose/docker.yaml" in str(e.value)
     monkeypatch.setenv("KDTREE_SERVER_CONTROL", "docker")
     assert SidecarSettings.load(admin_token="t").server_control == "docker"
     monkeypatch.delenv("KDTREE_SERVER_CONTROL")
