@@ -156,7 +156,7 @@ def test_status_summary_and_json(stack):
 
 
 def test_status_exits_with_the_stacks_readiness(stack):
-    """0 ready (above), 3 crashed, 8 not ready: the README's exit codes, whatever --json says."""
+    """0 ready (above), 3 crashed, 8 not ready: the documented exit codes, whatever --json says."""
     url, proc = stack("--load-seconds", "60")
     r = kdtreectl(url, "status")
     assert r.returncode == 8, (r.stdout, r.stderr)
@@ -201,10 +201,11 @@ def test_help_never_shows_the_token():
 
 
 def test_readme_help_and_code_list_the_same_exit_codes():
-    """The README's table under "Exit codes of every command", `kdtreectl --help` and kdtreectl.exit_codes."""
+    """docs/configuration.md's table under "Exit codes of every command", `kdtreectl --help` and
+    kdtreectl.exit_codes."""
     from kdtreectl import exit_codes
 
-    readme = (REPO / "README.md").read_text().splitlines()
+    readme = (REPO / "docs" / "configuration.md").read_text().splitlines()
     start = readme.index("| code | meaning |")
     rows = {}
     for line in readme[start + 2 :]:

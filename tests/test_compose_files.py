@@ -251,17 +251,18 @@ from kdtreectl.settings import CtlSettings  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402
 
 README = REPO / "README.md"
+CONFIGURATION = REPO / "docs" / "configuration.md"  # the settings' tables
 SERVICES = {"sidecar": (SidecarSettings,), "server": (VerifySettings, LauncherSettings, SupervisorSettings)}
 CLIENT = (
     CtlSettings,
-)  # kdtreectl, on the operator's machine or in the sidecar's container: README rows only
+)  # kdtreectl, on the operator's machine or in the sidecar's container: docs/configuration.md rows only
 # Written out in compose.yaml: the stack's wiring (ports, paths, the control it runs) or a stack variable.
 WIRED = {
     "sidecar": {"KDTREE_SIDECAR_PORT", "KDTREE_SERVER_URL", "KDTREE_STATE_DIR", "KDTREE_SERVER_CONTROL",
                 "KDTREE_VERIFY", "KDTREE_EXPECTED_TP_SIZE", "KDTREE_ADMIN_TOKEN"},
     "server": {"KDTREE_STATE_DIR", "KDTREE_VERIFY"},
 }  # fmt: skip
-# Settings compose does not pass, each for a reason the README gives.
+# Settings compose does not pass, each for a reason docs/configuration.md gives.
 NOT_IN_COMPOSE = {
     "KDTREE_SIDECAR_HOST",
     "KDTREE_ALLOW_OPEN_ADMIN",
@@ -286,7 +287,7 @@ def test_every_settings_class_is_held_against_the_others():
 
 def test_every_kdtree_variable_the_code_reads_is_a_setting():
     """A KDTREE_ name read straight from the environment is a field of a settings class all the same (its one
-    source of truth: the default, the README row, compose's pass-through)."""
+    source of truth: the default, the docs/configuration.md row, compose's pass-through)."""
     fields = set().union(*(env_names(c) for classes in (*SERVICES.values(), CLIENT) for c in classes))
     read = re.compile(r"""(?:environ(?:\.get)?[\[(]|getenv\()\s*["'](KDTREE_\w+)""")
     for folder in ("kdtree", "sidecar", "entrypoint", "kdtreectl"):
@@ -306,7 +307,7 @@ def env_names(cls) -> dict[str, object]:
 
 
 def shown(default) -> str:
-    """A default as .env.example and the README write it."""
+    """A default as .env.example and docs/configuration.md write it."""
     if default is None:
         return ""
     if isinstance(default, bool):
@@ -364,10 +365,10 @@ def test_env_example_shows_each_passed_setting_with_its_class_default():
 
 
 def readme_rows(compose_default: bool = False) -> dict[str, str]:
-    """README table rows: variable -> its default cell (the first `...` in it), or with compose_default the
+    """docs/configuration.md's table rows: variable -> its default cell (the first `...` in it), or with compose_default the
     value of a "(compose: `...`)" note where the cell has one."""
     rows = {}
-    for line in README.read_text().splitlines():
+    for line in CONFIGURATION.read_text().splitlines():
         m = re.match(r"^\| `(KDTREE_\w+)`[^|]* \| ([^|]*) \|", line)
         if m:
             cell = m[2].strip()
@@ -382,10 +383,10 @@ def test_readme_tables_every_setting_with_its_class_default():
     for classes in (*SERVICES.values(), CLIENT):
         for cls in classes:
             for var, default in env_names(cls).items():
-                assert var in rows, f"README: no row for {var}"
+                assert var in rows, f"docs/configuration.md: no row for {var}"
                 if default is not None:
                     assert rows[var] == shown(default), (
-                        f"README: {var} default {rows[var]!r}, the class says {default!r}"
+                        f"docs/configuration.md: {var} default {rows[var]!r}, the class says {default!r}"
                     )
 
 
@@ -398,12 +399,12 @@ def test_readme_and_env_example_agree_on_the_stack_variables():
     text = "".join(f.read_text() for f in COMPOSE_FILES)
     used = set(re.findall(r"\$\{(KDTREE_\w+)", re.sub(r"(^|\s)#.*$", "", text, flags=re.M)))
     for var in used:
-        assert var in rows, f"README: no row for {var}, which compose reads"
+        assert var in rows, f"docs/configuration.md: no row for {var}, which compose reads"
         assert var in doc, f".env.example: {var}, which compose reads, is missing"
     for var, default in re.findall(r"\$\{(KDTREE_\w+):-([^}]+)\}", text):
         if var.startswith("KDTREE_") and var in doc and doc[var]:
             assert doc[var] == default, f"{var}: .env.example {doc[var]!r}, compose {default!r}"
-            assert rows[var] == default, f"{var}: README {rows[var]!r}, compose {default!r}"
+            assert rows[var] == default, f"{var}: docs/configuration.md {rows[var]!r}, compose {default!r}"
     assert yaml.safe_load(COMPOSE.read_text())  # parses
 
 
@@ -496,14 +497,15 @@ def host_ports(service: dict) -> set[tuple[str, str]]:
 
 
 def test_a_second_stack_beside_the_first_shares_no_name_port_or_volume(compose, tmp_path):
-    """The README's troubleshooting row, as written there: a project of its own, with its own server container
-    name and host ports; everything else compose names per project."""
+    """docs/troubleshooting.md's "A second stack beside the first", as written there: a project of its own, with its
+    own server container name and host ports; everything else compose names per project."""
     yaml = pytest.importorskip(
         "yaml", reason="pyyaml is not installed (the dev extra: pip install -e '.[sidecar,dev]')"
     )
-    readme = (REPO / "README.md").read_text()
-    (row,) = [line for line in readme.splitlines() if line.startswith("| a second stack beside the first")]
-    found = re.search(r"`((?:KDTREE_\w+=\S+ )+)docker compose -p (\S+) up -d`", row)
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    assert "| a second stack beside the first: " in text  # the symptom's row points at the section
+    row = text.split("\n## A second stack beside the first\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(r"^((?:KDTREE_\w+=\S+ )+)docker compose -p (\S+) up -d$", row, re.M)
     assert found, row
     second = dict(pair.split("=", 1) for pair in found.group(1).split())
     env = env_file(tmp_path)
@@ -572,14 +574,14 @@ def commands(block: str) -> list[str]:
 
 def test_the_readme_opens_with_the_demo_and_the_quick_tests_then_the_real_stack():
     """Its first commands are the demo's first two, as "Try it without a GPU" writes them (tests/test_image.py runs
-    that walk), and the quick tests; then the requirements, the three ways to run it, the architecture, the settings."""
+    that walk), and the quick tests; then the requirements, the three ways to run it, the architecture, the docs."""
     text = README.read_text()
     first = text.split("```bash\n", 1)[1].split("```", 1)[0]
     demo = text.split("### Try it without a GPU\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     assert commands(first) == [*commands(demo)[:2], "bash tests/run --quick"], first
     assert commands(demo)[1] == f"docker compose -f compose.yaml -f {DEMO.relative_to(REPO)} up -d"
     headings = ["## What the real stack needs", "### Try it without a GPU", "### One GPU", "### Eight GPUs"]
-    headings += ["## Architecture", "## Configuration"]
+    headings += ["## Architecture", "## Documentation"]
     at = [text.index(f"\n{h}\n") for h in headings]
     assert at == sorted(at), dict(zip(headings, at, strict=True))
     one_gpu = text.split("### One GPU\n", 1)[1].split("\n### ", 1)[0]

@@ -870,25 +870,27 @@ def test_compose_off_restarts_the_server_after_a_drain_and_back(stack):
     assert stack.wait_transition(n + 1)["outcome"] == "succeeded"
 
 
-def readme_commands(heading: str) -> list[list[str]]:
-    """The `docker compose` lines of the README's first code block after `heading`, as arguments."""
+def documented_commands(doc: str, heading: str) -> list[list[str]]:
+    """The `docker compose` lines of the first code block after `heading` in `doc`, as arguments."""
     import shlex
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / doc).read_text()
     block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [shlex.split(line) for line in block.splitlines() if line.strip()]
     assert lines and all(line[:2] == ["docker", "compose"] for line in lines), lines
     return [line[2:] for line in lines]
 
 
-def test_compose_off_without_the_sidecar_by_the_readmes_runbook(stack):
-    """The README's "Reaching `off` when the sidecar is down", run as written (compose v1 for `docker compose`):
+def test_compose_off_without_the_sidecar_by_the_documented_runbook(stack):
+    """docs/operations.md's "Reaching `off` when the sidecar is down", run as written (compose v1 for `docker compose`):
     with the sidecar stopped, the mode file is written and the server restarts into off; the sidecar, started
     again, adopts it. Then back to validate for the tests after this one."""
     record = json.loads(stack.state_file("server-process.json"))
     stack.compose("stop", "sidecar")
     try:
-        for args in readme_commands("**Reaching `off` when the sidecar is down.**"):
+        for args in documented_commands(
+            "docs/operations.md", "\n## Reaching `off` when the sidecar is down\n"
+        ):
             stack.compose(*args)
         deadline = time.monotonic() + 60
         while True:  # a new start of the server, whose ranks report off
@@ -963,7 +965,7 @@ def test_compose_crash_at_start_shows_the_traceback(stack):
 
 
 def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_image, server_image, tmp_path):
-    """The README's troubleshooting row, on this GPU-less engine: `up` fails with Docker's own message, and the
+    """docs/troubleshooting.md's row, on this GPU-less engine: `up` fails with Docker's own message, and the
     sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S. The files are what
     `docker compose up` reads with no -f: compose.yaml and its GPU file."""
     require_compose()
@@ -989,8 +991,8 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
         )
         assert up.returncode != 0
         assert 'could not select device driver "nvidia" with capabilities: [[gpu]]' in up.stderr, up.stderr
-        readme = (REPO / "README.md").read_text()
-        assert '`could not select device driver "nvidia" with capabilities: [[gpu]]`' in readme
+        troubleshooting = (REPO / "docs" / "troubleshooting.md").read_text()
+        assert '`could not select device driver "nvidia" with capabilities: [[gpu]]`' in troubleshooting
         st = s.wait("the broken verdict", lambda st: st["condition"] == "broken", timeout=60)
         assert st["phase"] == "loading" and not st["ready"]
         assert any(
@@ -1027,53 +1029,30 @@ def printed(expected: str, output: str) -> bool:
     return any(re.fullmatch(pattern, line.strip()) for line in output.splitlines())
 
 
-def in_a_terminal(command: str, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
-    """`bash -c command` with a pseudo-terminal for its stdin, stdout and stderr, as a user's shell has (compose v1's
-    `exec` refuses to run without one); what it printed, one line per terminal line, without colours."""
-    import fcntl
-    import pty
-    import select
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))  # no wrapped lines
-    proc = subprocess.Popen(
-        ["bash", "-c", command],
-        cwd=cwd,
-        env=env,
-        stdin=slave,
-        stdout=slave,
-        stderr=slave,
-        start_new_session=True,
-    )
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + timeout
+def as_a_script(command: str, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """`bash -c command` as a script or a CI job runs it: no terminal (stdin from /dev/null, output to a pipe), where
+    docker-compose v1's `exec` without `-T` fails ("the input device is not a TTY"); its output and errors together."""
     try:
-        while time.monotonic() < deadline:
-            if select.select([master], [], [], 0.5)[0]:
-                try:
-                    data = os.read(master, 65536)
-                except OSError:  # EIO: every writer of the terminal has closed it
-                    break
-                if not data:
-                    break
-                chunks.append(data)
-        else:
-            proc.kill()
-            pytest.fail(
-                f"{command}: still running after {timeout} s:\n{b''.join(chunks).decode(errors='replace')}"
-            )
-        code = proc.wait(timeout=30)
-    finally:
-        os.close(master)
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
-    return code, "\n".join(re.split(r"\r\n|\r|\n", text))
+        r = subprocess.run(
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        pytest.fail(f"{command}: still running after {timeout} s:\n{out}")
+    return r.returncode, r.stdout
 
 
 def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
-    """ "Try it without a GPU", command by command, in a copy of the files it reads: each must exit 0 and print what
-    the README writes under it. The environment says only what CI's setup needs: the images' CI tag, a project
+    """ "Try it without a GPU", command by command, in a copy of the files it reads, as a script runs it (no
+    terminal): each must exit 0 and print what the README writes under it. The environment says only what CI's setup needs: the images' CI tag, a project
     name of its own, and compose v1 for `docker compose` where the v2 plugin is absent (the README says either
     works). The ports are the README's, 8080 and 30000, so they must be free."""
     require_compose()
@@ -1083,6 +1062,8 @@ def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
         "docker compose -f compose.yaml -f compose/demo.yaml up -d",
     ], steps[:2]
     assert steps[-1][0] == "docker compose -f compose.yaml -f compose/demo.yaml down -v", steps[-1]
+    execs = [c for c, _ in steps if " exec " in c]
+    assert execs and all(" exec -T " in c for c in execs), execs  # so that each works in a script
     for port in (8080, 30000):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is in use: the demo publishes it"
@@ -1097,7 +1078,7 @@ def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
         for command, expected in steps:
             run = command if v2 else command.replace("docker compose ", "docker-compose ")
             start = time.monotonic()
-            code, out = in_a_terminal(run, tmp_path, env, timeout=300)
+            code, out = as_a_script(run, tmp_path, env, timeout=300)
             print(f"$ {command}  ({time.monotonic() - start:.1f} s)\n{out}")
             assert code == 0, f"{command}\nexited {code}:\n{out}"
             missing = [e for e in expected if not printed(e, out)]

@@ -36,7 +36,7 @@ from sidecar.settings import SidecarSettings  # noqa: E402
 from sidecar.vocabulary import Outcome  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+RUNBOOK = REPO / "docs" / "runbook.md"
 MONITORING = REPO / "monitoring"
 ALERTS = MONITORING / "alerts.yml"
 PROMETHEUS = MONITORING / "prometheus.yml"
@@ -351,10 +351,10 @@ def test_alert_rule_file_structure():
             assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
             annotations = rule["annotations"]
             assert set(annotations) == {"summary", "description", "runbook_url"}, name
-            # Into README.md's Runbook: an anchor there named after the alert.
-            assert annotations["runbook_url"] == f"README.md#{name.lower()}", name
-            assert f'<a id="{name.lower()}"></a>' in README.read_text(), (
-                f"README: no runbook entry for {name}"
+            # Into docs/runbook.md: an anchor there named after the alert.
+            assert annotations["runbook_url"] == f"docs/runbook.md#{name.lower()}", name
+            assert f'<a id="{name.lower()}"></a>' in RUNBOOK.read_text(), (
+                f"docs/runbook.md: no entry for {name}"
             )
             assert annotations["summary"].strip() and "\n" not in annotations["summary"], name
             # What to do, not only what happened: every description names a kdtreectl command to run.
