@@ -19,7 +19,7 @@ def _cuda_reason() -> str | None:
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (run on the device: see README, 'GPU tests')"
+        return "no CUDA GPU on this machine (run on the device: see docs/development.md, 'GPU tests')"
     return None
 
 

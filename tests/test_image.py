@@ -1052,9 +1052,10 @@ def as_a_script(command: str, cwd: Path, env: dict, timeout: float) -> tuple[int
 
 def test_the_readmes_demo_runs_as_written(sidecar_image, tmp_path):
     """ "Try it without a GPU", command by command, in a copy of the files it reads, as a script runs it (no
-    terminal): each must exit 0 and print what the README writes under it. The environment says only what CI's setup needs: the images' CI tag, a project
-    name of its own, and compose v1 for `docker compose` where the v2 plugin is absent (the README says either
-    works). The ports are the README's, 8080 and 30000, so they must be free."""
+    terminal): each must exit 0 and print what the README writes under it. The environment says only what CI's
+    setup needs: the images' CI tag, a project name of its own, and compose v1 for `docker compose` where the v2
+    plugin is absent (the README says either works). The ports are the README's, 8080 and 30000, so they must be
+    free."""
     require_compose()
     steps = readme_demo()
     assert [c for c, _ in steps][:2] == [

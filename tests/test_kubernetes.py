@@ -54,7 +54,7 @@ TARGETS = {
 # compose's sidecar names its server container for the Docker API (compose/docker.yaml); in Kubernetes it
 # signals the process.
 DOCKER_ONLY_ENV = {"KDTREE_SERVER_CONTAINER"}
-KUBERNETES_ONLY_ENV = {"KDTREE_ADMIN_TOKEN_FILE"}  # compose's sidecar gets the token from .env (README)
+KUBERNETES_ONLY_ENV = {"KDTREE_ADMIN_TOKEN_FILE"}  # compose's sidecar gets the token from .env (docs/configuration.md)
 SECRET_ENV = {"KDTREE_ADMIN_TOKEN", "KDTREE_SERVER_API_KEY"}
 
 

@@ -606,7 +606,7 @@ async def test_post_mode_authenticates_first_then_bounds_then_validates(
 
 
 async def test_a_mode_file_written_while_no_sidecar_ran_is_adopted(engine, tmp_path):
-    """The kill switch by hand (README): `echo off > state/mode` and a server restart while the sidecar is down;
+    """The kill switch by hand (docs/operations.md): `echo off > state/mode` and a server restart while the sidecar is down;
     the next sidecar takes the file's mode as the current one instead of expecting the old mode."""
     proc = engine(mode=Mode.VALIDATE)
     settings = make_settings(tmp_path, proc.port)

@@ -471,7 +471,7 @@ async def test_the_probe_sends_the_servers_api_key(engine, tmp_path):
 
 
 async def test_the_api_docs_are_not_served(tmp_path):
-    """No /docs, /redoc or /openapi.json: the README documents the API, and an open schema maps the admin endpoint."""
+    """No /docs, /redoc or /openapi.json: docs/configuration.md documents the API, and an open schema maps the admin endpoint."""
     async with sidecar(make_settings(tmp_path, free_port())) as c:
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert (await c.get(path)).status_code == 404, path

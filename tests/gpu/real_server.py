@@ -104,7 +104,7 @@ def unavailable() -> str | None:
             "kernel_build/bench/device_run.sh engine-tests installs it there"
         )
     if not list(site_dir().glob("sglang-0.5.23*.dist-info")) and not _importable("sglang"):
-        return "SGLang 0.5.23's Python side is not importable (copy its wheels to .whl: README, GPU tests)"
+        return "SGLang 0.5.23's Python side is not importable (copy its wheels to .whl: docs/development.md, GPU tests)"
     return None
 
 
