@@ -54,7 +54,9 @@ TARGETS = {
 # compose's sidecar names its server container for the Docker API (compose/docker.yaml); in Kubernetes it
 # signals the process.
 DOCKER_ONLY_ENV = {"KDTREE_SERVER_CONTAINER"}
-KUBERNETES_ONLY_ENV = {"KDTREE_ADMIN_TOKEN_FILE"}  # compose's sidecar gets the token from .env (docs/configuration.md)
+KUBERNETES_ONLY_ENV = {
+    "KDTREE_ADMIN_TOKEN_FILE"
+}  # compose's sidecar gets the token from .env (docs/configuration.md)
 SECRET_ENV = {"KDTREE_ADMIN_TOKEN", "KDTREE_SERVER_API_KEY"}
 
 
@@ -629,3 +631,70 @@ def test_the_grace_period_covers_prestop_and_the_servers_own_stop(rendered, targ
     grace = pod(rendered[target])["terminationGracePeriodSeconds"]
     assert grace >= int(pre_stop[1]) + stop + 5, (grace, pre_stop, stop)
     assert "lifecycle" not in container(rendered[target], "sidecar")  # it stops after the server, at once
+
+
+# --- the README's first apply ------------------------------------------------------------------------
+
+
+def readme_block(opening: str) -> str:
+    """The fenced block of this folder's README whose first line is `opening`."""
+    for block in re.findall(r"```\w*\n(.*?)```", (KUBE / "README.md").read_text(), re.S):
+        if block.startswith(opening + "\n"):
+            return block
+    pytest.fail(f"deploy/kubernetes/README.md: no block opening with {opening!r}")
+
+
+def test_the_readmes_own_overlay_renders_with_its_namespace_images_and_resources(tmp_path):
+    """ "First apply", step 6, as written (the checkout beside it): the namespace on every namespaced object, the
+    images from the example registry, and the server's resources patched with requests = limits, its GPUs and
+    ephemeral storage kept; every object still matches the schemas."""
+    text = readme_block("# my-cluster/kustomization.yaml")
+    overlay = tmp_path / "my-cluster"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        text.replace("../kdtree/deploy/kubernetes", os.path.relpath(KUBE, overlay))
+    )
+    r = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    objects = [d for d in yaml.safe_load_all(r.stdout) if d]
+    for obj in objects:
+        kubernetes_validate.validate(obj, VERSIONS[0], strict=True)
+        assert obj["metadata"]["namespace"] == "kdtree", obj["metadata"]
+    assert one(objects, "Deployment")["spec"]["replicas"] == 4
+    images = {c["name"]: c["image"] for c in all_containers(objects)}
+    assert images == {
+        "server": "registry.example.com/kdtree-server:0.1.0",
+        "sidecar": "registry.example.com/kdtree-sidecar:0.1.0",
+    }
+    resources = container(objects, "server")["resources"]
+    assert resources["requests"]["cpu"] == resources["limits"]["cpu"] == "24"
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "192Gi"
+    assert resources["limits"]["nvidia.com/gpu"] == 8 and "ephemeral-storage" in resources["requests"]
+
+
+def test_the_readmes_first_apply_creates_the_namespace_and_both_volumes(rendered):
+    """The steps before the overlay: the namespace the overlay names, both claims the pod mounts (in one apply),
+    and a pod that fills the model claim with the model folder the server's --model-path names."""
+    readme = (KUBE / "README.md").read_text()
+    assert "kubectl create namespace kdtree\n" in readme
+    claims = [
+        d
+        for d in yaml.safe_load_all(
+            readme_block("kubectl apply -n kdtree -f - <<'EOF'").split("\n", 1)[1].split("EOF\n")[0]
+        )
+        if d
+    ]
+    assert {c["metadata"]["name"] for c in claims} == {"kdtree-models", "kdtree-cache"}
+    fill = next(
+        yaml.safe_load(b.split("\n", 1)[1].split("EOF\n")[0])
+        for b in re.findall(r"```bash\n(.*?)```", readme, re.S)
+        if "name: kdtree-models-fill" in b
+    )
+    kubernetes_validate.validate(fill, VERSIONS[0], strict=True)
+    (mount,) = fill["spec"]["containers"][0]["volumeMounts"]
+    assert fill["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kdtree-models"
+    assert f"--local-dir {mount['mountPath']}/DeepSeek-V3-0324" in " ".join(
+        fill["spec"]["containers"][0]["command"]
+    )
+    args = container(rendered["default"], "server")["args"]
+    assert args[args.index("--model-path") + 1] == f"{mount['mountPath']}/DeepSeek-V3-0324", args
