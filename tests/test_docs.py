@@ -31,7 +31,9 @@ MADE = {
     "bench-out",
 }
 # A path-like word: folders and a file with an extension, or a folder ending in "/".
-PATH = re.compile(r"(?<![\w./-])((?:\.?[\w-]+/)+(?:[\w.-]+\.\w+|[\w.-]+/?)?|[\w.-]+\.(?:md|py|yaml|yml|toml|sh|cu|h|json|lock))")
+PATH = re.compile(
+    r"(?<![\w./-])((?:\.?[\w-]+/)+(?:[\w.-]+\.\w+|[\w.-]+/?)?|[\w.-]+\.(?:md|py|yaml|yml|toml|sh|cu|h|json|lock))"
+)
 
 
 def named_paths(text: str) -> set[str]:
