@@ -1,4 +1,4 @@
-"""kdtreectl's exit codes: one list for every command, its --help and the README (a test keeps them equal)."""
+"""kdtreectl's exit codes: one list for every command, its --help and docs/configuration.md (a test keeps them equal)."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ class Store:
         except OSError as e:  # e.g. a file an earlier sidecar (another uid) wrote 0600
             raise ConfigError(
                 f"{self.path} cannot be read by uid {os.getuid()} ({e.strerror}): make the state volume the group "
-                "10001's (README, Troubleshooting: the chgrp/chmod line)"
+                "10001's (docs/troubleshooting.md: the chgrp/chmod line)"
             ) from None
 
     def save(self, state: SidecarState, *, retry: bool = False) -> None:
