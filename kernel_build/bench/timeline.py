@@ -16,7 +16,7 @@ import ctypes
 import statistics
 import sys
 
-STAMPS = [  # enum Stamp in src/tree_verify.cu, in its order
+STAMPS = [  # enum Stamp in src/timeline.cuh, in its order
     "entry",
     "request indices loaded",
     "Q landed (score warp 0)",
