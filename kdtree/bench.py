@@ -338,7 +338,7 @@ def device_info() -> dict:
 
     try:
         kernel.library()
-        _, config, _ = kernel._device_plan(torch.cuda.current_device())
+        _, config, _ = kernel.plan._device_plan(torch.cuda.current_device())
     except (
         kernel.KernelUnavailable,
         ConfigError,

@@ -1,4 +1,4 @@
-"""The C ABI as the Python binding copies it: kernel_build/include/kdtree_verify.h against kdtree/kernel.py.
+"""The C ABI as the Python binding copies it: kernel_build/include/kdtree_verify.h against the kdtree.kernel package.
 
 The binding declares the header's structs, enums and constants again for ctypes; a field added, moved or retyped on
 one side only would pass garbage to the kernel. A C compiler reports the header's `sizeof` and every field's
@@ -37,7 +37,7 @@ def define(name: str) -> int:
 def test_constants_and_enums_agree():
     assert kernel.ABI_VERSION == define("KDTREE_ABI_VERSION")
     assert (kernel.QK_DIM, kernel.V_DIM) == (define("KDTREE_QK_DIM"), define("KDTREE_V_DIM"))
-    assert {"KDTREE_I32": kernel._I32, "KDTREE_I64": kernel._I64} == enum("kdtree_index_type")
+    assert {"KDTREE_I32": kernel.abi._I32, "KDTREE_I64": kernel.abi._I64} == enum("kdtree_index_type")
     assert {f"KDTREE_CONFIG_{k.upper()}": v for k, v in kernel.CONFIGS.items()} == enum("kdtree_config")
     assert {f"KDTREE_MODE_{k.upper()}": v for k, v in kernel.MODE_CODES.items()} == enum("kdtree_mode")
     assert {m.value for m in config.Mode} == set(kernel.MODE_CODES)
@@ -51,13 +51,15 @@ def test_constants_and_enums_agree():
 
 
 def test_every_entry_point_the_binding_calls_is_declared():
-    called = set(re.findall(r"\b(kdtree_\w+)\(", Path(kernel.__file__).read_text()))
+    binding = "".join(p.read_text() for p in Path(kernel.__file__).parent.glob("*.py"))
+    called = set(re.findall(r"\b(kdtree_\w+)\(", binding))
     declared = set(re.findall(r"^\S.*?\b(kdtree_\w+)\(", TEXT, re.M))
     assert called <= declared, f"called but not in the header: {sorted(called - declared)}"
 
 
 @pytest.mark.parametrize(
-    ("struct", "cls"), [("kdtree_verify_args", kernel._Args), ("kdtree_parity_totals", kernel.ParityTotals)]
+    ("struct", "cls"),
+    [("kdtree_verify_args", kernel.abi._Args), ("kdtree_parity_totals", kernel.ParityTotals)],
 )
 def test_struct_layout_agrees(struct, cls, tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -125,7 +127,7 @@ def test_every_entry_point_records_why_it_refused_its_arguments():
         with pytest.raises(
             RuntimeError, match=rf"^{name} failed \(KDTREE_ERR_ARGUMENT\): {re.escape(message)}$"
         ):
-            kernel._check(rc, name)
+            kernel.loader._check(rc, name)
 
 
 def test_the_launch_refuses_bad_scales_and_an_unknown_fp8_path():
@@ -135,7 +137,7 @@ def test_the_launch_refuses_bad_scales_and_an_unknown_fp8_path():
         lib = kernel.library()
     except kernel.KernelUnavailable as e:
         pytest.skip(str(e))
-    a = kernel._Args(q=1, k_ext=1, k_buf=1, out=1, qo_indptr=1, kv_indptr=1, batch=1, num_heads=1, max_q_len=1,
+    a = kernel.abi._Args(q=1, k_ext=1, k_buf=1, out=1, qo_indptr=1, kv_indptr=1, batch=1, num_heads=1, max_q_len=1,
                      cta_slots=1, config=1, sm_scale=0.1, k_buf_stride=576, k_scale=1.0)  # fmt: skip
     for dtype, v_scale, fp8_path, says in [
         (kernel.KV_DTYPES[torch.float8_e4m3fn], 1.0, 2, "fp8_path must be"),

@@ -133,7 +133,9 @@ def test_shared_memory_fits_each_target(build):
     header = int(
         re.search(r"#define KDTREE_ABI_VERSION (\d+)", (SRC / "include" / "kdtree_verify.h").read_text())[1]
     )
-    binding = int(re.search(r"^ABI_VERSION = (\d+)", (ROOT / "kdtree" / "kernel.py").read_text(), re.M)[1])
+    binding = int(
+        re.search(r"^ABI_VERSION = (\d+)", (ROOT / "kdtree" / "kernel" / "abi.py").read_text(), re.M)[1]
+    )
     assert lib.kdtree_abi_version() == header == binding
     lib.kdtree_compiled_archs.restype = ctypes.c_char_p
     assert lib.kdtree_compiled_archs().decode().split(",") == ["90", "120"]
