@@ -13,7 +13,7 @@ from the network: the batches are random (kdtree.reference.make_batch). --fp8 ad
 KV pool of that dtype by each of its two paths (KDTREE_FP8_PATH: widen, the default, and mma) and SGLang's Triton
 kernel on the same pool: what decides which path an fp8 KV cache should take on this GPU.
 
-How it times (the same functions make the published tables, through kernel_build/bench/bench_verify.py):
+How it times (the same functions make the published tables, through kernel_build/bench/benchmarks/bench_verify.py):
 kdtree as SGLang runs verify, CUDA-graph replays of R calls over R distinct input sets (more data than the L2
 holds), divided by R; the baselines (SGLang 0.5.23's Triton `extend_attention_fwd`, what TritonAttnBackend runs
 for target-verify, and optionally gather + PyTorch SDPA with the tree mask) eager, by triton.testing.do_bench,

@@ -137,7 +137,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
     uint8_t* stage = sm.k + (t % C::STAGES) * C::BN * ROW_BYTES;
     // Lane `idx` of copy i takes chunk idx % CW of key row idx / CW (its own dims), then the rope chunks.
     // The mapping is spelled out in both paths below: one shared helper moved the output warps' register
-    // allocation (6 more loop instructions and 2 more spill loads per tile, bench/sass_loops.py).
+    // allocation (6 more loop instructions and 2 more spill loads per tile, bench/tuning/sass_loops.py).
     if (k0 + C::BN <= min(w.P, w.k_hi)) {
       // Every key of the tile is a pool slot (all but a split's last tile): straight-line code, one
       // shuffle, one address multiply and one copy per chunk.

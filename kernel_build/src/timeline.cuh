@@ -3,7 +3,7 @@
 
 namespace kdtree {
 
-// Tuning builds only (-DKDTREE_TIMELINE, read by bench/timeline.py): %globaltimer stamps per CTA of the
+// Tuning builds only (-DKDTREE_TIMELINE, read by bench/tuning/timeline.py): %globaltimer stamps per CTA of the
 // main kernel, and the first and last of each stamp over the combine's blocks. Other builds compile none.
 enum Stamp {
   kEntry, kIndices, kQLanded, kTile0Landed, kFirstP, kOutputLoopDone, kScoreLoopDone,

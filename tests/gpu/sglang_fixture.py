@@ -1,5 +1,5 @@
 """SGLang's own TritonAttnBackend and MLATokenToKVPool at production shapes, for the GPU tests and
-kernel_build/bench/bench_modes.py.
+kernel_build/bench/benchmarks/bench_modes.py.
 
 Built with SGLang's attention test kit (MockMLAModelRunner via build_mla_attention_fixture): kv_lora_rank 512 +
 rope 64, bf16, one KV head, random topologically ordered draft trees (EAGLE FULL-mask layout), shuffled prefix

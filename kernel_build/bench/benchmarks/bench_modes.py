@@ -12,8 +12,8 @@ the every-mode path adds and how long capturing one step took (a design that rec
 that for every batch size's graph, and SGLang captures the whole model, not attention alone).
 
 Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
-    python kernel_build/bench/bench_modes.py --out modes.md
-    python kernel_build/bench/bench_modes.py --shapes 1,8,8,512 4,8,8,512    # other (batch, H, N, prefix) shapes
+    python kernel_build/bench/benchmarks/bench_modes.py --out modes.md
+    python kernel_build/bench/benchmarks/bench_modes.py --shapes 1,8,8,512 4,8,8,512    # other (batch, H, N, prefix) shapes
 Each shape's notes also give `on` against `off` (SGLang's Triton path alone): the verify call's whole cost in each,
 which is where a short prefix shows whether kdtree's path is cheaper than the call it replaces.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "gpu"))
 if importlib.util.find_spec("sgl_kernel") is None:
     import sglang_stubs  # noqa: F401  (stands in for SGLang's compiled packages the attention path never calls)
 from sglang_fixture import forward, graph_setup  # noqa: E402

@@ -2,7 +2,7 @@
 
 Under CUDA graphs (how SGLang runs target-verify) none of this is paid; in eager mode it is paid once per
 attention layer per verify step. Run on a GPU machine:
-    python kernel_build/bench/host_overhead.py [--profile]
+    python kernel_build/bench/tuning/host_overhead.py [--profile]
 --profile adds where kernel.tree_verify's host time goes (cProfile, top functions by own time).
 """
 
