@@ -21,6 +21,7 @@ from kdtree import config, kernel  # noqa: E402
 
 HEADER = Path(__file__).resolve().parents[1] / "kernel_build" / "include" / "kdtree_verify.h"
 TEXT = HEADER.read_text()
+TILE_TABLE = HEADER.parent / "kdtree_tile_configs.h"
 
 
 def enum(name: str) -> dict[str, int]:
@@ -38,7 +39,6 @@ def test_constants_and_enums_agree():
     assert kernel.ABI_VERSION == define("KDTREE_ABI_VERSION")
     assert (kernel.QK_DIM, kernel.V_DIM) == (define("KDTREE_QK_DIM"), define("KDTREE_V_DIM"))
     assert {"KDTREE_I32": kernel.abi._I32, "KDTREE_I64": kernel.abi._I64} == enum("kdtree_index_type")
-    assert {f"KDTREE_CONFIG_{k.upper()}": v for k, v in kernel.CONFIGS.items()} == enum("kdtree_config")
     assert {f"KDTREE_MODE_{k.upper()}": v for k, v in kernel.MODE_CODES.items()} == enum("kdtree_mode")
     assert {m.value for m in config.Mode} == set(kernel.MODE_CODES)
     names = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2"}
@@ -48,6 +48,60 @@ def test_constants_and_enums_agree():
         typing.get_args(config.KernelSettings.model_fields["fp8_path"].annotation)
     )
     assert {v: k for k, v in enum("kdtree_status").items()} == kernel.STATUS
+
+
+def tile_rows() -> list[tuple[str, int, str]]:
+    """(NAME, ID, Type) of each row of kdtree_tile_configs.h, in its order."""
+    text = re.sub(r"/\*.*?\*/", "", TILE_TABLE.read_text(), flags=re.S)
+    return [
+        (n, int(i), ty)
+        for n, i, ty in re.findall(r"^KDTREE_TILE_CONFIG\((\w+),\s*(\d+),\s*(\w+),", text, re.M)
+    ]
+
+
+def test_one_tile_configuration_table_for_c_and_python():
+    """kdtree_tile_configs.h (the enum, the kernel's types and its dispatch read it) and config.TILE_CONFIGS (the
+    binding, the setting's allowed values and the automatic choice's order read it) list the same configurations
+    in the same order; the header's enum is made from the table, not written out again."""
+    rows = tile_rows()
+    assert rows, f"no KDTREE_TILE_CONFIG rows in {TILE_TABLE.name}"
+    assert [(name.lower(), i) for name, i, _ in rows] == list(config.TILE_CONFIGS.items())
+    assert len({i for _, i, _ in rows}) == len(rows) and len({ty for _, _, ty in rows}) == len(rows)
+    assert kernel.CONFIGS is config.TILE_CONFIGS
+    allowed = typing.get_args(config.KernelSettings.model_fields["kernel_config"].annotation)
+    assert set(typing.get_args(allowed[0])) == set(config.TILE_CONFIGS) and allowed[1] is type(None)
+    body = re.search(r"enum kdtree_config \{(.*?)\};", TEXT, re.S).group(1)
+    assert '#include "kdtree_tile_configs.h"' in body and not re.search(r"KDTREE_CONFIG_\w+\s*=\s*\d", body)
+
+
+def test_the_compiled_enum_is_the_table(tmp_path):
+    """A C compiler reads kdtree_verify.h's enum kdtree_config as the Python table says."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    lines = [f'  printf("{name} %d\\n", (int)KDTREE_CONFIG_{name.upper()});' for name in config.TILE_CONFIGS]
+    src = tmp_path / "configs.c"
+    src.write_text(
+        '#include <stdio.h>\n#include "kdtree_verify.h"\nint main(void) {\n' + "\n".join(lines) + "\n}\n"
+    )
+    exe = tmp_path / "configs"
+    subprocess.run(
+        [cc, "-std=c11", "-Wall", "-Werror", "-I", str(HEADER.parent), str(src), "-o", str(exe)], check=True
+    )
+    out = subprocess.run([exe], capture_output=True, text=True, check=True).stdout.split()
+    assert dict(zip(out[::2], map(int, out[1::2]), strict=True)) == config.TILE_CONFIGS
+
+
+def test_the_library_dispatches_every_configuration_of_the_table():
+    """kdtree_verify_smem_bytes answers for every row (with_config reads the table) and 0 for any other value."""
+    try:
+        lib = kernel.library()
+    except kernel.KernelUnavailable as e:
+        pytest.skip(str(e))
+    sizes = {name: lib.kdtree_verify_smem_bytes(i) for name, i in config.TILE_CONFIGS.items()}
+    assert all(s > 0 for s in sizes.values()), sizes
+    assert lib.kdtree_verify_smem_bytes(max(config.TILE_CONFIGS.values()) + 1) == 0
+    assert lib.kdtree_verify_smem_bytes(0) == 0
 
 
 def test_every_entry_point_the_binding_calls_is_declared():

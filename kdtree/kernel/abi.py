@@ -7,11 +7,13 @@ import ctypes
 
 import torch
 
+from kdtree.config import TILE_CONFIGS
+
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
 ABI_VERSION = 7  # kernel_build/include/kdtree_verify.h
-CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
+CONFIGS = TILE_CONFIGS  # enum kdtree_config, in the automatic choice's order (kdtree_tile_configs.h)
 # Pool dtypes (enum kdtree_kv_dtype): SGLang's MLA pool for --kv-cache-dtype auto, fp8_e4m3 and fp8_e5m2.
 KV_DTYPES = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 # How an fp8 pool's prefix is computed (enum kdtree_fp8_path, KDTREE_FP8_PATH): widened exactly to f16, or fp8 x fp8.

@@ -32,8 +32,11 @@ def _device_plan(index: int) -> tuple[int, int, int]:
         )
     settings = KernelSettings.load()
     config = settings.kernel_config
-    if config is None:
-        config = "wide" if props.shared_memory_per_block_optin >= smem_bytes("wide") else "compact"
+    if (
+        config is None
+    ):  # the first configuration the GPU's shared memory allows, else the last (refused below)
+        fits = [c for c in CONFIGS if smem_bytes(c) <= props.shared_memory_per_block_optin]
+        config = fits[0] if fits else list(CONFIGS)[-1]
     need = smem_bytes(config)
     if need > props.shared_memory_per_block_optin:
         raise KernelUnavailable(
@@ -49,7 +52,7 @@ def _device_plan(index: int) -> tuple[int, int, int]:
 
 @contextlib.contextmanager
 def forced(config: str | None = None, fp8_path: str | None = None):
-    """Within the block, tree_verify plans in tile configuration `config` ('wide' or 'compact') and reads fp8 pools
+    """Within the block, tree_verify plans in tile configuration `config` (a key of CONFIGS) and reads fp8 pools
     by `fp8_path` ('widen' or 'mma'), as KDTREE_KERNEL_CONFIG and KDTREE_FP8_PATH do for a whole process; None leaves
     that choice as it is. For benchmarks and tests that compare them in one process (a captured graph keeps what it
     was captured with)."""

@@ -101,7 +101,9 @@ struct Smem {
   __device__ explicit Smem(SmemLayout<C>& s)
       : q(s.q), k(s.k), p(s.p), alpha(&s.alpha[0][0]), l_fin(s.l_fin), m_fin(s.m_fin), epi(&s.epi) {}
 };
-static_assert(sizeof(SmemLayout<Wide>) == Wide::SMEM && sizeof(SmemLayout<Compact>) == Compact::SMEM,
-              "Cfg::SMEM is the layout's size: no padding between its parts");
+#define KDTREE_TILE_CONFIG(NAME, ID, Type, ...) \
+  static_assert(sizeof(SmemLayout<Type>) == Type::SMEM, "Cfg::SMEM is the layout's size: no padding between its parts");
+#include "kdtree_tile_configs.h"
+#undef KDTREE_TILE_CONFIG
 
 }  // namespace kdtree

@@ -1,5 +1,5 @@
 // The kernel's tile configurations: the row and shared-memory geometry every part shares, Cfg (a tile shape and
-// its derived sizes and barriers), the tuning knobs, and the configurations `Wide` and `Compact`.
+// its derived sizes and barriers), the tuning knobs, and a type per configuration of include/kdtree_tile_configs.h.
 #pragma once
 #include "kdtree_verify.h"
 
@@ -89,9 +89,6 @@ static_assert(RESCALE_SLACK <= 8.f, "P must stay within e4m3's range");
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
-// sm_90 / sm_100: 12 warps (168 registers each), 191 KB shared, tile by tile.
-using Wide = Cfg</*BM=*/64, /*BN=*/32, /*STAGES=*/3, /*NO=*/8, /*QREG=*/KDTREE_WIDE_QREG, /*PIPELINE=*/false,
-                 /*Q_DIRECT=*/false>;
 #ifndef KDTREE_COMPACT_QREG  // tuning knobs: compact's Q k-steps in registers (a multiple of 4), key stages
 #define KDTREE_COMPACT_QREG 20
 #endif
@@ -101,11 +98,13 @@ using Wide = Cfg</*BM=*/64, /*BN=*/32, /*STAGES=*/3, /*NO=*/8, /*QREG=*/KDTREE_W
 #ifndef KDTREE_COMPACT_PIPELINE
 #define KDTREE_COMPACT_PIPELINE false
 #endif
-// sm_120: wide's 64 rows and 12 warps in 99 KB: 16-key tiles, and only the ldmatrix part of Q in shared memory.
-using Compact = Cfg</*BM=*/64, /*BN=*/16, /*STAGES=*/KDTREE_COMPACT_STAGES, /*NO=*/8, /*QREG=*/KDTREE_COMPACT_QREG,
-                    /*PIPELINE=*/KDTREE_COMPACT_PIPELINE, /*Q_DIRECT=*/true>;
-static_assert(Compact::SMEM <= 101376, "sm_120 allows 99 KB of shared memory per block");
-static_assert(Wide::SMEM <= 232448, "sm_90 / sm_100 allow 227 KB of shared memory per block");
+// The tile configurations (Wide, Compact, ...), one type per row of include/kdtree_tile_configs.h, each held to the
+// shared memory its GPUs allow per block.
+#define KDTREE_TILE_CONFIG(NAME, ID, Type, BM, BN, STAGES, NO, QREG, PIPELINE, Q_DIRECT, SMEM_LIMIT) \
+  using Type = Cfg<BM, BN, STAGES, NO, QREG, PIPELINE, Q_DIRECT>;                                   \
+  static_assert(Type::SMEM <= SMEM_LIMIT, #Type " needs more shared memory per block than its GPUs allow");
+#include "kdtree_tile_configs.h"
+#undef KDTREE_TILE_CONFIG
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int SMEM_PER_BLOCK = 101376;  // sm_120
 #else

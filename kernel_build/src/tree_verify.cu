@@ -332,13 +332,20 @@ static int launch_kv(const kdtree_verify_args* a, cudaStream_t stream) {
   return launch<C, kKvBf16, false>(a, stream);
 }
 
-// The one place a kdtree_config becomes a tile configuration: f(Wide{}) or f(Compact{}) (f takes the type by value:
-// `[&](auto c) { using C = decltype(c); ... }`), KDTREE_ERR_ARGUMENT for any other value.
+// The one place a kdtree_config becomes a tile configuration: f(Wide{}), f(Compact{}), ... by the rows of
+// include/kdtree_tile_configs.h (f takes the type by value: `[&](auto c) { using C = decltype(c); ... }`),
+// KDTREE_ERR_ARGUMENT for any other value.
 template <class F>
 int with_config(int config, F&& f) {
-  if (config == KDTREE_CONFIG_WIDE) return f(Wide{});
-  if (config == KDTREE_CONFIG_COMPACT) return f(Compact{});
-  return fail(KDTREE_ERR_ARGUMENT, "config must be KDTREE_CONFIG_WIDE or KDTREE_CONFIG_COMPACT");
+#define KDTREE_TILE_CONFIG(NAME, ID, Type, ...) \
+  if (config == KDTREE_CONFIG_##NAME) return f(Type{});
+#include "kdtree_tile_configs.h"
+#undef KDTREE_TILE_CONFIG
+#define KDTREE_TILE_CONFIG(NAME, ...) " KDTREE_CONFIG_" #NAME
+  return fail(KDTREE_ERR_ARGUMENT, "config must be one of"
+#include "kdtree_tile_configs.h"
+  );
+#undef KDTREE_TILE_CONFIG
 }
 
 }  // namespace kdtree

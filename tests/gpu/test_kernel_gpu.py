@@ -54,7 +54,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
 def test_matches_fp64_and_triton(case, config):
     batch, heads, q_len, prefix, tree = case
@@ -86,7 +86,7 @@ def rising_scores(b, period=256, rise=40.0):
         b.k_buf[b.kv_indices[kv[r] : kv[r + 1]].long(), 0, rope] = a[:, None]
 
 
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize(
     "case", [CASES[1], CASES[8], (1, 8, 64, 4096, True)], ids=["b1-p32k", "ragged", "b1-n64-p4k"]
 )

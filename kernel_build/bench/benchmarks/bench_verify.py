@@ -77,7 +77,7 @@ def main() -> None:
         "--no-torch", action="store_true", help="skip the PyTorch SDPA baseline (Triton still timed)"
     )
     ap.add_argument(
-        "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
+        "--config", choices=list(kernel.CONFIGS), help="force a tile configuration (default: the device's)"
     )
     ap.add_argument(
         "--fp8",

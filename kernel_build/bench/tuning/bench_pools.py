@@ -15,8 +15,10 @@ import json
 import sys
 from collections import defaultdict
 
+from kdtree.config import TILE_CONFIGS
+
 POOLS = ("bf16", "e4m3", "e5m2")
-CONFIGS = ("wide", "compact")
+CONFIGS = tuple(TILE_CONFIGS)
 
 
 def time_build(name: str, out: str) -> None:
