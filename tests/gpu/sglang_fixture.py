@@ -201,14 +201,9 @@ def reference(torch, s):
 
 def capture(torch, s, call):
     """Warm up eagerly (as SGLang does before capture), then capture `call` into a real CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    from kdtree.bench import capture_graph
+
+    graph, out, _ = capture_graph(call)
     return graph, out
 
 

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from test_kernel_gpu import CASES, run_ours, run_triton  # noqa: E402
 
 from kdtree import kernel  # noqa: E402
+from kdtree.bench import capture_graph  # noqa: E402
 from kdtree.reference import fp8_pool, kdtree_call, make_batch, reference, rel_l2  # noqa: E402
 from kdtree.verify import FP8_PARITY_RTOL  # noqa: E402
 
@@ -125,14 +126,7 @@ def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(dtype, confi
     out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     with kernel.forced(config, path):
         ws = torch.empty(kernel.workspace_bytes(2, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            kdtree_call(b, out, ws)  # warm-up outside capture, at the short prefix
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            kdtree_call(b, out, ws)
+        g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws))  # warmed up at the short prefix
         for name, t in saved.items():
             getattr(b, name).copy_(t)
         out.fill_(float("nan"))

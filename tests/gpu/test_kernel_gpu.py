@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kdtree import kernel  # noqa: E402
+from kdtree.bench import capture_graph  # noqa: E402
 from kdtree.reference import kdtree_call, make_batch, reference, rel_l2, triton_call  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -169,14 +170,7 @@ def test_cuda_graph_replay_equals_eager():
     out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     ws = torch.empty(kernel.workspace_bytes(4, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
     counter = kernel.DeviceCounter("cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        kdtree_call(b, out, ws, counter)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        kdtree_call(b, out, ws, counter)
+    g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws, counter))  # warmed up outside capture
     for seed in range(3):
         fresh = make_batch(4, 16, 16, 4096, seed=300 + seed)
         for name in ("q", "k_ext", "v_ext", "k_buf", "kv_indices", "custom_mask"):
