@@ -13,7 +13,7 @@ from the network: the batches are random (kdtree.reference.make_batch). --fp8 ad
 KV pool of that dtype by each of its two paths (KDTREE_FP8_PATH: widen, the default, and mma) and SGLang's Triton
 kernel on the same pool: what decides which path an fp8 KV cache should take on this GPU.
 
-How it times (the same functions make the published tables, through kernel_build/bench/bench_verify.py):
+How it times (the same functions make the published tables, through kernel_build/bench/benchmarks/bench_verify.py):
 kdtree as SGLang runs verify, CUDA-graph replays of R calls over R distinct input sets (more data than the L2
 holds), divided by R; the baselines (SGLang 0.5.23's Triton `extend_attention_fwd`, what TritonAttnBackend runs
 for target-verify, and optionally gather + PyTorch SDPA with the tree mask) eager, by triton.testing.do_bench,
@@ -28,6 +28,7 @@ import datetime
 import json
 import math
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -113,17 +114,31 @@ def _time_graph(batches) -> float:
         for b, o, w in zip(batches, outs, wss, strict=True):
             kdtree_call(b, o, w)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g, _, _ = capture_graph(run)
     for _ in range(3):
         g.replay()
     return replay_us(g, max(1, math.ceil(CALLS_PER_ROUND / len(batches))), len(batches))
+
+
+def capture_graph(fn):
+    """`fn` run once eagerly on a side stream, then captured into a CUDA graph, as SGLang warms up before it captures
+    (lazy initialisation, workspace and autotuning stay out of the graph): the one warm-up-and-capture of the
+    benchmarks and the GPU tests. Returns the graph, what the captured run of `fn` returned, and the capture's
+    seconds (the device idle before and after it)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    t0 = time.perf_counter()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out, time.perf_counter() - t0
 
 
 def replay_us(g, reps: int, calls: int) -> float:
@@ -338,7 +353,7 @@ def device_info() -> dict:
 
     try:
         kernel.library()
-        _, config, _ = kernel._device_plan(torch.cuda.current_device())
+        _, config, _ = kernel.plan._device_plan(torch.cuda.current_device())
     except (
         kernel.KernelUnavailable,
         ConfigError,

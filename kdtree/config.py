@@ -21,6 +21,13 @@ class Mode(StrEnum):
 LIVE_MODES = frozenset({Mode.VALIDATE, Mode.ON, Mode.STANDBY})
 
 
+# The kernel's tile configurations, name -> enum kdtree_config: kernel_build/include/kdtree_tile_configs.h's rows in its
+# order, which is the automatic choice's (kdtree.kernel plans in the first whose shared memory the GPU allows per
+# block). The setting's allowed values and the binding read this; tests/test_kernel_abi.py holds it to the C table.
+TILE_CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
+TileConfig = Literal[tuple(TILE_CONFIGS)]
+
+
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the variable and the fix."""
 
@@ -87,8 +94,9 @@ class KernelSettings(KdtreeSettings):
     """The kernel binding's (kdtree.kernel): which library it loads, which tile configuration it plans in and how it
     reads an fp8 pool. Read at each load and plan, so kdtree.kernel.forced can force them within one process."""
 
-    kernel_config: Literal["wide", "compact"] | None = Field(
-        None, description="a tile configuration forced (kdtree.kernel.CONFIGS); unset: by shared memory"
+    kernel_config: TileConfig | None = Field(
+        None,
+        description="a tile configuration forced (TILE_CONFIGS); unset: the first the GPU's shared memory allows",
     )
     fp8_path: Literal["widen", "mma"] = Field(
         "widen",

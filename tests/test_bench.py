@@ -1,5 +1,5 @@
 """`python -m kdtree.bench`, the benchmark users run from the server image, on the CPU side: its one-line refusals,
-its command line, and that it computes the published tables' rows (kernel_build/bench/bench_verify.py, which made
+its command line, and that it computes the published tables' rows (kernel_build/bench/benchmarks/bench_verify.py, which made
 them, now runs on its functions). The GPU side runs on the GPU machine (tests/gpu, device_run.sh userbench)."""
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_rows_and_table_reproduce_the_published_h200_table(monkeypatch):
 
 
 def test_bench_verify_runs_on_the_shared_functions():
-    sys.path.insert(0, str(ROOT / "kernel_build" / "bench"))
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "benchmarks"))
     try:
         import bench_verify
     finally:

@@ -133,7 +133,9 @@ def test_shared_memory_fits_each_target(build):
     header = int(
         re.search(r"#define KDTREE_ABI_VERSION (\d+)", (SRC / "include" / "kdtree_verify.h").read_text())[1]
     )
-    binding = int(re.search(r"^ABI_VERSION = (\d+)", (ROOT / "kdtree" / "kernel.py").read_text(), re.M)[1])
+    binding = int(
+        re.search(r"^ABI_VERSION = (\d+)", (ROOT / "kdtree" / "kernel" / "abi.py").read_text(), re.M)[1]
+    )
     assert lib.kdtree_abi_version() == header == binding
     lib.kdtree_compiled_archs.restype = ctypes.c_char_p
     assert lib.kdtree_compiled_archs().decode().split(",") == ["90", "120"]
@@ -161,7 +163,7 @@ def test_workspace_depends_on_sizes_only(build):
 
 def test_timeline_stamps_only_in_timeline_builds(build, tmp_path):
     # The release library has no timeline entry points (and its SASS none of the stamps); a tuning build
-    # with -DKDTREE_TIMELINE compiles for both targets and exports them for bench/timeline.py.
+    # with -DKDTREE_TIMELINE compiles for both targets and exports them for bench/tuning/timeline.py.
     lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))
     assert not hasattr(lib, "kdtree_timeline")
     out = tmp_path / "timeline"
@@ -197,7 +199,7 @@ def test_bench_probes_compile(probe, tmp_path):
                 "-O3",
                 f"-arch={arch}",
                 "-std=c++17",
-                SRC / "bench" / probe,
+                SRC / "bench" / "tuning" / probe,
                 "-o",
                 tmp_path / f"{probe}-{arch}",
             ],

@@ -227,7 +227,7 @@ def test_the_stream_reader_takes_sglangs_own_chunks_and_times_decode_from_the_fi
 
 
 def test_the_profile_summary_counts_gpu_busy_time_once_where_kernels_overlap_and_groups_kernels_by_purpose():
-    sys.path.insert(0, str(GPU_DIR.parents[1] / "kernel_build" / "bench"))
+    sys.path.insert(0, str(GPU_DIR.parents[1] / "kernel_build" / "bench" / "benchmarks"))
     import profile_engine
 
     kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731

@@ -1,4 +1,4 @@
-"""kernel_build/bench/sass_loops.py: the key loops of a kernel, read from cuobjdump's SASS listing.
+"""kernel_build/bench/tuning/sass_loops.py: the key loops of a kernel, read from cuobjdump's SASS listing.
 
 The listings here are written in cuobjdump's format by hand. The end-to-end test runs the script against a
 stand-in `cuobjdump` that prints such a listing; with the real cuobjdump and nvcc on PATH, a last test
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "kernel_build" / "bench" / "sass_loops.py"
+SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "sass_loops.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import sass_loops  # noqa: E402
 

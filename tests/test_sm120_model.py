@@ -1,4 +1,4 @@
-"""kernel_build/bench/sm120_model.py: the paper model of compact on the RTX PRO 6000 (sm_120) in kernel_build/NOTES.md
+"""kernel_build/bench/tuning/sm120_model.py: the paper model of compact on the RTX PRO 6000 (sm_120) in kernel_build/NOTES.md
 runs, its rooflines are bytes / bandwidth and FLOPs / rate, its H200 calibration holds on the point it was not fitted
 to, and NOTES.md carries the table it prints."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "kernel_build" / "bench" / "sm120_model.py"
+SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "sm120_model.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import sm120_model as m  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""kernel_build/bench/source_id.py: one id for the kernel and runtime sources, from files or from a commit."""
+"""kernel_build/bench/benchmarks/source_id.py: one id for the kernel and runtime sources, from files or from a commit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "kernel_build" / "bench" / "source_id.py"
+SCRIPT = ROOT / "kernel_build" / "bench" / "benchmarks" / "source_id.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from source_id import checkout, source_id  # noqa: E402
 

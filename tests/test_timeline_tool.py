@@ -1,4 +1,4 @@
-"""kernel_build/bench/timeline.py: the table it prints from a timeline build's stamps.
+"""kernel_build/bench/tuning/timeline.py: the table it prints from a timeline build's stamps.
 
 The stamps here are synthetic (nanoseconds, as %globaltimer gives them); reading real ones needs a GPU and a
 library built with -DKDTREE_TIMELINE.
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "kernel_build" / "bench"))
+sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "tuning"))
 import timeline  # noqa: E402
 
 
@@ -59,6 +59,6 @@ def test_an_uninstrumented_run_says_so():
 
 
 def test_stamp_names_follow_the_kernels_enum():
-    src = (ROOT / "kernel_build" / "src" / "tree_verify.cu").read_text()
+    src = (ROOT / "kernel_build" / "src" / "timeline.cuh").read_text()
     enum = re.sub(r"//[^\n]*", "", re.search(r"enum Stamp \{([^}]*)\}", src).group(1))
     assert len([e for e in enum.split(",") if e.strip()]) == len(timeline.STAMPS)

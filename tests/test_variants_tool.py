@@ -1,4 +1,4 @@
-"""kernel_build/bench/variants.sh add: the kernel sources and flags a GPU-machine comparison run builds.
+"""kernel_build/bench/tuning/variants.sh add: the kernel sources and flags a GPU-machine comparison run builds.
 
 `run` needs a GPU (it is exercised on the device); `add` runs anywhere git does.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "kernel_build" / "bench" / "variants.sh"
+SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "variants.sh"
 
 pytestmark = pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")
 
@@ -53,7 +53,7 @@ def test_the_pools_table_keeps_each_builds_fastest_round_against_its_own_bf16():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "bench_pools", ROOT / "kernel_build" / "bench" / "bench_pools.py"
+        "bench_pools", ROOT / "kernel_build" / "bench" / "tuning" / "bench_pools.py"
     )
     bench_pools = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_pools)

@@ -48,13 +48,13 @@ if [ "$what" = engine-tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = engine ] || [ "$what" = all ]; then
   install_site
-  python3 kernel_build/bench/bench_engine.py --out "$out/engine.md" "$@" 2>&1 | tee "$out/engine.log"
+  python3 kernel_build/bench/benchmarks/bench_engine.py --out "$out/engine.md" "$@" 2>&1 | tee "$out/engine.log"
   rc=${PIPESTATUS[0]}
   echo "engine benchmark: $((SECONDS - t0)) s (rc=$rc)"
 fi
 if [ "$what" = engine-profile ]; then
   install_site
-  python3 kernel_build/bench/profile_engine.py --out "$out/engine-profile.md" "$@" 2>&1 | tee "$out/engine-profile.log"
+  python3 kernel_build/bench/benchmarks/profile_engine.py --out "$out/engine-profile.md" "$@" 2>&1 | tee "$out/engine-profile.log"
   rc=${PIPESTATUS[0]}
   echo "engine profile: $((SECONDS - t0)) s (rc=$rc)"
 fi
@@ -70,7 +70,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # The mma.sync rate the roofline uses is measured in the same run, by the library just built.
-  python3 kernel_build/bench/bench_verify.py --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
+  python3 kernel_build/bench/benchmarks/bench_verify.py --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
 fi
 if [ "$what" = userbench ]; then
@@ -78,7 +78,7 @@ if [ "$what" = userbench ]; then
   echo "userbench: $((SECONDS - t0)) s (rc=$rc)"
 fi
 if [ "$what" = modes ] || [ "$what" = all ]; then
-  python3 kernel_build/bench/bench_modes.py --out "$out/modes.md" 2>&1 | tee "$out/modes.log"
+  python3 kernel_build/bench/benchmarks/bench_modes.py --out "$out/modes.md" 2>&1 | tee "$out/modes.log"
   echo "modes: $((SECONDS - t0)) s"
 fi
 if [ "$what" = fp8 ]; then
@@ -97,7 +97,7 @@ if [ "$what" = fp8 ]; then
         tests/gpu/test_hook_gpu.py -k fp8 "$@"
     fi
     KDTREE_FP8_PATH=mma stage "fp8 hook tests, mma path" "$logs/fp8-tests-mma.xml" tests/gpu/test_hook_gpu.py -k fp8 "$@"
-    timeout -s INT -k 10 "$(left)" python3 kernel_build/bench/bench_verify.py --fp8 --ours-only --calls 20 \
+    timeout -s INT -k 10 "$(left)" python3 kernel_build/bench/benchmarks/bench_verify.py --fp8 --ours-only --calls 20 \
       --out "$out/fp8-bench.md"
     echo "fp8 bench: $((SECONDS - t0)) s (rc=$?)"
     stage "suite" "$out/suite.xml" -m "not engine" tests/gpu -k "not fp8" "$@"
@@ -112,7 +112,7 @@ if { [ "$what" = profile ] || [ "$what" = all ]; } && [ -n "$ncu_bin" ]; then
     --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section SourceCounters --import-source no \
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' -f -o /tmp/kdtree-ncu \
-    python3 kernel_build/bench/bench_verify.py --mma-tflops 1 --quick --ours-only >"$out/ncu.log" 2>&1
+    python3 kernel_build/bench/benchmarks/bench_verify.py --mma-tflops 1 --quick --ours-only >"$out/ncu.log" 2>&1
   "$ncu_bin" -i /tmp/kdtree-ncu.ncu-rep --page details >"$out/ncu.txt" 2>&1
   "$ncu_bin" -i /tmp/kdtree-ncu.ncu-rep --page source --csv --print-source sass >"$out/ncu-source.csv" 2>&1
   echo "profile: $((SECONDS - t0)) s"

@@ -1,7 +1,7 @@
 # Sourced on a GPU machine by device_run.sh and variants.sh: sets $out (logs: $OUT or ./device-out) and $cc
 # (the GPU's compute capability, e.g. 90), installs SGLang's Python wheels from .whl when present, and exports
 # the PYTHONPATH the GPU tests and the benchmark import from. (The mma.sync rate the roofline uses is measured by
-# the kernel library: kernel_build/bench/mma_peak.py.)
+# the kernel library: kernel_build/bench/tuning/mma_peak.py.)
 out=${OUT:-$PWD/device-out}
 mkdir -p "$out" kernel_build/build
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)

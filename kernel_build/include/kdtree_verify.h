@@ -25,9 +25,14 @@ extern "C" {
 enum kdtree_index_type { KDTREE_I32 = 0, KDTREE_I64 = 1 };
 /* Verify modes as the device reads them (kdtree.config.Mode). */
 enum kdtree_mode { KDTREE_MODE_OFF = 0, KDTREE_MODE_VALIDATE = 1, KDTREE_MODE_ON = 2, KDTREE_MODE_STANDBY = 3 };
-/* Tile configurations. WIDE needs ~191 KB of shared memory per block (sm_90, sm_100);
- * COMPACT fits the 99 KB of sm_120. Both use only mma.sync, cp.async and ldmatrix. */
-enum kdtree_config { KDTREE_CONFIG_WIDE = 1, KDTREE_CONFIG_COMPACT = 2 };
+/* Tile configurations, one per row of kdtree_tile_configs.h: KDTREE_CONFIG_WIDE = 1 needs ~191 KB of shared memory
+ * per block (sm_90, sm_100); KDTREE_CONFIG_COMPACT = 2 fits the 99 KB of sm_120. All use only mma.sync, cp.async and
+ * ldmatrix. */
+enum kdtree_config {
+#define KDTREE_TILE_CONFIG(NAME, ID, ...) KDTREE_CONFIG_##NAME = ID,
+#include "kdtree_tile_configs.h"
+#undef KDTREE_TILE_CONFIG
+};
 /* The pool's element type. An fp8 pool's draft rows and q are converted to f16 (exactly within f16's range,
  * |x| <= 65504: SGLang's Triton kernel casts q to the pool's fp8 type, whose range is smaller) for mma.sync in f16;
  * its prefix rows take the fp8_path; the scales are applied in fp32 to the prefix's scores (k_scale) and values

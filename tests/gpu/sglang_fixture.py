@@ -1,5 +1,5 @@
 """SGLang's own TritonAttnBackend and MLATokenToKVPool at production shapes, for the GPU tests and
-kernel_build/bench/bench_modes.py.
+kernel_build/bench/benchmarks/bench_modes.py.
 
 Built with SGLang's attention test kit (MockMLAModelRunner via build_mla_attention_fixture): kv_lora_rank 512 +
 rope 64, bf16, one KV head, random topologically ordered draft trees (EAGLE FULL-mask layout), shuffled prefix
@@ -201,14 +201,9 @@ def reference(torch, s):
 
 def capture(torch, s, call):
     """Warm up eagerly (as SGLang does before capture), then capture `call` into a real CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    from kdtree.bench import capture_graph
+
+    graph, out, _ = capture_graph(call)
     return graph, out
 
 

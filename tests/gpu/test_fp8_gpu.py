@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from test_kernel_gpu import CASES, run_ours, run_triton  # noqa: E402
 
 from kdtree import kernel  # noqa: E402
+from kdtree.bench import capture_graph  # noqa: E402
 from kdtree.reference import fp8_pool, kdtree_call, make_batch, reference, rel_l2  # noqa: E402
 from kdtree.verify import FP8_PARITY_RTOL  # noqa: E402
 
@@ -69,7 +70,7 @@ def assert_fp8_exact(b, config, path, label):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
 def test_fp8_matches_fp64_and_triton(case, dtype, config, path):
@@ -82,7 +83,7 @@ def test_fp8_matches_fp64_and_triton(case, dtype, config, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scales", SCALES[1:], ids=lambda s: f"{s[0]}-{s[1]}")
 def test_fp8_scales_and_dag_masks(scales, dtype, config, path):
@@ -109,7 +110,7 @@ def test_fp8_scales_and_dag_masks(scales, dtype, config, path):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(dtype, config, path):
     """One CUDA graph captured while the batch's prefixes are short, replayed after they grew to 30k (indptr,
     indices and mask rewritten in place, as SGLang's graph runner does): the replay equals an eager call and the
@@ -125,14 +126,7 @@ def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(dtype, confi
     out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     with kernel.forced(config, path):
         ws = torch.empty(kernel.workspace_bytes(2, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            kdtree_call(b, out, ws)  # warm-up outside capture, at the short prefix
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            kdtree_call(b, out, ws)
+        g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws))  # warmed up at the short prefix
         for name, t in saved.items():
             getattr(b, name).copy_(t)
         out.fill_(float("nan"))
@@ -145,7 +139,7 @@ def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(dtype, confi
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 def test_fp8_pool_values_are_read_exactly_for_every_byte(config, path):
     """Every e4m3 / e5m2 byte value (but NaN and inf) as a prefix row, with one draft token whose query is zero (both
     paths then compute exactly: q and P quantise to 0 and 1): the output is the pool's value times the scale, exactly

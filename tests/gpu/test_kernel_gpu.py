@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kdtree import kernel  # noqa: E402
+from kdtree.bench import capture_graph  # noqa: E402
 from kdtree.reference import kdtree_call, make_batch, reference, rel_l2, triton_call  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +55,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
 def test_matches_fp64_and_triton(case, config):
     batch, heads, q_len, prefix, tree = case
@@ -86,7 +87,7 @@ def rising_scores(b, period=256, rise=40.0):
         b.k_buf[b.kv_indices[kv[r] : kv[r + 1]].long(), 0, rope] = a[:, None]
 
 
-@pytest.mark.parametrize("config", ["wide", "compact"])
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize(
     "case", [CASES[1], CASES[8], (1, 8, 64, 4096, True)], ids=["b1-p32k", "ragged", "b1-n64-p4k"]
 )
@@ -169,14 +170,7 @@ def test_cuda_graph_replay_equals_eager():
     out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     ws = torch.empty(kernel.workspace_bytes(4, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
     counter = kernel.DeviceCounter("cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        kdtree_call(b, out, ws, counter)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        kdtree_call(b, out, ws, counter)
+    g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws, counter))  # warmed up outside capture
     for seed in range(3):
         fresh = make_batch(4, 16, 16, 4096, seed=300 + seed)
         for name in ("q", "k_ext", "v_ext", "k_buf", "kv_indices", "custom_mask"):

@@ -14,7 +14,7 @@ first token. A row counts as "on slower beyond noise" when on's median is below 
 compared token for token in every round; where off and on differ, the row gives the first diverging position and
 both servers' top-2 logprobs there.
 
-    python3 kernel_build/bench/bench_engine.py --out engine.md      # the table; engine.json beside it
+    python3 kernel_build/bench/benchmarks/bench_engine.py --out engine.md      # the table; engine.json beside it
     bash kernel_build/bench/device_run.sh engine                     # the same on the GPU machine, into $OUT
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from real_server import RealServer, ServerSpec, divergence, unavailable  # noqa: E402
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)

@@ -4,8 +4,8 @@ or from a commit, so that a benchmark table names exactly the code it measured.
 The GPU machine's copy of the checkout can carry an older HEAD than the files it holds, so the commit a
 benchmark prints is not proof of what ran; this id is. Check a table's id against a commit here:
 
-    python3 kernel_build/bench/source_id.py 759721f     # the id of that commit's sources
-    python3 kernel_build/bench/source_id.py             # the id of the files in this checkout
+    python3 kernel_build/bench/benchmarks/source_id.py 759721f     # the id of that commit's sources
+    python3 kernel_build/bench/benchmarks/source_id.py             # the id of the files in this checkout
 
 The id is the sha256 (first 12 hex digits) of the sorted "blob-id path" lines of every file under SOURCES
 that git tracks or would track (ignored files left out); blob ids are git's own.

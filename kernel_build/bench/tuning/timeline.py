@@ -1,9 +1,9 @@
 """Where one launch spends its time: per-CTA %globaltimer stamps from a build with -DKDTREE_TIMELINE.
 
 On the GPU machine, with the library built that way, e.g. through variants.sh:
-    here: bash kernel_build/bench/variants.sh add tl HEAD -DKDTREE_TIMELINE
-    GPU:  bash kernel_build/bench/variants.sh run 1
-          KDTREE_KERNEL_LIB=.variants/tl/build/libkdtree_verify.so python3 kernel_build/bench/timeline.py \\
+    here: bash kernel_build/bench/tuning/variants.sh add tl HEAD -DKDTREE_TIMELINE
+    GPU:  bash kernel_build/bench/tuning/variants.sh run 1
+          KDTREE_KERNEL_LIB=.variants/tl/build/libkdtree_verify.so python3 kernel_build/bench/tuning/timeline.py \\
               [BATCH,HEADS,DRAFT,PREFIX ...]
 Each launch is queued behind a GPU spin, so it starts the way a CUDA-graph replay does, not from an idle
 GPU. The stamps cost a few instructions inside the key loops: read the timeline for where the time goes,
@@ -16,7 +16,7 @@ import ctypes
 import statistics
 import sys
 
-STAMPS = [  # enum Stamp in src/tree_verify.cu, in its order
+STAMPS = [  # enum Stamp in src/timeline.cuh, in its order
     "entry",
     "request indices loaded",
     "Q landed (score warp 0)",

@@ -9,7 +9,7 @@ prompt's last token is not in the window). From each trace: the wall time of a s
 and the kernels that take the most GPU time per step, grouped by name. A step whose GPU busy time is far below its
 wall time is bound by the host (the scheduler, the drafter's launches), not by attention.
 
-    python3 kernel_build/bench/profile_engine.py --out profile.md          # profile.json beside it
+    python3 kernel_build/bench/benchmarks/profile_engine.py --out profile.md          # profile.json beside it
     bash kernel_build/bench/device_run.sh engine-profile [args]            # the same on the GPU machine, into $OUT
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from real_server import RealServer, ServerSpec, unavailable  # noqa: E402
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)

@@ -1,7 +1,7 @@
 """Benchmark: kdtree tree-verify vs SGLang's Triton extend kernel and plain PyTorch, against the roofline.
 
 Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
-    python kernel_build/bench/bench_verify.py --out bench.md
+    python kernel_build/bench/benchmarks/bench_verify.py --out bench.md
 
 The timing, the roofline and the table are kdtree.bench's (what `python -m kdtree.bench` runs in the server
 image); this script adds what the committed tables carry besides: cuBLAS bf16 and, for scale, what a mature
@@ -77,7 +77,7 @@ def main() -> None:
         "--no-torch", action="store_true", help="skip the PyTorch SDPA baseline (Triton still timed)"
     )
     ap.add_argument(
-        "--config", choices=["wide", "compact"], help="force a tile configuration (default: the device's)"
+        "--config", choices=list(kernel.CONFIGS), help="force a tile configuration (default: the device's)"
     )
     ap.add_argument(
         "--fp8",

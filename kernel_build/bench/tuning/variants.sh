@@ -2,18 +2,18 @@
 # Kernel variants side by side in one GPU-machine call: tuning work, each variant timed against the others
 # in the same run (the committed table still comes from `device_run.sh bench` on a commit).
 #
-# here: bash kernel_build/bench/variants.sh add NAME REF [NVCC_FLAG...]
+# here: bash kernel_build/bench/tuning/variants.sh add NAME REF [NVCC_FLAG...]
 #   copies kernel_build (CMakeLists.txt, src, include) at git REF (`.`: the working tree) to .variants/NAME
 #   with extra nvcc flags, e.g. `add q8 HEAD -DKDTREE_WIDE_QREG=8`. .variants is git-ignored: carry it to the
 #   GPU machine along with .whl.
-# GPU:  bash kernel_build/bench/variants.sh run [ROUNDS] [fp8]
+# GPU:  bash kernel_build/bench/tuning/variants.sh run [ROUNDS] [fp8]
 #   builds every variant for the local GPU, runs the kernel GPU tests against each (a variant that fails or
 #   hangs is dropped after one timeout instead of hanging every benchmark after it), then the quick benchmark
 #   of the others ROUNDS times (default 2), in reverse order every other round. Log: $OUT/variants.log.
 #   With fp8: the fp8 kernel tests (tests/gpu/test_fp8_gpu.py) instead, and bench_pools.py's times (bf16 and both
 #   fp8 dtypes, both configurations) in $OUT/pools.jsonl, with their table at the end of the log.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 dir=$(realpath -m "${KDTREE_VARIANTS_DIR:-.variants}")  # relative to the repository root
 usage="usage: $0 add NAME REF [NVCC_FLAG...] | $0 run [ROUNDS] [fp8]"
 
@@ -80,7 +80,7 @@ run)
   done
   [ ${#ok[@]} -gt 0 ] || { say "no variant passed its tests: nothing to time"; exit 1; }
   # The roofline's mma.sync rate, measured once by the first variant's library (the same code in every variant).
-  mma=$(KDTREE_KERNEL_LIB=$dir/${ok[0]}/build/libkdtree_verify.so python3 kernel_build/bench/mma_peak.py) &&
+  mma=$(KDTREE_KERNEL_LIB=$dir/${ok[0]}/build/libkdtree_verify.so python3 kernel_build/bench/tuning/mma_peak.py) &&
     [ -n "$mma" ] || { echo "mma_peak.py failed: no usable GPU" >&2; exit 1; }
   say "mma.sync bf16: $mma TFLOP/s"
   for ((r = 0; r < rounds; r++)); do
@@ -90,14 +90,14 @@ run)
       say "## round $r: $n ($((SECONDS - t0)) s)"
       if [ -n "$pools" ]; then
         KDTREE_KERNEL_LIB=$dir/$n/build/libkdtree_verify.so timeout 120 \
-          python3 kernel_build/bench/bench_pools.py time "$n" "$out/pools.jsonl" 2>&1 | tail -3 | tee -a "$log"
+          python3 kernel_build/bench/tuning/bench_pools.py time "$n" "$out/pools.jsonl" 2>&1 | tail -3 | tee -a "$log"
         continue
       fi
       KDTREE_KERNEL_LIB=$dir/$n/build/libkdtree_verify.so timeout 120 \
-        python3 kernel_build/bench/bench_verify.py --mma-tflops "$mma" --quick --ours-only 2>&1 | grep '^b[0-9]' | tee -a "$log"
+        python3 kernel_build/bench/benchmarks/bench_verify.py --mma-tflops "$mma" --quick --ours-only 2>&1 | grep '^b[0-9]' | tee -a "$log"
     done
   done
-  [ -z "$pools" ] || python3 kernel_build/bench/bench_pools.py table "$out/pools.jsonl" | tee -a "$log"
+  [ -z "$pools" ] || python3 kernel_build/bench/tuning/bench_pools.py table "$out/pools.jsonl" | tee -a "$log"
   say "variants: $((SECONDS - t0)) s"
   ;;
 *)

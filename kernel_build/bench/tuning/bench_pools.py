@@ -1,8 +1,8 @@
 """kdtree's time on a bf16 pool and on fp8 pools (e4m3, e5m2, scales 0.5; the widen path), both tile
 configurations, on the quick rows: what `variants.sh run ROUNDS fp8` times for each variant build.
 
-    python3 kernel_build/bench/bench_pools.py time NAME OUT.jsonl   # one build (KDTREE_KERNEL_LIB): appends records
-    python3 kernel_build/bench/bench_pools.py table OUT.jsonl       # every build's fastest round, side by side
+    python3 kernel_build/bench/tuning/bench_pools.py time NAME OUT.jsonl   # one build (KDTREE_KERNEL_LIB): appends records
+    python3 kernel_build/bench/tuning/bench_pools.py table OUT.jsonl       # every build's fastest round, side by side
 
 Each record is one time (`kdtree.bench.time_ours`: CUDA-graph replays, as the published tables), so the rounds of
 one build in one call can be compared with each other as well as with the other builds.
@@ -15,8 +15,10 @@ import json
 import sys
 from collections import defaultdict
 
+from kdtree.config import TILE_CONFIGS
+
 POOLS = ("bf16", "e4m3", "e5m2")
-CONFIGS = ("wide", "compact")
+CONFIGS = tuple(TILE_CONFIGS)
 
 
 def time_build(name: str, out: str) -> None:

@@ -1,6 +1,6 @@
 """A performance model, on paper, of kdtree's `compact` configuration on the RTX PRO 6000 Blackwell (sm_120).
 
-    python3 kernel_build/bench/sm120_model.py [--copy-tbps X] [--mma-tflops Y] [--clock-ghz Z]
+    python3 kernel_build/bench/tuning/sm120_model.py [--copy-tbps X] [--mma-tflops Y] [--clock-ghz Z]
 
 Prints the table of kernel_build/NOTES.md, "A performance model of the RTX PRO 6000 (sm_120)" (a test keeps the
 two equal). By default from the card's published numbers (below, each with its source); give the copy bandwidth
@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(
-    0, str(Path(__file__).resolve().parents[2])
+    0, str(Path(__file__).resolve().parents[3])
 )  # the repository root: kdtree.bench's grid and costs
 from kdtree.bench import GRID, shape_costs  # noqa: E402  (stdlib only at import)
 
@@ -63,7 +63,7 @@ H200_SMS = 132
 H200_CLOCK_GHZ = 1.755  # SM clock under this kernel's load (NOTES.md: Nsight Compute runs at 1.75-1.77 GHz)
 # One H200 run measured the ceilings, wide and compact forced (the compact columns) on the whole grid: the table
 # of BENCHMARKS.md at 9a05dd8 (`bench_verify.py`), raw numbers in this file.
-H200_RUN_JSON = Path(__file__).parent / "results" / "h200-9a05dd8.json"
+H200_RUN_JSON = Path(__file__).resolve().parents[1] / "results" / "h200-9a05dd8.json"
 _RUN = json.loads(H200_RUN_JSON.read_text())
 H200_COPY_TBPS = _RUN["copy_bw"] / 1e12
 H200_MMA_TFLOPS = _RUN["mma_tflops"]  # mma.sync bf16, all SMs busy
@@ -72,7 +72,7 @@ H200_WIDE_US = {s: r["ours_us"] for s, r in _SHAPES.items()}
 H200_COMPACT_US = {s: r["compact_us"] for s, r in _SHAPES.items()}
 # fp8 path (a) on the H200: compact on an e4m3 pool against compact on bf16, same run, same shapes (BENCHMARKS.md,
 # "fp8 pools: both dtypes widened in shared memory"; d2f41bc).
-H200_FP8_RUN_JSON = Path(__file__).parent / "results" / "h200-fp8-0f8da2d.json"
+H200_FP8_RUN_JSON = Path(__file__).resolve().parents[1] / "results" / "h200-fp8-0f8da2d.json"
 H200_COMPACT_FP8_RATIO = {
     (r["batch"], r["heads"], r["draft"], r["prefix"]): r["compact_fp8_vs_compact"]
     for r in json.loads(H200_FP8_RUN_JSON.read_text())["rows"]

@@ -12,8 +12,8 @@ the every-mode path adds and how long capturing one step took (a design that rec
 that for every batch size's graph, and SGLang captures the whole model, not attention alone).
 
 Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
-    python kernel_build/bench/bench_modes.py --out modes.md
-    python kernel_build/bench/bench_modes.py --shapes 1,8,8,512 4,8,8,512    # other (batch, H, N, prefix) shapes
+    python kernel_build/bench/benchmarks/bench_modes.py --out modes.md
+    python kernel_build/bench/benchmarks/bench_modes.py --shapes 1,8,8,512 4,8,8,512    # other (batch, H, N, prefix) shapes
 Each shape's notes also give `on` against `off` (SGLang's Triton path alone): the verify call's whole cost in each,
 which is where a short prefix shows whether kdtree's path is cheaper than the call it replaces.
 """
@@ -26,18 +26,17 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "gpu"))
 if importlib.util.find_spec("sgl_kernel") is None:
     import sglang_stubs  # noqa: F401  (stands in for SGLang's compiled packages the attention path never calls)
 from sglang_fixture import forward, graph_setup  # noqa: E402
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 
-from kdtree.bench import replay_us  # noqa: E402
+from kdtree.bench import capture_graph, replay_us  # noqa: E402
 from kdtree.verify import VerifyCall  # noqa: E402
 
 SHAPES = [(1, 8, 16, 32768), (32, 8, 16, 4096)]  # (batch, heads, draft tokens, prefix)
@@ -68,18 +67,8 @@ def time_graph(g, calls: int, round_s: float = 0.4) -> float:
 
 def capture_step(s, step_fn) -> tuple[torch.cuda.CUDAGraph, float]:
     """Warm up eagerly, then capture one step (every layer); returns the graph and the capture's seconds."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step_fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    t0 = time.perf_counter()
-    with torch.cuda.graph(g):
-        step_fn()
-    torch.cuda.synchronize()
-    return g, time.perf_counter() - t0
+    g, _, seconds = capture_graph(step_fn)
+    return g, seconds
 
 
 def measure(shape, ov, cls, original) -> dict:

@@ -2,7 +2,7 @@
 
 Under CUDA graphs (how SGLang runs target-verify) none of this is paid; in eager mode it is paid once per
 attention layer per verify step. Run on a GPU machine:
-    python kernel_build/bench/host_overhead.py [--profile]
+    python kernel_build/bench/tuning/host_overhead.py [--profile]
 --profile adds where kernel.tree_verify's host time goes (cProfile, top functions by own time).
 """
 
@@ -47,11 +47,11 @@ def main() -> None:
     op_args = (b.q, b.k_ext, b.v_ext, b.k_buf[:, 0], b.qo_indptr, b.kv_indptr, b.kv_indices,
                b.custom_mask.view(torch.uint8), b.mask_indptr, b.sm_scale, b.max_q_len, out.view(T, H, 512),
                ws, 0, 0)  # fmt: skip
-    kernel._tree_verify_op(*op_args)  # warm the plan cache
+    kernel.verify_op._tree_verify_op(*op_args)  # warm the plan cache
     rows = [
         ("kernel.tree_verify (checks + custom op + launch)", per_call_us(lambda: kernel.tree_verify(*args))),
         ("torch.ops.kdtree.tree_verify (dispatch + launch)", per_call_us(lambda: torch.ops.kdtree.tree_verify(*op_args))),
-        ("op body called directly (argument block + launch)", per_call_us(lambda: kernel._tree_verify_op(*op_args))),
+        ("op body called directly (argument block + launch)", per_call_us(lambda: kernel.verify_op._tree_verify_op(*op_args))),
         ("kernel.workspace_bytes", per_call_us(lambda: kernel.workspace_bytes(1, H, b.max_q_len, "cuda"))),
     ]  # fmt: skip
     try:  # for scale: the Triton kernel this replaces, same batch

@@ -4,7 +4,7 @@ spills and barriers per loop body.
 Small source changes move ptxas's register allocation of the key loops (a spill store per tile can cost a
 few percent), so compare two builds here before spending GPU time on them:
 
-    python3 kernel_build/bench/sass_loops.py kernel_build/build/libkdtree_verify.so --arch sm_90
+    python3 kernel_build/bench/tuning/sass_loops.py kernel_build/build/libkdtree_verify.so --arch sm_90
 
 A loop is a backward branch and its target; the ones shown hold mma (HMMA, or QMMA: fp8 on sm_120) and contain no
 other loop that does, i.e. the loops the kernel spends its time in. Needs `cuobjdump` (CUDA toolkit, or the pip package

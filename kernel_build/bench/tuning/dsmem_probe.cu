@@ -11,7 +11,7 @@
 //              barrier, then pull
 // Time: %globaltimer per CTA from a cluster barrier before the exchange to the data consumed;
 // printed: median over CTAs and the span from the first start to the last end (us).
-// On the GPU machine: nvcc -O3 -arch=sm_90 -std=c++17 kernel_build/bench/dsmem_probe.cu -o /tmp/dsmem_probe &&
+// On the GPU machine: nvcc -O3 -arch=sm_90 -std=c++17 kernel_build/bench/tuning/dsmem_probe.cu -o /tmp/dsmem_probe &&
 // /tmp/dsmem_probe (a table for 64 KB and 32 KB per CTA; every received value is checked). Results: NOTES.md.
 #include <cuda_runtime.h>
 #include <algorithm>

@@ -3,7 +3,7 @@ kdtree kernel uses (and the one sm_120 has), in TFLOP/s. The measurement is the 
 (src/peak.cu, kdtree.kernel.mma_peak_tflops: 8 independent accumulators per warp, all SMs busy), the same code
 `python -m kdtree.bench` runs in the server image.
 
-usage: python3 kernel_build/bench/mma_peak.py [warps per SM]
+usage: python3 kernel_build/bench/tuning/mma_peak.py [warps per SM]
 With the argument, one block of that many warps per SM (4 = one warp per scheduler: the rate a lone warp reaches).
 """
 
