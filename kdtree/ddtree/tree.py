@@ -69,6 +69,7 @@ class TreeBuffers:
         self.beam_rank = torch.zeros(bs, L + 1, W, **i64)
         self.beam_token = torch.zeros(bs, L + 1, W, **i64)
         self.beam_valid = torch.zeros(bs, L + 1, W, **booln)
+        self.beam_absent = torch.zeros(bs, L + 1, W, **booln)
         self.beam_count = torch.zeros(bs, L + 1, W, **i64)  # 1 where valid
         self.size = torch.zeros(bs, L + 1, W, **i64)  # subtree size within the union
         self.pre = torch.zeros(bs, L + 1, W, **i64)  # preorder index within the union
@@ -123,7 +124,7 @@ def build_tree(
 
     # 1. the beams, each in lexicographic order
     b.beam_score[:, 0].fill_(neg_inf)
-    b.beam_score[:, 0, 0] = 0.0
+    b.beam_score[:, 0, :1].fill_(0.0)
     cand3 = b.cand.view(bs, W, K)
     for d in range(1, L + 1):
         torch.add(b.beam_score[:, d - 1, :, None], lp[:, d - 1, None, :], out=cand3)
@@ -152,8 +153,8 @@ def build_tree(
         b.t3.sub_(b.t1)  # sizes of the earlier siblings
         torch.gather(b.pre[:, d - 1], 1, b.beam_parent[:, d], out=b.pre[:, d])
         b.pre[:, d].add_(b.t3).add_(1)
-    b.pre.masked_fill_(b.beam_valid.logical_not_(), _BIG)  # beam_valid now holds "absent"
-    b.beam_valid.logical_not_()
+    torch.logical_not(b.beam_valid, out=b.beam_absent)
+    b.pre.masked_fill_(b.beam_absent, _BIG)
 
     # 3. the global cut in key order (-score, rank tuple)
     union_score = b.beam_score[:, 1:].reshape(bs, L * W)  # views: each beam row is contiguous
@@ -183,9 +184,9 @@ def build_tree(
     b.inv.scatter_(1, b.order, b.node_index)
     torch.gather(b.inv, 1, b.t2, out=b.t1)
     torch.where(b.deep, b.t1, b.const[0], out=b.parents[:, 1:])
-    b.scores[:, 0] = 0.0
-    b.parents[:, 0] = -1
-    b.depths[:, 0] = 0
+    b.scores[:, :1].fill_(0.0)
+    b.parents[:, :1].fill_(-1)
+    b.depths[:, :1].fill_(0)
     b.input_ids[:, 0].copy_(root_ids)
     b.candidates[:, 0].copy_(root_ids)
 
