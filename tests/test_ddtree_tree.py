@@ -222,3 +222,40 @@ def test_builder_refuses_wrong_inputs_and_mismatched_buffers(torch):
         build_tree(lp, ids, roots, 5, out=TreeBuffers(2, 3, 4, 6))
     with pytest.raises(ValueError, match="budget must be >= 1"):
         TreeBuffers(2, 3, 4, 0)
+
+
+def test_a_call_is_one_fixed_sequence_of_out_in_place_and_view_ops(torch):
+    """What a CUDA graph needs, seen at the op level: the same ops whatever the data, none that reads a value
+    back to the host (item, nonzero, masked_select), and none that returns a new tensor: each writes into the
+    buffers (out= or in place) or is a view."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kdtree.ddtree.tree import TreeBuffers, build_tree
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    rng = random.Random(5)
+    bs, L, K, budget = 3, 5, 4, 30
+    out = TreeBuffers(bs, L, K, budget)
+    sequences = []
+    for ties, absent in ((True, 0.0), (False, 0.5)):
+        lp = torch.tensor([random_lp(rng, L, K, ties, absent) for _ in range(bs)], dtype=torch.float32)
+        ids = torch.randint(0, 100, (bs, L, K))
+        roots = torch.zeros(bs, dtype=torch.int64)
+        with Record() as record:
+            build_tree(lp, ids, roots, budget, out=out)
+        sequences.append([str(op) for op in record.ops])
+        views = {"select", "slice", "view", "expand", "unsqueeze"}
+        for op in record.ops:
+            name, overload = op.overloadpacket.__name__, op._overloadname
+            writes_buffers = name.endswith("_") or "out" in overload or overload.startswith("values")
+            assert writes_buffers or name in views, f"{op} returns a new tensor"
+    assert sequences[0] == sequences[1]
+    assert not {"aten._local_scalar_dense.default", "aten.nonzero.default"} & set(sequences[0])
