@@ -16,8 +16,9 @@ The DFLASH servers are tests of their own (`-k dflash`: kernel_build/bench/devic
 device call stays under its limit; `engine-tests` runs the rest (`-k "not dflash"`).
 
 half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
-import hook) with the entry point switched off. Greedy decoding only (temperature > 0 reaches a sampling kernel
-that is not stood in for here). Run: bash kernel_build/bench/device_run.sh engine-tests.
+import hook) with the entry point switched off. Greedy decoding only: the comparisons need determinism (the sampled
+verify's rejection sampling runs through a slow Python stand-in here: tests/gpu/torch_standins.py). Run: bash
+kernel_build/bench/device_run.sh engine-tests, and engine-spec for DFLASH.
 """
 
 from __future__ import annotations
