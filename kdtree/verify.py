@@ -70,6 +70,11 @@ class VerifyCall:
     aux_tensors: Any = None
 
 
+# Calls that are not the target's verify, passed through uncounted: any other forward mode, and a draft model's own
+# forward in target-verify mode (DFLASH's drafter runs its block that way, on the draft runner's backend).
+NOT_A_VERIFY = frozenset({"not_target_verify", "draft_runner"})
+
+
 def fallback_reason(c: VerifyCall) -> str | None:
     """None when the kdtree kernel computes this call exactly as the original would; else a short, stable reason."""
     backend, layer, q, k, v = c.backend, c.layer, c.q, c.k, c.v
@@ -275,12 +280,14 @@ class VerifyOverride:
         if not self._described:
             self._describe(c.q)
         if self.mode.mode is Mode.OFF:
-            if c.forward_batch.forward_mode.is_target_verify():
+            if c.forward_batch.forward_mode.is_target_verify() and not getattr(
+                c.backend, "is_draft_runner", False
+            ):
                 self._count(None)
             return original(*args, **kwargs)
 
         reason = fallback_reason(c)
-        if reason == "not_target_verify":
+        if reason in NOT_A_VERIFY:
             return original(*args, **kwargs)
         capturing = False
         state = None

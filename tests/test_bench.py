@@ -263,3 +263,22 @@ def test_the_fp8_table_against_triton_is_its_raw_record_rendered():
     assert "fp8 speedup vs Triton fp8" in lines[0]
     for line in lines:
         assert line in text, line
+
+
+def test_the_dflash_end_to_end_table_is_its_raw_record_rendered():
+    """BENCHMARKS.md's DFLASH rows are bench_engine.markdown() of the raw record it names, line for line."""
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench"))
+    import bench_engine
+
+    run = json.loads(
+        (ROOT / "kernel_build" / "bench" / "results" / "engine-h200-dflash-26edbab.json").read_text()
+    )
+    assert {(r["algorithm"], r["prompt"]) for r in run["rows"]} == {
+        (a, p) for a in ("DFLASH-B8", "DFLASH-B16") for p in (2048, 32768)
+    }
+    assert all(r["identical"] for r in run["rows"]) and run["not_measured"] == {}
+    text = (ROOT / "kernel_build" / "BENCHMARKS.md").read_text()
+    for line in bench_engine.markdown(run["rows"], []).splitlines()[
+        1:
+    ]:  # after the blank line its head ends with
+        assert line in text, line

@@ -307,10 +307,17 @@ def test_the_original_gets_identical_arguments_when_it_serves(mode):
     assert snap["fallbacks"] == ({} if mode == "off" else {"not_cuda": 1})
 
 
-def test_calls_that_are_not_target_verify_are_passed_through_uncounted():
-    c = _call(**{"forward_batch.forward_mode": lambda _: _mode("EXTEND")})
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize(
+    "changes",
+    [{"forward_batch.forward_mode": lambda _: _mode("EXTEND")}, {"backend.is_draft_runner": True}],
+    ids=["extend", "draft-runner-in-target-verify"],
+)
+def test_calls_that_are_not_target_verify_are_passed_through_uncounted(changes, mode):
+    """Any other forward mode, and a drafter's own forward in target-verify mode (DFLASH's block drafter)."""
+    c = _call(**changes)
     original = RecordingOriginal()
-    override = _override("on")
+    override = _override(mode)
     assert override(original, c.backend, c.q, c.k, c.v, c.layer, c.forward_batch) is original.result
     assert override.snapshot()["served_original"] == 0 and override.snapshot()["fallbacks"] == {}
 

@@ -125,10 +125,45 @@ def test_only_the_functions_the_server_calls_are_stood_in_for():
         "sgl_kernel.moe_align_block_size",
         "sgl_kernel.moe_sum_reduce",
         "sgl_kernel.utils.is_arch_support_pdl",
+        "flashinfer.sampling.top_p_renorm_probs",
+        "flashinfer.sampling.top_k_renorm_probs",
+    }
+    assert torch_standins.PATCHED == {
+        "sglang.kernels.ops.speculative.sampling": {
+            "tree_speculative_sampling_target_only": torch_standins.tree_speculative_sampling_target_only
+        }
     }
     assert torch_standins.KNOWN["sgl_kernel.utils.is_arch_support_pdl"]() is False
     with pytest.raises(NotImplementedError, match="ignore_invalid_expert"):
         torch_standins.moe_align_block_size(*([None] * 7), False, True)
+
+
+def test_tree_sampling_standin_walks_a_chain_as_the_kernel_does():
+    """SGLang's TreeSpeculativeSamplingTargetOnly (kernels/jit/include/sgl_kernel/speculative/sampling.cuh) on DFLASH's
+    chain buffers: a draft token is accepted where the target puts all its mass on it, the first one it does not is
+    replaced by a sample of relu(target - rejected), and after a full chain the bonus token comes from the target."""
+    bs, n, d = 3, 4, 6
+    candidates = torch.tensor([[0, 2, 3, 1], [0, 5, 5, 5], [0, 1, 2, 3]])
+    index = torch.arange(bs * n).view(bs, n)
+    next_token = torch.tensor([1, 2, 3, -1]).expand(bs, n).clone()
+    sibling = torch.full((bs, n), -1)
+    target = torch.zeros(bs * n, d)
+    # row 0 takes drafts 2, 3 and wants 4 for 1; row 1 wants 1 for 5; row 2 takes 1, 2, 3 and adds 5
+    for r, tok in enumerate([2, 3, 4, 0, 1, 1, 1, 1, 1, 2, 3, 5]):
+        target[r, tok] = 1.0
+    predicts = torch.full((bs * n,), -7, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -7, dtype=torch.int32)
+    accept_num = torch.zeros(bs, dtype=torch.int32)
+    draft = torch.zeros_like(target)
+    torch_standins.tree_speculative_sampling_target_only(
+        predicts, accept_index, accept_num, candidates, index, next_token, sibling,
+        torch.rand(bs, n), torch.rand(bs), target, draft,
+    )  # fmt: skip
+    assert accept_num.tolist() == [2, 0, 3]
+    assert accept_index[0, :3].tolist() == [0, 1, 2] and accept_index[1, 0] == 4
+    assert accept_index[2].tolist() == [8, 9, 10, 11]
+    assert predicts[:3].tolist() == [2, 3, 4] and predicts[4] == 1 and predicts[8:].tolist() == [1, 2, 3, 5]
+    assert draft[2, 1] == 0 and draft[4, 5] == 0  # rejected where the target had no mass: nothing to subtract
 
 
 # ---- the placeholders for packages the GPU machine lacks ------------------------------------------------------
@@ -136,7 +171,12 @@ def test_only_the_functions_the_server_calls_are_stood_in_for():
 
 def _stubs():
     """tests/gpu/sglang_stubs.py as a module object, without installing its import hooks in this process."""
-    source = (GPU_DIR / "sglang_stubs.py").read_text().replace("sys.meta_path.append(", "(")
+    source = (
+        (GPU_DIR / "sglang_stubs.py")
+        .read_text()
+        .replace("sys.meta_path.append(", "(")
+        .replace("sys.meta_path.insert(0, ", "(")
+    )
     module = types.ModuleType("sglang_stubs_copy")
     exec(compile(source, str(GPU_DIR / "sglang_stubs.py"), "exec"), module.__dict__)
     return module

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|engine-profile|fp8|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|engine-spec|engine-profile|fp8|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
@@ -9,6 +9,12 @@
 # library just built into the wheels' site folder (/tmp/site), as the server image installs it. 'engine-profile'
 # records a few decode steps of the real server with SGLang's profiler (profile_engine.py: where a step's GPU time
 # goes, off against on; engine-profile.md + .json).
+# 'engine-spec' (one call of under 560 s on an H200, build included: KDTREE_SPEC_TESTS_S and KDTREE_SPEC_BUDGET_S
+# end the tests and the whole) runs the real-server tests of SGLang's DFLASH
+# worker (test_engine_gpu.py -k dflash: block 8 and 16, off / validate / on / standby; 'engine-tests' leaves them
+# out), then, in what is left of the call, the end-to-end benchmark's DFLASH rows (engine-spec.md + .json: 8 layers,
+# prompts 2048 and 32768, batch 1, 2 rounds; args after the mode go to the tests). The tail of each server's log goes
+# to $OUT/spec-logs.
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
@@ -42,7 +48,8 @@ install_site() {  # kdtree as a package (entry point included) with the library,
 }
 if [ "$what" = engine-tests ] || [ "$what" = all ]; then
   install_site
-  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_engine_gpu.py "$@" 2>&1 | tee "$out/engine-tests.log"
+  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_engine_gpu.py -k "not dflash" "$@" 2>&1 \
+    | tee "$out/engine-tests.log"
   rc=${PIPESTATUS[0]}
   echo "engine tests: $((SECONDS - t0)) s (rc=$rc)"
 fi
@@ -51,6 +58,24 @@ if [ "$what" = engine ] || [ "$what" = all ]; then
   python3 kernel_build/bench/benchmarks/bench_engine.py --out "$out/engine.md" "$@" 2>&1 | tee "$out/engine.log"
   rc=${PIPESTATUS[0]}
   echo "engine benchmark: $((SECONDS - t0)) s (rc=$rc)"
+fi
+if [ "$what" = engine-spec ]; then
+  install_site
+  timeout -s INT -k 10 $((${KDTREE_SPEC_TESTS_S:-360} - (SECONDS - t0))) python3 -m pytest -p no:cacheprovider -q -rs \
+    --basetemp=/tmp/engine-spec tests/gpu/test_engine_gpu.py -k dflash "$@" 2>&1 | tee "$out/engine-spec-tests.log"
+  rc=${PIPESTATUS[0]}
+  echo "engine-spec tests: $((SECONDS - t0)) s (rc=$rc)"
+  left=$((${KDTREE_SPEC_BUDGET_S:-560} - (SECONDS - t0)))
+  if [ "$left" -gt 90 ] && grep -q " passed" "$out/engine-spec-tests.log"; then  # no benchmark of servers that cannot start
+    timeout -s INT -k 10 "$left" python3 kernel_build/bench/bench_engine.py --out "$out/engine-spec.md" \
+      --root /tmp/engine-spec-bench --algorithms DFLASH-B8,DFLASH-B16 --layers 8 --prompts 2048,32768 --batches 1 \
+      --repeats 2 --max-tokens 64 --time-budget-s $((left - 60)) 2>&1 | tee "$out/engine-spec-bench.log"
+    echo "engine-spec benchmark: $((SECONDS - t0)) s (rc=${PIPESTATUS[0]})"
+  fi
+  mkdir -p "$out/spec-logs"
+  for f in /tmp/engine-spec/*/*/state/server.log /tmp/engine-spec-bench/*/state/server.log; do
+    [ -f "$f" ] && tail -150 "$f" >"$out/spec-logs/$(basename "$(dirname "$(dirname "$f")")").log"
+  done
 fi
 if [ "$what" = engine-profile ]; then
   install_site

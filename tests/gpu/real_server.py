@@ -3,7 +3,8 @@
 `RealServer` runs `python -m entrypoint.launch <sglang.launch_server arguments>`: kdtree's validating launcher, which
 runs `python -m sglang.launch_server` as its supervised child (output into KDTREE_STATE_DIR/server.log, starts and
 exit status into server-process.json), with the real scheduler process, the CUDA-graph runner and tree speculation
-(NGRAM: 8 draft tokens; NEXTN: topk 4, 3 steps, 8 draft tokens) on a tiny DeepSeek-V3-architecture model
+(NGRAM: 8 draft tokens; NEXTN: topk 4, 3 steps, 8 draft tokens; DFLASH-B8 / DFLASH-B16: SGLang's DFlash worker,
+block 8 / 16, a one-layer drafter with dummy weights) on a tiny DeepSeek-V3-architecture model
 (tests/gpu/tiny_model.py, random weights), Triton attention, CUDA graphs on. It runs under a stand-in orchestrator
 (tests/process_harness.Orchestrated: started again when it exits, as compose's restart policy), so the sidecar
 controls it through its real process control.
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from process_harness import Orchestrated  # noqa: E402
+from tiny_model import write_dflash_drafter  # noqa: E402  (this folder is on sys.path wherever this module is)
 
 from kdtree.config import Mode  # noqa: E402
 from kdtree.control import write_desired_mode  # noqa: E402
@@ -61,7 +63,18 @@ SPECULATIVE = {
         "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
         "--speculative-num-draft-tokens", "8",
     ),
+    # SGLang's own DFlash worker with a tiny drafter of dummy weights (RealServer writes it: tiny_model.py); its
+    # verify is a causal chain of block-size tokens (no custom mask)
+    **{
+        f"DFLASH-B{b}": (
+            "--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", str(b),
+            "--speculative-dflash-block-size", str(b), "--speculative-draft-load-format", "dummy",
+            "--speculative-draft-attention-backend", "triton",
+        )
+        for b in (8, 16)
+    },
 }  # fmt: skip
+DFLASH_BLOCK = {"DFLASH-B8": 8, "DFLASH-B16": 16}  # the algorithms above that need a DFlash drafter
 CAPTURED_BS = (1, 2, 3, 4)  # verify graphs captured per server; larger batches run eagerly
 INSTALL_LINE = re.compile(
     r"\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=([\w?]+), via=([\w-]+)\)"
@@ -125,7 +138,7 @@ class ServerSpec:
     """One server: speculative algorithm, the mode it starts in, how kdtree is installed, the model's depth."""
 
     name: str
-    algorithm: str  # NGRAM | NEXTN
+    algorithm: str  # a key of SPECULATIVE: NGRAM | NEXTN | DFLASH-B8 | DFLASH-B16
     mode: Mode
     install: str = "plugin"  # plugin | sitecustomize
     layers: int = 8
@@ -213,6 +226,12 @@ class RealServer(Orchestrated):
         super().__init__(state, env=env, console=root / "console.log", restart_wait_s=120.0,
                          crash_restart_delay_s=8.0)  # fmt: skip
         self.cwd = root  # not the repository: `python -m` would put it first on sys.path
+        self.drafter = None
+        if spec.algorithm in DFLASH_BLOCK:
+            target_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+            self.drafter = write_dflash_drafter(
+                root / "dflash-drafter", target_layers, DFLASH_BLOCK[spec.algorithm]
+            )
 
     def args(self) -> list[str]:
         s = self.spec
@@ -225,7 +244,8 @@ class RealServer(Orchestrated):
             # SGLang's piecewise prefill graph (breakable) calls sgl_kernel.weak_ref_tensor, a compiled function
             # with no torch-native equivalent here; prefill is not target-verify, so kdtree never serves it.
             "--disable-prefill-cuda-graph", "--kv-cache-dtype", s.kv_cache_dtype,
-            *SPECULATIVE[s.algorithm], *s.extra_args,
+            *SPECULATIVE[s.algorithm],
+            *(("--speculative-draft-model-path", str(self.drafter)) if self.drafter else ()), *s.extra_args,
         ]  # fmt: skip
 
     def command(self) -> list[str]:

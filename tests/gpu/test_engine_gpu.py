@@ -9,10 +9,16 @@ starts (a start takes about a minute; in parallel the starts overlap):
   NGRAM (8 draft tokens):             off (the reference), validate, on, standby
   NEXTN (topk 4, 3 steps, 8 tokens):   off (the reference), validate, on, standby
   NGRAM on fp8 KV caches (e4m3, e5m2): validate (it serves the original: the reference), on, per dtype
+  DFLASH, block 8 and block 16 (SGLang's DFlash worker, a one-layer drafter with dummy weights: a causal-chain
+  verify of 8 / 16 tokens): off, validate, on, standby, per block size
+
+The DFLASH servers are tests of their own (`-k dflash`: kernel_build/bench/device_run.sh engine-spec), so that each
+device call stays under its limit; `engine-tests` runs the rest (`-k "not dflash"`).
 
 half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
-import hook) with the entry point switched off. Greedy decoding only (temperature > 0 reaches a sampling kernel
-that is not stood in for here). Run: bash kernel_build/bench/device_run.sh engine-tests.
+import hook) with the entry point switched off. Greedy decoding only: the comparisons need determinism (the sampled
+verify's rejection sampling runs through a slow Python stand-in here: tests/gpu/torch_standins.py). Run: bash
+kernel_build/bench/device_run.sh engine-tests, and engine-spec for DFLASH.
 """
 
 from __future__ import annotations
@@ -55,8 +61,29 @@ SPECS = {
             "ngram-e5m2-validate", "NGRAM", Mode.VALIDATE, install="sitecustomize", kv_cache_dtype="fp8_e5m2"
         ),
         ServerSpec("ngram-e5m2-on", "NGRAM", Mode.ON, kv_cache_dtype="fp8_e5m2"),
+        *(
+            spec
+            for b in (8, 16)
+            for spec in (
+                ServerSpec(f"dflash-b{b}-off", f"DFLASH-B{b}", Mode.OFF),
+                ServerSpec(f"dflash-b{b}-validate", f"DFLASH-B{b}", Mode.VALIDATE, install="sitecustomize"),
+                ServerSpec(
+                    f"dflash-b{b}-on",
+                    f"DFLASH-B{b}",
+                    Mode.ON,
+                    install="sitecustomize" if b == 8 else "plugin",
+                ),
+                ServerSpec(f"dflash-b{b}-standby", f"DFLASH-B{b}", Mode.STANDBY),
+            )
+        ),
     )
 }
+ALGOS = [
+    "ngram",
+    "nextn",
+    "dflash-b8",
+    "dflash-b16",
+]  # the bf16 servers' algorithms, as their names spell them
 BF16 = [n for n, s in SPECS.items() if s.kv_cache_dtype == "auto"]
 PROMPTS = [prompt_of(n, seed) for seed, n in enumerate((12, 40, 97, 180, 333, 64, 250, 21))]
 CAPTURE_BEGIN = re.compile(r"Capture target verify CUDA graph begin")
@@ -152,7 +179,7 @@ def test_kdtree_installs_once_in_every_sglang_process(fleet, name):
 # ---- validate and on, against the reference -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["ngram", "nextn"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_validate_compares_every_verify_step_within_tolerance(fleet, algo):
     server = fleet[f"{algo}-validate"]
     before = verify_counts(server)
@@ -166,7 +193,7 @@ def test_validate_compares_every_verify_step_within_tolerance(fleet, algo):
     assert {"eager", "captured"} <= set(server.record(0).verify_inputs)
 
 
-@pytest.mark.parametrize("algo", ["ngram", "nextn"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_on_serves_every_verify_step_and_matches_off_token_for_token(fleet, algo):
     on, off = fleet[f"{algo}-on"], fleet[f"{algo}-off"]
     before = verify_counts(on)

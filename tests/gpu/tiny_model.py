@@ -10,6 +10,12 @@ DeepSeek-V3's is) for `--speculative-algorithm NEXTN`; and a word-level tokenize
 values, so the model's outputs are deterministic noise (greedy decoding is still deterministic, which is what the
 comparisons need).
 
+`write_dflash_drafter(dir, target_layers, block_size)` writes a one-layer DFlash block drafter for that target
+(SGLang's `DFlashDraftModel`, config only, for `--speculative-algorithm DFLASH --speculative-draft-load-format dummy`):
+Qwen3-style MHA, 8 heads of 128, the target's hidden size and vocabulary (it borrows the target's embedding and LM
+head), reading the target's hidden states after layers 1 and layers-2 (DeepSeek captures id+1 inside the next layer,
+so an id must be at most layers-2).
+
 The tokenizer splits on whitespace and knows VOCAB words `w0` ... plus four special tokens, so a prompt of N known
 words is N tokens (plus BOS): `prompt_of(n, seed)` makes one.
 """
@@ -129,6 +135,44 @@ def write_model(path: str | Path, layers: int = 8, nextn: bool = True) -> Path:
     (path / "config.json").write_text(json.dumps(config(layers, nextn), indent=1))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     write_tokenizer(path)
+    return path
+
+
+def dflash_drafter_config(target_layers: int = 8, block_size: int = 16) -> dict:
+    """config.json of a one-layer DFlash drafter for the tiny target of `target_layers` layers."""
+    target = config(target_layers)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "torch_dtype": "bfloat16",
+        "vocab_size": target["vocab_size"],
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rope_theta": 10000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        # mask_token_id: the pad token (no "<|MASK|>" in this vocabulary); target layers: see the module docstring
+        "dflash_config": {
+            "block_size": block_size,
+            "mask_token_id": 3,
+            "target_layer_ids": [1, target_layers - 2],
+        },
+    }
+
+
+def write_dflash_drafter(path: str | Path, target_layers: int = 8, block_size: int = 16) -> Path:
+    """The drafter's folder at `path` (created): config.json only (its weights are dummy)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dflash_drafter_config(target_layers, block_size), indent=1))
     return path
 
 

@@ -16,6 +16,9 @@ both servers' top-2 logprobs there.
 
     python3 kernel_build/bench/benchmarks/bench_engine.py --out engine.md      # the table; engine.json beside it
     bash kernel_build/bench/device_run.sh engine                     # the same on the GPU machine, into $OUT
+
+--algorithms takes the keys of tests/gpu/real_server.py's SPECULATIVE: NGRAM, NEXTN, and DFLASH-B8 / DFLASH-B16
+(SGLang's DFlash worker, block 8 / 16, with a one-layer drafter of dummy weights: device_run.sh engine-spec).
 """
 
 from __future__ import annotations
@@ -165,6 +168,11 @@ def main() -> int:
         f"Model: tiny DeepSeek-V3 architecture, random weights (--load-format dummy), layers {args.layers}, hidden "
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA kv_lora_rank {cfg['kv_lora_rank']} + rope "
         f"{cfg['qk_rope_head_dim']}, dense MLP {cfg['intermediate_size']}; one MTP layer (MoE) for NEXTN; "
+        + (
+            "a one-layer DFlash drafter (dummy weights) for DFLASH; "
+            if any(a.startswith("DFLASH") for a in algos)
+            else ""
+        )
         + ("bf16 KV" if args.kv_cache_dtype == "auto" else f"KV cache {args.kv_cache_dtype} (scales 1.0)"),
         f"Server: tp 1, Triton attention, CUDA graphs for batch 1-4, greedy, ignore_eos, {args.max_tokens} tokens per "
         f"request, {args.repeats} rounds per mode (interleaved), prompt in the prefix cache, --sleep-on-idle; decode "
