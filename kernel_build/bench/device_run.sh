@@ -67,7 +67,7 @@ if [ "$what" = engine-spec ]; then
   echo "engine-spec tests: $((SECONDS - t0)) s (rc=$rc)"
   left=$((${KDTREE_SPEC_BUDGET_S:-560} - (SECONDS - t0)))
   if [ "$left" -gt 90 ] && grep -q " passed" "$out/engine-spec-tests.log"; then  # no benchmark of servers that cannot start
-    timeout -s INT -k 10 "$left" python3 kernel_build/bench/bench_engine.py --out "$out/engine-spec.md" \
+    timeout -s INT -k 10 "$left" python3 kernel_build/bench/benchmarks/bench_engine.py --out "$out/engine-spec.md" \
       --root /tmp/engine-spec-bench --algorithms DFLASH-B8,DFLASH-B16 --layers 8 --prompts 2048,32768 --batches 1 \
       --repeats 2 --max-tokens 64 --time-budget-s $((left - 60)) 2>&1 | tee "$out/engine-spec-bench.log"
     echo "engine-spec benchmark: $((SECONDS - t0)) s (rc=${PIPESTATUS[0]})"
