@@ -15,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from kdtree.status import json_safe
+from kdtree.state.atomic import json_safe
 
 from .controller import Controller, ModeRequest
 from .metrics import Metrics

@@ -52,8 +52,8 @@ from pydantic import BaseModel, Field, StrictBool
 from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_exponential
 
 from kdtree.config import LIVE_MODES, Mode
-from kdtree.control import mode_path, read_desired_mode, write_desired_mode
-from kdtree.status import RankRecord, RankView
+from kdtree.state.mode_file import mode_path, read_desired_mode, write_desired_mode
+from kdtree.state.rank_records import RankRecord, RankView
 
 from .gate import (
     Criterion,

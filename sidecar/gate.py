@@ -1,5 +1,5 @@
 """Evidence from the ranks' records: are they all there in the right mode, did kdtree do its work during a bake,
-and does validate mode allow `on`. The records come in as read (kdtree.status.read_records, on the state
+and does validate mode allow `on`. The records come in as read (kdtree.state.rank_records.read_records, on the state
 volume's thread): nothing here touches a file.
 
 Parity values may be non-finite (+inf where the reference is all zeros, NaN from a broken output): every
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pydantic import BaseModel
 
 from kdtree.config import FP8_PARITY_RTOL, Mode
-from kdtree.status import RankRecord, RankView, read_records
+from kdtree.state.rank_records import RankRecord, RankView, read_records
 
 from .settings import SidecarSettings
 

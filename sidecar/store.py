@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdtree.config import ConfigError, Mode
-from kdtree.status import json_safe, open_regular, read_bounded, tail_of, write_atomically
+from kdtree.state.atomic import json_safe, open_regular, read_bounded, tail_of, write_atomically
 
 from .vocabulary import Method, Outcome, Step
 from .volume import StateVolume, VolumeWriteFailed

@@ -67,8 +67,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kdtree from this checkout when run as a script
 
 from kdtree.config import Mode  # noqa: E402
-from kdtree.control import ModeHolder, read_desired_mode  # noqa: E402
-from kdtree.heartbeat import Heartbeat  # noqa: E402
+from kdtree.state.heartbeat import Heartbeat  # noqa: E402
+from kdtree.state.mode_file import ModeHolder, read_desired_mode  # noqa: E402
 
 FAULTS = (
     "none",

@@ -11,8 +11,8 @@ import pytest
 from sidecar_harness import make_settings
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
-from kdtree.status import RankView, new_record
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.rank_records import RankView, new_record
 from sidecar.controller import ContainerView, Controller
 from sidecar.gate import RankCheck
 from sidecar.metrics import Metrics

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kdtree.config import FP8_PARITY_RTOL, Mode
-from kdtree.status import Parity, RankView, new_record
+from kdtree.state.rank_records import Parity, RankView, new_record
 from sidecar.gate import bake_evidence, check_ranks, gate_to_on, live_records, non_finite_parity
 from sidecar.settings import SidecarSettings
 

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode
-from kdtree.status import read_records
+from kdtree.state.mode_file import read_desired_mode
+from kdtree.state.rank_records import read_records
 
 pytestmark = pytest.mark.sglang
 TP = 3

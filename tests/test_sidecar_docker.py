@@ -19,7 +19,7 @@ from sidecar_harness import AUTH, make_settings, sidecar
 from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode
+from kdtree.state.mode_file import read_desired_mode
 from sidecar.server_control import ContainerMissing
 from sidecar.server_control.docker import DockerError, ServerContainer
 from sidecar.server_log import crash_excerpt, latest_marker

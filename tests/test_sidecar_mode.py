@@ -23,7 +23,7 @@ from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, 
 from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
 from sidecar.server_control import ContainerMissing
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 

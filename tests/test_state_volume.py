@@ -26,10 +26,11 @@ import pytest
 from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
 from standin_engine import free_port
 
-from kdtree import control as control_module
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
-from kdtree.status import RECORD_MAX, new_record, own_pid_ns, read_records, record_path
+from kdtree.state import mode_file as control_module
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.pids import own_pid_ns
+from kdtree.state.rank_records import RECORD_MAX, new_record, read_records, record_path
 from sidecar import controller as controller_module
 from sidecar import store as store_module
 from sidecar.controller import Controller
@@ -55,7 +56,7 @@ def logs(caplog):
 class VolumeFaults:
     """The sidecar's writes fail with OSError(code), from the first one that `trigger(path, text)` matches on,
     until heal() (once: that write only): the state file and the mode file (write_atomically, as sidecar.store
-    and kdtree.control call it) and the audit append (sidecar.store.append_line)."""
+    and kdtree.state.mode_file call it) and the audit append (sidecar.store.append_line)."""
 
     def __init__(self, monkeypatch):
         self.code: int | None = None
@@ -393,7 +394,7 @@ async def test_a_record_that_is_no_record_is_refused_naming_why(standin, tmp_pat
 
 @pytest.mark.parametrize(("value", "shown"), [("inf", "Infinity"), ("-inf", "-Infinity"), ("nan", "NaN")])
 async def test_non_finite_parity_from_the_ranks_refuses_the_gate_by_name(standin, tmp_path, value, shown):
-    """Written by the ranks' own code (kdtree.heartbeat through the stand-in), read back by the sidecar."""
+    """Written by the ranks' own code (kdtree.state.heartbeat through the stand-in), read back by the sidecar."""
     proc = standin("--parity-calls", "500", f"--parity-max-rel={value}", mode=Mode.VALIDATE)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
         await wait_ready(c)

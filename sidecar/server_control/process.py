@@ -1,7 +1,7 @@
 """The server seen and restarted as a process, without the Docker socket (KDTREE_SERVER_CONTROL=process).
 
 The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json
-(kdtree.process_record's format), rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's
+(kdtree.state.process_record's format), rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's
 output into KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads both and maps them onto the same
 ContainerState the Docker control reports, so the controller's state machine is the same for both:
 
@@ -18,7 +18,7 @@ its pid means nothing to the sidecar); where the record's pid namespace is the s
 pod sharing one), the pid itself is checked, which sees a SIGKILL at once.
 
 Restarting sends no signal across containers: the sidecar writes a restart request for the running start into
-the state volume (kdtree.process_record.RestartRequest); the launcher acknowledges it in its record, stops the
+the state volume (kdtree.state.restart_request.RestartRequest); the launcher acknowledges it in its record, stops the
 server as the orchestrator's SIGTERM would (SIGKILL to its process group after the request's stop timeout)
 and exits; the orchestrator's restart policy starts the container again (compose: restart: unless-stopped;
 Kubernetes: restartPolicy: Always), which shows as a new start in the record. The two containers share only
@@ -34,21 +34,18 @@ import time
 import uuid
 from pathlib import Path
 
-from kdtree.process_record import (
+from kdtree.state.atomic import open_regular, tail_of
+from kdtree.state.pids import own_pid_ns, pid_alive
+from kdtree.state.process_record import (
     HEARTBEAT_S,
     READER_DRAIN_S,
-    REQUEST_POLL_S,
     START_MARK,
-    RestartRequest,
     ServerProcessRecord,
     log_path,
-    pid_alive,
     process_path,
     read_process_record,
-    request_path,
-    write_restart_request,
 )
-from kdtree.status import open_regular, own_pid_ns, tail_of
+from kdtree.state.restart_request import REQUEST_POLL_S, RestartRequest, request_path, write_restart_request
 
 from .protocol import ContainerMissing, ContainerState, ServerControlError
 
