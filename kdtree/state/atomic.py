@@ -13,7 +13,9 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 
 class StateFileError(ValueError):
@@ -97,3 +99,19 @@ def tail_of(f: BinaryIO, n: int, cap: int) -> list[bytes]:
     if lines and lines[-1] == b"":
         lines.pop()
     return lines[-n:] if n > 0 else []
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_model(path: str | os.PathLike, limit: int, model: type[M]) -> M:
+    """The one way a state file is read: bounded (StateFileError when larger than `limit` or no regular file,
+    FileNotFoundError when absent), then validated as `model` (pydantic's ValidationError, for the caller to name)."""
+    return model.model_validate_json(read_bounded(path, limit))
+
+
+def first_error(e: ValidationError) -> str:
+    """pydantic's first complaint, with where it is: "Input should be a valid integer at pid"."""
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ()))
+    return f"{err['msg']}" + (f" at {where}" if where else "")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from kdtree.state.atomic import read_bounded, write_atomically
+from kdtree.state.atomic import read_model, write_atomically
 
 LOG_FILE = "server.log"
 PROCESS_FILE = "server-process.json"
@@ -59,11 +59,9 @@ def read_process_record(state_dir: str | os.PathLike) -> ServerProcessRecord | N
     has started on this volume; ValueError (with the path) when it is unreadable."""
     path = process_path(state_dir)
     try:
-        data = read_bounded(path, RECORD_CAP)
+        return read_model(path, RECORD_CAP, ServerProcessRecord)
     except FileNotFoundError:
         return None
-    try:
-        return ServerProcessRecord.model_validate_json(data)
     except ValidationError as e:
         raise ValueError(f"{path} is unreadable: {e.errors()[0]['msg']}") from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
 
-from kdtree.state.atomic import read_bounded, write_atomically
+from kdtree.state.atomic import first_error, read_bounded, write_atomically
 from kdtree.state.pids import own_pid_ns, pid_exists
 
 SCHEMA = 1
@@ -96,7 +96,7 @@ def read_record(path: str | os.PathLike) -> RankRecord:
     try:
         version = _Schema.model_validate_json(data).schema_version
     except ValidationError as e:
-        raise ValueError(f"not a rank record: {_first_error(e)}") from None
+        raise ValueError(f"not a rank record: {first_error(e)}") from None
     if version != SCHEMA:
         raise ValueError(
             f"schema_version {version}; this sidecar reads {SCHEMA}: upgrade the sidecar image to the server's"
@@ -104,17 +104,11 @@ def read_record(path: str | os.PathLike) -> RankRecord:
     try:
         return RankRecord.model_validate_json(data)
     except ValidationError as e:
-        raise ValueError(f"not a rank record: {_first_error(e)}") from None
+        raise ValueError(f"not a rank record: {first_error(e)}") from None
 
 
 class _Schema(BaseModel):
     schema_version: int = SCHEMA
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err.get("loc", ()))
-    return f"{err['msg']}" + (f" at {where}" if where else "")
 
 
 def read_records(

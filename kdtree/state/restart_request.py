@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from kdtree.state.atomic import read_bounded, write_atomically
+from kdtree.state.atomic import read_model, write_atomically
 
 REQUEST_FILE = "restart-request.json"
 REQUEST_POLL_S = 0.5  # how often the launcher looks for a restart request
@@ -39,6 +39,6 @@ def read_restart_request(state_dir: str | os.PathLike) -> RestartRequest | None:
     """The standing restart request; None when there is none or it is unreadable (a request that cannot be read
     is not acted on: the sidecar then reports that its request was not acted on)."""
     try:
-        return RestartRequest.model_validate_json(read_bounded(request_path(state_dir), REQUEST_MAX))
+        return read_model(request_path(state_dir), REQUEST_MAX, RestartRequest)
     except (OSError, ValueError):
         return None
