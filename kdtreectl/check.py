@@ -504,7 +504,7 @@ def _accept_from_server(args) -> float | None:
         return None
 
 
-def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
+def _request_and_follow(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
     """POST /mode (gated) and follow it; the transition, or None with report['failure'] set."""
     code, body = side.post_mode(mode, reason="kdtreectl check")
     for c in body.get("criteria") or []:
@@ -577,14 +577,14 @@ def cmd_check(args) -> int:
             if args.flip and start_mode != Mode.ON and report["failure"] is None:
                 flip: dict = {"from_mode": start_mode}
                 report["flip"] = flip
-                t = _flip(side, args, Mode.ON.value, report)
+                t = _request_and_follow(side, args, Mode.ON.value, report)
                 flip["transition"] = t
                 if t is not None and t.get("outcome") == Outcome.SUCCEEDED:
                     runs["on"] = asyncio.run(_load(args, model, texts, "on", side))
                     flip["parity"] = {r: c["parity"] for r, c in rank_counts(side.status()).items()}
                     _compare(flip, runs[start_mode][0], runs["on"][0])
                     if not args.stay:
-                        back = _flip(side, args, start_mode, {})
+                        back = _request_and_follow(side, args, start_mode, {})
                         flip["returned"] = back.get("outcome") if back else "failed"
                         if not back or back.get("outcome") != Outcome.SUCCEEDED:
                             report["failure"] = (

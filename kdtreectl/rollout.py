@@ -144,7 +144,7 @@ def _await_transition(args, r: Replica, tid: str) -> None:
     r.detail = short("; ".join(x for x in why if x))
 
 
-def _flip(args, r: Replica, mode: str, force: bool = False) -> Replica:
+def _flip_replica(args, r: Replica, mode: str, force: bool = False) -> Replica:
     start = time.monotonic()
     body = _post_mode(args, r, mode, force=force)
     if body is not None:
@@ -254,7 +254,7 @@ def cmd_rollout(args) -> int:
     failed: Replica | None = None
     for label, wave in waves:
         with ThreadPoolExecutor(len(wave)) as pool:
-            for f in as_completed([pool.submit(_flip, args, r, args.to) for r in wave]):
+            for f in as_completed([pool.submit(_flip_replica, args, r, args.to) for r in wave]):
                 r = f.result()
                 r.changed = r.outcome == Outcome.SUCCEEDED
                 say(_line(label, r, args.to))
@@ -270,7 +270,7 @@ def cmd_rollout(args) -> int:
         if args.rollback_on_failure:
             for r in reversed([r for r in replicas if r.changed]):
                 back = Replica(url=r.url, to_mode=r.from_mode or "")
-                _flip(args, back, r.from_mode, force=True)
+                _flip_replica(args, back, r.from_mode, force=True)
                 if back.outcome in DONE:
                     r.outcome, r.changed = ReplicaOutcome.REVERTED, False
                     r.detail = f"flipped back to {r.from_mode} after the rollout stopped"

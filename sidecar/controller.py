@@ -66,7 +66,7 @@ from .gate import (
 )
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
-from .server_control import ContainerMissing, ContainerState, ServerControl, ServerControlError
+from .server_control import ServerControl, ServerControlError, ServerMissing, ServerState
 from .server_log import LogMarker, crash_excerpt, latest_marker
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
@@ -77,13 +77,13 @@ log = logging.getLogger("kdtree.sidecar")
 BUSY_STATUS = (429, 503)  # a completion refused for load (or while SGLang drains): /health decides
 
 
-class ContainerView(BaseModel):
-    state: ContainerState | None = None
+class ServerView(BaseModel):
+    state: ServerState | None = None
     error: str | None = None
     missing: bool = False  # Docker answered: there is no such container
 
 
-class VolumeSnapshot(BaseModel):
+class VolumeReading(BaseModel):
     """What the sidecar reads from the state volume for one assessment (on the volume's thread)."""
 
     views: list[RankView]
@@ -91,16 +91,16 @@ class VolumeSnapshot(BaseModel):
     mode_file_error: str | None = None
 
 
-def read_snapshot(settings: SidecarSettings) -> VolumeSnapshot:
+def read_volume(settings: SidecarSettings) -> VolumeReading:
     """The rank records and the mode file (blocking reads: StateVolume.read runs it on its thread)."""
     try:
         mode, error = read_desired_mode(settings.state_dir), None
     except (OSError, ValueError) as e:
         mode, error = None, str(e)
-    return VolumeSnapshot(views=read_rank_views(settings), mode_file=mode, mode_file_error=error)
+    return VolumeReading(views=read_rank_views(settings), mode_file=mode, mode_file_error=error)
 
 
-def _mode_file_text(snap: VolumeSnapshot | None) -> str | None:
+def _mode_file_text(snap: VolumeReading | None) -> str | None:
     """The mode file as /status shows it."""
     if snap is None:
         return "unread: the state volume did not answer"
@@ -120,7 +120,7 @@ class Assessment(BaseModel):
     notes: list[str] = []  # what is wrong but tolerated (probes failing under load), for people
     mode: Mode  # the mode the server is expected to run in right now
     probe: ProbeResult | None
-    container: ContainerView
+    server: ServerView  # the server control's view (/status: "container")
     ranks: RankCheck
     mode_file: str | None  # what the mode file says, for /status
 
@@ -164,7 +164,7 @@ class Controller:
         self.prober.on_result = self._observe_probe
         self._monitor_task: asyncio.Task | None = None
         self._draining_until: float | None = None  # monotonic: /ready is 503 until the server is stopped
-        self.container_flight: SingleFlight[ContainerView] = SingleFlight(self._inspect)
+        self.server_flight: SingleFlight[ServerView] = SingleFlight(self._inspect)
         self.log_flight: SingleFlight[str] = SingleFlight(self._logs)
         self._task: asyncio.Task | None = None  # the running request or transition: the claim
         self._requested: Mode | None = None  # what the running request asked for
@@ -201,7 +201,7 @@ class Controller:
             await self._abort(t)
             return
         if self.server is None or (await self._inspect()).missing:
-            # No server container (a stack coming back up): it will start from the restored mode file.
+            # No server (a stack coming back up): it will start from the restored mode file.
             t.failure = t.failure or (
                 f"the sidecar stopped at step {t.step}; the server container is gone, and the mode file is "
                 f"back at {t.from_mode.value} for its next start"
@@ -262,16 +262,16 @@ class Controller:
             if fatal:
                 raise
 
-    async def _snapshot(self) -> VolumeSnapshot | None:
+    async def _read_volume(self) -> VolumeReading | None:
         """The rank records and the mode file; None when the volume did not answer within the deadline."""
-        return await self.volume.read("snapshot", lambda: read_snapshot(self.settings))
+        return await self.volume.read("volume", lambda: read_volume(self.settings))
 
     async def rank_views(self) -> list[RankView]:
-        snap = await self._snapshot()
+        snap = await self._read_volume()
         return snap.views if snap else []
 
     async def _live_records(self) -> dict[int, RankRecord]:
-        snap = await self._snapshot()
+        snap = await self._read_volume()
         return live_records(self.settings, snap.views) if snap else {}
 
     # ---- observation -----------------------------------------------------------------------------
@@ -300,13 +300,13 @@ class Controller:
         if not result.ok:
             self.metrics.probe_failures.labels(reason=result.reason).inc()
 
-    async def _inspect(self) -> ContainerView:
+    async def _inspect(self) -> ServerView:
         if self.server is None:
-            return ContainerView(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
+            return ServerView(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
         try:
-            return ContainerView(state=await asyncio.to_thread(self.server.inspect))
+            return ServerView(state=await asyncio.to_thread(self.server.inspect))
         except ServerControlError as e:
-            return ContainerView(error=str(e), missing=isinstance(e, ContainerMissing))
+            return ServerView(error=str(e), missing=isinstance(e, ServerMissing))
 
     def expected_mode(self) -> Mode:
         """The mode the server should be in now (by a transition still running, or the settled one)."""
@@ -341,15 +341,15 @@ class Controller:
         modes = {mode} if mode else self.expected_modes()
         mode = mode or self.expected_mode()
         self._retry_save()
-        probe, container, snap = await asyncio.gather(
+        probe, server, snap = await asyncio.gather(
             self._probe_for(fresh),
-            self.container_flight.get(1.0, wait=s.probe_deadline_s),  # at most one inspection a second
-            self._snapshot(),
+            self.server_flight.get(1.0, wait=s.probe_deadline_s),  # at most one inspection a second
+            self._read_volume(),
         )
-        container = container or ContainerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
+        server = server or ServerView(error=f"Docker did not answer within {s.probe_deadline_s:g}s")
         # What came before the server's latest start (a crash and the restart policy, a restart by hand) is the
         # previous server's: neither its last probe nor its ranks' records speak for this one.
-        begun = container.state.started_at if container.state else None
+        begun = server.state.started_at if server.state else None
         if begun is not None:
             started_after = max(started_after or begun, begun)
         stale_probe = probe is not None and begun is not None and probe.at < begun
@@ -372,16 +372,16 @@ class Controller:
                 f"KDTREE_PROBE_INTERVAL_S={s.probe_interval_s:g}s)"
             )
         elif not probe.ok:
-            problem, note = self._failed_probe(probe, container.state, fresh)
+            problem, note = self._failed_probe(probe, server.state, fresh)
             reasons += [problem] if problem else []
             notes += [note] if note else []
         tolerated = bool(notes)
         current = None if stale_probe else probe
-        server_phase = self._server_phase(current, container.state, ranks, tolerated)
-        if container.state and container.state.crashed:
+        server_phase = self._server_phase(current, server.state, ranks, tolerated)
+        if server.state and server.state.crashed:
             reasons.append(
-                f"server container is {container.state.status} (exit code {container.state.exit_code}, "
-                f"OOMKilled {container.state.oom_killed})"
+                f"server container is {server.state.status} (exit code {server.state.exit_code}, "
+                f"OOMKilled {server.state.oom_killed})"
             )
         reasons += ranks.problems
         server_ready = not reasons
@@ -402,7 +402,7 @@ class Controller:
             phase = Phase.SWITCHING if t.method == Method.LIVE else Phase.RESTARTING
         self.metrics.phase.state(phase)
         ready = not reasons
-        condition, evidence = self._condition(ready, container, current, state_problems)
+        condition, evidence = self._condition(ready, server, current, state_problems)
         # The latest assessment is the sidecar's verdict, whoever asked for it (/ready, /status, a transition).
         self.metrics.ready.set(1 if ready else 0)
         self.metrics.condition.state(condition)
@@ -417,17 +417,17 @@ class Controller:
             notes=notes,
             mode=mode,
             probe=probe,
-            container=container,
+            server=server,
             ranks=ranks,
             mode_file=_mode_file_text(snap),
         )
 
-    def _served_since_start(self, c: ContainerState | None) -> bool:
+    def _served_since_start(self, c: ServerState | None) -> bool:
         ok_at, started = self.prober.last_ok_at, c.started_at if c is not None else None
         return ok_at is not None and (started is None or ok_at > started)
 
     def _failed_probe(
-        self, probe: ProbeResult, c: ContainerState | None, fresh: bool
+        self, probe: ProbeResult, c: ServerState | None, fresh: bool
     ) -> tuple[str | None, str | None]:
         """(a reason the server is not ready, or None; a note when the failure is tolerated)."""
         s = self.settings
@@ -464,7 +464,7 @@ class Controller:
         except VolumeWriteFailed:
             pass
 
-    def _state_problems(self, snap: VolumeSnapshot | None) -> list[str]:
+    def _state_problems(self, snap: VolumeReading | None) -> list[str]:
         """What is wrong on the sidecar's side of the volume: a failed write, or (no transition running) a mode
         file that disagrees with the mode the sidecar expects, which the ranks follow all the same."""
         problems = [self.volume.problem.reason] if self.volume.problem else []
@@ -485,7 +485,7 @@ class Controller:
         return problems
 
     def _condition(
-        self, ready: bool, container: ContainerView, probe: ProbeResult | None, state_problems: list[str]
+        self, ready: bool, server: ServerView, probe: ProbeResult | None, state_problems: list[str]
     ) -> tuple[Condition, list[str]]:
         """Whether a server that is not ready will get there by itself (not_ready_yet) or needs someone
         (broken), with the facts behind the verdict. Unlike the phase, it does not depend on what happened
@@ -499,17 +499,17 @@ class Controller:
             return Condition.NOT_READY_YET, [
                 f"a {t.method} transition {t.from_mode} -> {t.to_mode} is at step {t.step}"
             ]
-        s, c = self.settings, container.state
+        s, c = self.settings, server.state
         if c is not None and c.crashed:
             return Condition.BROKEN, [f"the server process is {c.status} (exit code {c.exit_code})"]
-        if container.missing:
+        if server.missing:
             up, grace = time.monotonic() - self._born, s.start_grace_s
             if up > grace:
                 return Condition.BROKEN, [
                     f"no server has started in the {up:.0f}s since the sidecar started "
                     f"(KDTREE_START_GRACE_S={grace:g}): the server container is not running, or does not "
                     f"share the state volume {s.state_dir} with the sidecar",
-                    str(container.error),
+                    str(server.error),
                 ]
             return Condition.NOT_READY_YET, [
                 f"no server has started yet, {up:.0f}s after the sidecar (KDTREE_START_GRACE_S={grace:g})"
@@ -545,23 +545,23 @@ class Controller:
         ]
 
     def _server_phase(
-        self, probe: ProbeResult | None, container: ContainerState | None, ranks: RankCheck, tolerated: bool
+        self, probe: ProbeResult | None, server: ServerState | None, ranks: RankCheck, tolerated: bool
     ) -> Phase:
-        if container is not None:
-            if container.crashed:
+        if server is not None:
+            if server.crashed:
                 return Phase.CRASHED
-            if container.status == "created":
+            if server.status == "created":
                 return Phase.STARTING
         if probe is None:
             return Phase.STARTING
         if probe.ok or tolerated:
             return Phase.READY if ranks.ok else Phase.DEGRADED
-        started = (container.started_at if container else None) or 0.0
+        started = (server.started_at if server else None) or 0.0
         served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > started
         if probe.reason == REFUSED:
             # SGLang keeps its port closed until weights and CUDA graphs are in place; after serving, a closed
             # port means it stopped answering.
-            return Phase.DEGRADED if served_since_start and container is not None else Phase.LOADING
+            return Phase.DEGRADED if served_since_start and server is not None else Phase.LOADING
         since = max(self.prober.last_refused_at or 0.0, started)
         served_since_start = self.prober.last_ok_at is not None and self.prober.last_ok_at > since
         answering_busy = probe.reason == TIMEOUT or (probe.reason == HTTP_STATUS and probe.status_code == 503)
@@ -570,7 +570,7 @@ class Controller:
         return Phase.DEGRADED
 
     async def _logs(self) -> str:
-        c = self.container_flight.cached
+        c = self.server_flight.cached
         since = c.state.started_at if c is not None and c.state is not None else None
         return await asyncio.to_thread(self.server.logs, self.settings.log_tail_lines, since)
 
@@ -579,7 +579,7 @@ class Controller:
         marker: LogMarker | None = None
         excerpt: list[str] = []
         log_error = None
-        c = a.container.state
+        c = a.server.state
         if self.server is not None and c is not None:
             try:
                 # One read at a time (a hung volume under process control holds one thread), bounded.
@@ -610,7 +610,7 @@ class Controller:
                 "path": self.settings.state_dir,
                 "problem": {**problem.model_dump(), "fix": problem.fix} if problem else None,
             },
-            "container": a.container.model_dump(),
+            "container": a.server.model_dump(),
             "log": {
                 "latest_marker": marker.model_dump() if marker else None,
                 "crash_excerpt": excerpt,
@@ -649,7 +649,7 @@ class Controller:
         # No await since the check above: the new task is the claim before any other request runs.
         answer: asyncio.Future[tuple[int, dict]] = asyncio.get_running_loop().create_future()
         self._requested = req.mode
-        self._start_task(self._serve(req, answer, preempted))
+        self._start_task(self._decide_and_run(req, answer, preempted))
         return await asyncio.shield(answer)  # a client that goes away does not cancel the transition
 
     def _heading_to(self) -> Mode | None:
@@ -659,7 +659,9 @@ class Controller:
             return self._requested
         return t.from_mode if t.step == Step.ROLLING_BACK else t.to_mode
 
-    async def _serve(self, req: ModeRequest, answer: asyncio.Future, preempted: asyncio.Task | None) -> None:
+    async def _decide_and_run(
+        self, req: ModeRequest, answer: asyncio.Future, preempted: asyncio.Task | None
+    ) -> None:
         """The request's task: end what it preempts, decide, answer, and run the transition it accepted."""
         try:
             if preempted is not None:
@@ -713,7 +715,7 @@ class Controller:
         """The answer to a request, and the transition it starts (made active here) when it is accepted."""
         current = self.state.current_mode
         target = req.mode
-        snap = await self._snapshot()
+        snap = await self._read_volume()
         method = self._method(current, target, req.restart, snap.views if snap else [])
         base = {
             "from_mode": current,
@@ -806,7 +808,7 @@ class Controller:
     async def _transition(self, t: Transition) -> None:
         try:
             self._step(t, Step.ACCEPTED, reason=t.reason, force=t.force)
-            await self._flip(t)
+            await self._forward(t)
         except asyncio.CancelledError:
             raise  # stopping (the persisted step makes the next start resolve it), or preempted
         except Exception as e:
@@ -839,7 +841,7 @@ class Controller:
             return None
         except VolumeWriteFailed as e:
             failed = str(e)
-        snap = await self._snapshot()
+        snap = await self._read_volume()
         if snap is not None and snap.mode_file == t.from_mode:
             return None  # it already did
         if snap is None or snap.mode_file is None:
@@ -850,7 +852,7 @@ class Controller:
             f"{snap.mode_file}, so the ranks may serve {snap.mode_file}"
         )
 
-    async def _flip(self, t: Transition) -> None:
+    async def _forward(self, t: Transition) -> None:
         self._step(t, Step.WRITING_MODE)
         self._write_mode(t.to_mode)
         if t.method == Method.LIVE:
@@ -872,7 +874,7 @@ class Controller:
         s = self.settings
         deadline = time.monotonic() + s.live_flip_timeout_s
         while True:
-            snap = await self._snapshot()
+            snap = await self._read_volume()
             records = live_records(s, snap.views) if snap else {}
             waiting = {}
             for rank in range(s.expected_tp_size):
@@ -924,7 +926,7 @@ class Controller:
             raise StepFailed(f"restart failed: {e}") from None
         finally:
             self.prober.invalidate()  # answers from before the restart say nothing about the new server
-            self.container_flight.invalidate()
+            self.server_flight.invalidate()
         view = await self._inspect()
         return view.state.restart_count if view.state else None
 
@@ -982,7 +984,7 @@ class Controller:
 
     @staticmethod
     def _crash_reason(a: Assessment, restarts: int | None) -> str | None:
-        c = a.container.state
+        c = a.server.state
         if c is None:
             return None
         if c.crashed:

@@ -511,10 +511,10 @@ class StandinProcess:
     # ---- the ServerControl interface (imports the sidecar only here: the engine itself does not need it)
 
     def inspect(self):
-        from sidecar.server_control import ContainerState
+        from sidecar.server_control import ServerState
 
         rc = self.proc.poll() if self.proc else None
-        return ContainerState(
+        return ServerState(
             name=self.name,
             status="running" if rc is None else "exited",
             running=rc is None,

@@ -13,17 +13,17 @@ from sidecar_harness import make_settings
 from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
 from kdtree.state.rank_records import RankView, new_record
-from sidecar.controller import ContainerView, Controller
+from sidecar.controller import Controller, ServerView
 from sidecar.gate import RankCheck
 from sidecar.metrics import Metrics
 from sidecar.probe import HTTP_STATUS, REFUSED, TIMEOUT, ProbeResult
-from sidecar.server_control import ContainerMissing, ContainerState
+from sidecar.server_control import ServerMissing, ServerState
 from sidecar.store import SidecarState, Store, Transition
 from sidecar.vocabulary import Condition, Method, Outcome, Phase, Step
 
 
 class Server:
-    """A stand-in ServerControl: a running server started at `started_at`, or none (ContainerMissing)."""
+    """A stand-in ServerControl: a running server started at `started_at`, or none (ServerMissing)."""
 
     name = "stand-in server"
 
@@ -31,11 +31,11 @@ class Server:
         self.started_at, self.status = started_at, status
         self.restarts = 0
 
-    def inspect(self) -> ContainerState:
+    def inspect(self) -> ServerState:
         if self.started_at is None:
-            raise ContainerMissing("no server has started (stand-in)")
+            raise ServerMissing("no server has started (stand-in)")
         running = self.status == "running"
-        return ContainerState(name=self.name, status=self.status, running=running, started_at=self.started_at)
+        return ServerState(name=self.name, status=self.status, running=running, started_at=self.started_at)
 
     def logs(self, tail: int, since: float | None = None) -> str:
         return ""
@@ -59,8 +59,8 @@ def probe(ok: bool, reason: str | None = None, status_code: int | None = None) -
     return ProbeResult(ok=ok, reason=reason, status_code=status_code, latency_s=0.01, at=time.time())
 
 
-def running(started_at: float, status: str = "running") -> ContainerState:
-    return ContainerState(name="s", status=status, running=status == "running", started_at=started_at)
+def running(started_at: float, status: str = "running") -> ServerState:
+    return ServerState(name="s", status=status, running=status == "running", started_at=started_at)
 
 
 RANKS_OK = RankCheck(ok=True, problems=[], ranks=[])
@@ -125,7 +125,7 @@ def test_a_closed_port_after_serving_is_degraded_not_loading(tmp_path):
 
 def test_ready_and_state_problems(tmp_path):
     c = controller(tmp_path)
-    up = ContainerView(state=running(time.time()))
+    up = ServerView(state=running(time.time()))
     assert c._condition(True, up, probe(True), []) == (Condition.READY, [])
     assert c._condition(False, up, probe(True), ["the volume refused a write"]) == (
         Condition.BROKEN,
@@ -135,7 +135,7 @@ def test_ready_and_state_problems(tmp_path):
 
 def test_no_server_yet_is_not_ready_yet_until_the_start_grace_is_spent(tmp_path):
     c = controller(tmp_path, start_grace_s=60.0)
-    missing = ContainerView(error="no server has started", missing=True)
+    missing = ServerView(error="no server has started", missing=True)
     condition, evidence = c._condition(False, missing, None, [])
     assert condition is Condition.NOT_READY_YET and "KDTREE_START_GRACE_S=60" in evidence[0]
     c._born -= 61
@@ -145,11 +145,11 @@ def test_no_server_yet_is_not_ready_yet_until_the_start_grace_is_spent(tmp_path)
 
 def test_a_crashed_server_is_broken_and_a_slow_one_only_past_its_budget(tmp_path):
     c = controller(tmp_path, ready_timeout_s=100.0)
-    crashed = ContainerView(state=running(time.time() - 5, "exited"))
+    crashed = ServerView(state=running(time.time() - 5, "exited"))
     assert c._condition(False, crashed, None, [])[0] is Condition.BROKEN
-    slow = ContainerView(state=running(time.time() - 50))
+    slow = ServerView(state=running(time.time() - 50))
     assert c._condition(False, slow, probe(False, REFUSED), [])[0] is Condition.NOT_READY_YET
-    stuck = ContainerView(state=running(time.time() - 150))
+    stuck = ServerView(state=running(time.time() - 150))
     condition, evidence = c._condition(False, stuck, probe(False, REFUSED), [])
     assert condition is Condition.BROKEN and "never ready (KDTREE_READY_TIMEOUT_S=100)" in evidence[0]
 
@@ -158,9 +158,7 @@ def test_a_server_that_served_since_its_start_and_fails_now_is_broken(tmp_path):
     c = controller(tmp_path)
     started = time.time() - 30
     c.prober.last_ok_at = started + 10
-    condition, evidence = c._condition(
-        False, ContainerView(state=running(started)), probe(False, TIMEOUT), []
-    )
+    condition, evidence = c._condition(False, ServerView(state=running(started)), probe(False, TIMEOUT), [])
     assert condition is Condition.BROKEN and "and fails now" in evidence[0]
 
 
@@ -169,7 +167,7 @@ def test_a_running_transition_is_not_ready_yet_naming_its_step(tmp_path):
     c.state.active = Transition(
         from_mode=Mode.VALIDATE, to_mode=Mode.ON, method=Method.LIVE, step=Step.BAKING
     )
-    condition, evidence = c._condition(False, ContainerView(state=running(time.time())), None, [])
+    condition, evidence = c._condition(False, ServerView(state=running(time.time())), None, [])
     assert condition is Condition.NOT_READY_YET
     assert evidence == ["a live transition validate -> on is at step baking"]
 

@@ -24,7 +24,7 @@ from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
-from sidecar.server_control import ContainerMissing
+from sidecar.server_control import ServerMissing
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 
 pytestmark = pytest.mark.anyio
@@ -354,7 +354,7 @@ class GoneServer:
     name = "kdtree-server"
 
     def inspect(self):
-        raise ContainerMissing("no container named 'kdtree-server' (check KDTREE_SERVER_CONTAINER)")
+        raise ServerMissing("no container named 'kdtree-server' (check KDTREE_SERVER_CONTAINER)")
 
     def logs(self, tail, since=None):
         self.inspect()

@@ -296,7 +296,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
     /live at once; when the volume answers again, so does everything else."""
     proc = standin()
     release = threading.Event()
-    real = controller_module.read_snapshot
+    real = controller_module.read_volume
 
     def hung(settings):
         release.wait(30)
@@ -308,7 +308,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
     try:
         async with sidecar(settings, server=proc) as c:
             await wait_ready(c)
-            monkeypatch.setattr(controller_module, "read_snapshot", hung)
+            monkeypatch.setattr(controller_module, "read_volume", hung)
             start = time.monotonic()
             pending = [asyncio.create_task(c.get(path)) for path in ("/ready", "/status", "/metrics") * 4]
             await asyncio.sleep(0.05)
@@ -326,7 +326,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
             assert all(a.status_code in (200, 503) for a in answers)
             assert len(volume_threads() - others) == 1
             release.set()
-            monkeypatch.setattr(controller_module, "read_snapshot", real)
+            monkeypatch.setattr(controller_module, "read_volume", real)
             await wait_ready(c)
             await kill_switch_works(c, tmp_path, proc)
     finally:

@@ -37,7 +37,7 @@ from kdtree.state.restart_request import (
     read_restart_request,
     write_restart_request,
 )
-from sidecar.server_control import ContainerMissing
+from sidecar.server_control import ServerMissing
 from sidecar.server_control.process import STALE_S, ProcessControlError, ServerProcess
 from sidecar.server_log import crash_excerpt
 from sidecar.settings import SidecarSettings
@@ -271,7 +271,7 @@ def test_the_launcher_serves_through_the_supervisor(tmp_path, monkeypatch, capfd
 
 
 def test_no_record_means_no_server_yet(tmp_path):
-    with pytest.raises(ContainerMissing, match="server-process.json is absent"):
+    with pytest.raises(ServerMissing, match="server-process.json is absent"):
         ServerProcess(tmp_path).inspect()
 
 

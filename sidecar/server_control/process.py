@@ -3,10 +3,10 @@
 The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json
 (kdtree.state.process_record's format), rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's
 output into KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads both and maps them onto the same
-ContainerState the Docker control reports, so the controller's state machine is the same for both:
+ServerState the Docker control reports, so the controller's state machine is the same for both:
 
-  record                                               ContainerState
-  no file                                              ContainerMissing (no server has started yet)
+  record                                               ServerState
+  no file                                              ServerMissing (no server has started yet)
   no exit status, launcher alive                       running
   no exit status, launcher gone                        exited, exit code 137, oom_killed (a guess: SIGKILL)
   exit status                                          exited, its exit code; oom_killed when SIGKILL
@@ -47,7 +47,7 @@ from kdtree.state.process_record import (
 )
 from kdtree.state.restart_request import REQUEST_POLL_S, RestartRequest, request_path, write_restart_request
 
-from .protocol import ContainerMissing, ContainerState, ServerControlError
+from .protocol import ServerControlError, ServerMissing, ServerState
 
 _MARK = re.compile(re.escape(START_MARK) + r" #\d+ at \S+ \(t=(\d+(?:\.\d+)?)\)")
 LOG_READ_CAP = 4 * 1024 * 1024  # bytes read from the end of the log files per logs() call
@@ -86,7 +86,7 @@ class ServerProcess:
         except OSError as e:
             raise ProcessControlError(f"cannot read {process_path(self.state_dir)}: {e}") from None
         if rec is None:
-            raise ContainerMissing(
+            raise ServerMissing(
                 f"no server has started: {process_path(self.state_dir)} is absent (the server's entrypoint "
                 "writes it; the server and the sidecar must share KDTREE_STATE_DIR's volume; with the Docker "
                 "socket instead, set KDTREE_SERVER_CONTROL=docker)"
@@ -106,7 +106,7 @@ class ServerProcess:
             )
         return time.time() - rec.heartbeat_at <= STALE_S
 
-    def inspect(self) -> ContainerState:
+    def inspect(self) -> ServerState:
         rec = self._record()
         base = dict(
             name=self.name,
@@ -120,7 +120,7 @@ class ServerProcess:
                 error = f"the server was killed by {rec.signal}" + (
                     " without a stop request (an OOM kill looks like this)" if killed else ""
                 )
-            return ContainerState(
+            return ServerState(
                 **base,
                 status="exited",
                 running=False,
@@ -130,13 +130,13 @@ class ServerProcess:
                 error=error,
             )
         if self._alive(rec):
-            return ContainerState(**base, status="running", running=True)
+            return ServerState(**base, status="running", running=True)
         gone = (
             f"its heartbeat stopped {time.time() - rec.heartbeat_at:.0f}s ago"
             if rec.heartbeat_at is not None and rec.pid_ns and rec.pid_ns != own_pid_ns()
             else f"pid {rec.pid} is gone"
         )
-        return ContainerState(
+        return ServerState(
             **base,
             status="exited",
             running=False,
