@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from kdtree.state.atomic import json_safe
 
-from .controller import Controller, ModeRequest
+from .admission import ModeRequest
+from .controller import Controller
 from .metrics import Metrics
 from .server_control import ServerControl
 from .server_control.docker import ServerContainer
