@@ -17,13 +17,15 @@ from pydantic import BaseModel, Field, StrictBool
 from kdtree.config import FP8_PARITY_RTOL, LIVE_MODES, Mode
 from kdtree.state.rank_records import RankRecord, RankView
 
+from .api import Criterion, ModeAnswer
 from .metrics import Metrics
+from .probe import REFUSED
 from .rank_evidence import live_records
-from .readiness import Readiness
+from .readiness import Assessment, Readiness
 from .server_control import ServerControl
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
-from .vocabulary import Method
+from .vocabulary import Method, Phase
 
 REASON_MAX = 500  # characters of `reason` a request may carry (it goes into the audit log and the logs)
 
@@ -38,17 +40,6 @@ class ModeRequest(BaseModel):
     force: StrictBool = False
     restart: StrictBool = False  # restart the server even where a live switch would do
     reason: str = Field("", max_length=REASON_MAX)
-
-
-class Criterion(BaseModel):
-    """One condition of a gate: passed when `value <op> threshold` (op: ==, >= or <=) holds."""
-
-    name: str
-    value: float | int | bool | None
-    op: str
-    threshold: float | int | bool | None
-    passed: bool
-    detail: str = ""
 
 
 NON_FINITE_CHECKED = ("max_rel_l2", "max_abs_err", "rtol")  # the parity fields that are floats
@@ -108,53 +99,27 @@ def gate_to_on(
     # Parity numbers only count when every rank is in validate: a partial picture is no evidence.
     no_evidence = "" if all_there else "not every rank reports validate mode"
     return [
-        Criterion(
-            name="server_ready",
-            value=server_ready,
-            op="==",
-            threshold=True,
-            passed=server_ready,
-            detail=ready_detail,
+        Criterion.check("server_ready", server_ready, "==", True, ready_detail),
+        Criterion.check("ranks_in_validate", len(in_validate), "==", want, ranks_detail, evidence=want > 0),
+        Criterion.check(
+            "min_calls_compared", min_calls, ">=", settings.gate_min_calls, no_evidence, evidence=all_there
         ),
-        Criterion(
-            name="ranks_in_validate",
-            op="==",
-            value=len(in_validate),
-            threshold=want,
-            passed=all_there,
-            detail=ranks_detail,
+        Criterion.check(
+            "max_rel_err",
+            max_rel,
+            "<=",
+            rel_bound,
+            "; ".join(x for x in (no_evidence, *non_finite, fp8_detail) if x),
+            evidence=all_there and not non_finite,
         ),
-        Criterion(
-            name="min_calls_compared",
-            op=">=",
-            value=min_calls,
-            threshold=settings.gate_min_calls,
-            detail=no_evidence,
-            passed=all_there and min_calls >= settings.gate_min_calls,
-        ),
-        Criterion(
-            name="max_rel_err",
-            op="<=",
-            value=max_rel,
-            threshold=rel_bound,
-            detail="; ".join(x for x in (no_evidence, *non_finite, fp8_detail) if x),
-            passed=all_there and not non_finite and max_rel is not None and max_rel <= rel_bound,
-        ),
-        Criterion(
-            name="nan_inf",
-            op="<=",
-            value=nan_inf,
-            threshold=settings.gate_max_nan_inf,
-            detail=no_evidence,
-            passed=all_there and nan_inf <= settings.gate_max_nan_inf,
-        ),
-        Criterion(
-            name="calls_over_tol",
-            op="<=",
-            value=over_tol,
-            threshold=settings.gate_max_calls_over_tol,
-            detail=no_evidence,
-            passed=all_there and over_tol <= settings.gate_max_calls_over_tol,
+        Criterion.check("nan_inf", nan_inf, "<=", settings.gate_max_nan_inf, no_evidence, evidence=all_there),
+        Criterion.check(
+            "calls_over_tol",
+            over_tol,
+            "<=",
+            settings.gate_max_calls_over_tol,
+            no_evidence,
+            evidence=all_there,
         ),
     ]
 
@@ -179,65 +144,43 @@ class Admission:
         self.state = state
         self.readiness = readiness
 
-    async def evaluate(self, req: ModeRequest) -> tuple[int, dict, Transition | None]:
+    async def evaluate(self, req: ModeRequest) -> tuple[int, ModeAnswer, Transition | None]:
         """The answer to a request, and the transition it starts (made active here) when it is accepted."""
         current = self.state.current_mode
         target = req.mode
         snap = await self.readiness.read_volume()
         method = self._method(current, target, req.restart, snap.views if snap else [])
-        base = {
-            "from_mode": current,
-            "to_mode": target,
-            "method": method,
-            "dry_run": req.dry_run,
-            "force": req.force,
-        }
+        answer = ModeAnswer(
+            from_mode=current, to_mode=target, method=method, dry_run=req.dry_run, force=req.force
+        )
         # Nothing to do only when the mode file agrees: when it says another mode (a rollback could not write
         # it back) the ranks follow it, and a transition to the same mode rewrites it.
         agrees = snap is not None and snap.mode_file_error is None and snap.mode_file in (None, current)
         if target == current and agrees:
-            return (
-                200,
-                {**base, "changed": False, "detail": f"the server already runs in mode {current}"},
-                None,
-            )
-        criteria = await self._criteria(target)
+            answer.changed, answer.detail = False, f"the server already runs in mode {current}"
+            return 200, answer, None
+        criteria, down = await self._criteria(target)
         passed = all(c.passed for c in criteria)
-        allowed = passed or req.force
-        body = {
-            **base,
-            "allowed": allowed,
-            "gate_passed": passed,
-            "criteria": [c.model_dump() for c in criteria],
-        }
+        answer.allowed, answer.gate_passed, answer.criteria = passed or req.force, passed, criteria
         if req.dry_run:
-            return 200, body, None
-        if not allowed:
+            return 200, answer, None
+        if not answer.allowed:
             self.metrics.gate_refusals.labels(to_mode=target.value).inc()
             failed = ", ".join(c.name for c in criteria if not c.passed)
             self.store.audit(
                 "refused", None, from_mode=current, to_mode=target, failed=failed, reason=req.reason
             )
-            return (
-                412,
-                {
-                    **body,
-                    "error": f"the gate to {target} failed: {failed}; nothing changed "
-                    "(fix the evidence, or pass force to override, which is audited)",
-                },
-                None,
+            answer.error = f"the gate to {target} failed: {failed}; nothing changed " + (
+                f"({down})" if down else "(fix the evidence, or pass force to override, which is audited)"
             )
+            return 412, answer, None
         if method == Method.RESTART and self.server is None:
-            return (
-                503,
-                {
-                    **body,
-                    "error": "this change needs a server restart and the sidecar has no server control: with "
-                    "KDTREE_SERVER_CONTROL=docker, set KDTREE_SERVER_CONTAINER and mount the Docker socket "
-                    "(or use KDTREE_SERVER_CONTROL=process)",
-                },
-                None,
+            answer.error = (
+                "this change needs a server restart and the sidecar has no server control: with "
+                "KDTREE_SERVER_CONTROL=docker, set KDTREE_SERVER_CONTAINER and mount the Docker socket "
+                "(or use KDTREE_SERVER_CONTROL=process)"
             )
+            return 503, answer, None
         t = Transition(
             from_mode=current,
             to_mode=target,
@@ -256,10 +199,10 @@ class Admission:
                 failed=[c.name for c in criteria if not c.passed],
                 warning="the gate was skipped by force",
             )
-        body = {**body, "accepted": True, "transition": t.model_dump()}
+        answer.accepted, answer.transition = True, t.model_copy()
         if req.force and not passed:
-            body["warning"] = "FORCED: the gate failed and was skipped; this is recorded in the audit log"
-        return 202, body, t
+            answer.warning = "FORCED: the gate failed and was skipped; this is recorded in the audit log"
+        return 202, answer, t
 
     def _method(self, current: Mode, target: Mode, restart: bool, views: list[RankView]) -> Method:
         """live when both modes are live modes and every expected rank says it can switch to the target."""
@@ -277,16 +220,46 @@ class Admission:
         )
         return Method.LIVE if able else Method.RESTART
 
-    async def _criteria(self, target: Mode) -> list[Criterion]:
+    async def _criteria(self, target: Mode) -> tuple[list[Criterion], str | None]:
+        """The gate's criteria for `target`, and, when the server is down, what to do about that (a refusal then
+        names the down server and how to start it, not the evidence)."""
         if target in (Mode.OFF, Mode.STANDBY):
-            return []  # the kill switch and the live remedy (Triton serves, kdtree idle) are never gated
+            return (
+                [],
+                None,
+            )  # the kill switch and the live remedy (Triton serves, kdtree idle) are never gated
         a = await self.readiness.assess(
             fresh=True
         )  # a probe of its own: a flip that could not bake is not started
         detail = "; ".join(a.reasons)
+        down = server_down(a)
         if target == Mode.VALIDATE:
             up = a.probe is not None and a.probe.ok
-            return [Criterion(name="server_up", value=up, op="==", threshold=True, passed=up, detail=detail)]
+            return [Criterion.check("server_up", up, "==", True, detail)], down
         # Not a.ready: a mode file that disagrees is what this transition rewrites; a failed write still refuses.
         ready = a.server_ready and self.readiness.volume.problem is None
-        return gate_to_on(self.settings, a.ranks.ranks, ready, detail)
+        return gate_to_on(self.settings, a.ranks.ranks, ready, detail), down
+
+
+START_THE_SERVER = (
+    "start it: `docker compose up -d` (`docker compose logs server` says why it stopped; under Kubernetes the "
+    "kubelet restarts it, `kubectl logs POD -c server` says why); `kdtreectl status` shows its crash excerpt; "
+    "then ask again"
+)
+
+
+def server_down(a: Assessment) -> str | None:
+    """How the server is down (crashed, not there, its port closed) or not up yet, with what to do; None when it
+    answers: then the refusal is about the evidence."""
+    state = a.server.state
+    if state is not None and state.crashed:
+        why = f"the server is down ({state.status}, exit code {state.exit_code})"
+    elif a.server.missing:
+        why = "the server is down (not started: no server process or container)"
+    elif a.probe is not None and a.probe.reason == REFUSED:
+        if a.server_phase == Phase.LOADING:
+            return "the server is still loading (its port opens once it can serve): `kdtreectl wait`, then ask again"
+        why = "the server is down (its port refuses connections)"
+    else:
+        return None
+    return f"{why}: no evidence can pass until it serves; {START_THE_SERVER}"

@@ -24,6 +24,7 @@ from kdtree.state.mode_file import read_desired_mode
 from kdtree.state.rank_records import RankView
 
 from .admission import Admission, ModeRequest
+from .api import ModeAnswer, StatusDocument
 from .metrics import Metrics
 from .readiness import Assessment, Readiness
 from .server_control import ServerControl
@@ -61,7 +62,7 @@ class Controller:
     async def rank_views(self) -> list[RankView]:
         return await self.readiness.rank_views()
 
-    async def status(self) -> dict:
+    async def status(self) -> StatusDocument:
         return await self.report.document()
 
     async def start(self) -> None:
@@ -129,7 +130,7 @@ class Controller:
             t.rollback_failure = t.rollback_failure or f"the sidecar failed: {type(e).__name__}: {e}"
             self.runner.finish(t, Outcome.ROLLBACK_FAILED)
 
-    async def request_mode(self, req: ModeRequest) -> tuple[int, dict]:
+    async def request_mode(self, req: ModeRequest) -> tuple[int, ModeAnswer]:
         """Evaluate and, when allowed, start a transition. Returns (HTTP status, body)."""
         if req.dry_run:
             status, body, _ = await self.admission.evaluate(req)
@@ -138,17 +139,17 @@ class Controller:
         if self.running():
             if req.mode != Mode.OFF or self._heading_to() == Mode.OFF:
                 active = self.state.active
-                return 409, {
-                    "error": "a mode transition is already running; retry when it has finished"
+                return 409, ModeAnswer(
+                    error="a mode transition is already running; retry when it has finished"
                     + ("" if req.mode == Mode.OFF else " (POST /mode off preempts it)"),
-                    "transition": active.model_dump() if active else {"step": "evaluating the gate"},
-                }
+                    transition=active.model_copy() if active else {"step": "evaluating the gate"},
+                )
             preempted = self._task
             self._cancel_reason = "preempted by POST /mode off" + (f" ({req.reason})" if req.reason else "")
             preempted.cancel()  # it unwinds at its next await, and touches the state no more
             self._preempt(req)
         # No await since the check above: the new task is the claim before any other request runs.
-        answer: asyncio.Future[tuple[int, dict]] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[tuple[int, ModeAnswer]] = asyncio.get_running_loop().create_future()
         self._requested = req.mode
         self._start_task(self._decide_and_run(req, answer, preempted))
         return await asyncio.shield(answer)  # a client that goes away does not cancel the transition
@@ -170,11 +171,10 @@ class Controller:
             status, body, t = await self.admission.evaluate(req)
         except asyncio.CancelledError:
             if not answer.done():
-                answer.set_result((409, {
-                    "error": f"{self._cancel_reason or 'cancelled'} before this request was decided; "
-                    "nothing changed",
-                    "transition": None,
-                }))  # fmt: skip
+                answer.set_result((409, ModeAnswer(
+                    error=f"{self._cancel_reason or 'cancelled'} before this request was decided; nothing changed",
+                    transition=None,
+                )))  # fmt: skip
             raise
         except BaseException as e:
             if not answer.done():

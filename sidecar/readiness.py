@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from kdtree.config import Mode
 from kdtree.state.rank_records import RankRecord, RankView
 
+from .api import ServerView
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
 from .rank_evidence import (
@@ -42,12 +43,6 @@ from .volume import StateVolume, VolumeWriteFailed
 log = logging.getLogger("kdtree.sidecar")
 
 BUSY_STATUS = (429, 503)  # a completion refused for load (or while SGLang drains): /health decides
-
-
-class ServerView(BaseModel):
-    state: ServerState | None = None
-    error: str | None = None
-    missing: bool = False  # Docker answered: there is no such container
 
 
 class Assessment(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from .api import LogStatus, ModeStatus, StateVolumeStatus, StatusDocument, VolumeProblemReport
 from .probe import SingleFlight
 from .readiness import Readiness
 from .server_control import ServerControlError
@@ -28,7 +29,7 @@ class StatusReport:
         since = c.state.started_at if c is not None and c.state is not None else None
         return await asyncio.to_thread(self.server.logs, self.settings.log_tail_lines, since)
 
-    async def document(self) -> dict:
+    async def document(self) -> StatusDocument:
         a = await self.readiness.assess()
         marker: LogMarker | None = None
         excerpt: list[str] = []
@@ -47,35 +48,27 @@ class StatusReport:
             except ServerControlError as e:
                 log_error = str(e)
         problem = self.volume.problem
-        return {
-            "phase": a.phase,
-            "server_phase": a.server_phase,
-            "ready": a.ready,
-            "condition": a.condition,
-            "condition_evidence": a.condition_evidence,
-            "reasons": a.reasons,
-            "notes": a.notes,
-            "mode": {
-                "current": self.state.current_mode,
-                "expected_now": a.mode,
-                "desired_file": a.mode_file,
-            },
-            "state_volume": {
-                "path": self.settings.state_dir,
-                "problem": {**problem.model_dump(), "fix": problem.fix} if problem else None,
-            },
-            "container": a.server.model_dump(),
-            "log": {
-                "latest_marker": marker.model_dump() if marker else None,
-                "crash_excerpt": excerpt,
-                "error": log_error,
-            },
-            "probe": a.probe.model_dump() if a.probe else None,
-            "probe_failures_in_a_row": self.prober.failures,
-            "server_health": self.prober.health.model_dump() if self.prober.health else None,
-            "ranks": [v.model_dump() for v in a.ranks.ranks],
-            "rank_problems": a.ranks.problems,
-            "expected_tp_size": self.settings.expected_tp_size,
-            "active_transition": self.state.active.model_dump() if self.state.active else None,
-            "transitions": [t.model_dump() for t in self.state.history[-10:]],
-        }
+        return StatusDocument(
+            phase=a.phase,
+            server_phase=a.server_phase,
+            ready=a.ready,
+            condition=a.condition,
+            condition_evidence=a.condition_evidence,
+            reasons=a.reasons,
+            notes=a.notes,
+            mode=ModeStatus(current=self.state.current_mode, expected_now=a.mode, desired_file=a.mode_file),
+            state_volume=StateVolumeStatus(
+                path=str(self.settings.state_dir),
+                problem=VolumeProblemReport(**problem.model_dump(), fix=problem.fix) if problem else None,
+            ),
+            container=a.server,
+            log=LogStatus(latest_marker=marker, crash_excerpt=excerpt, error=log_error),
+            probe=a.probe,
+            probe_failures_in_a_row=self.prober.failures,
+            server_health=self.prober.health,
+            ranks=a.ranks.ranks,
+            rank_problems=a.ranks.problems,
+            expected_tp_size=self.settings.expected_tp_size,
+            active_transition=self.state.active.model_copy() if self.state.active else None,
+            transitions=[t.model_copy() for t in self.state.history[-10:]],
+        )

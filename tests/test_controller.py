@@ -13,11 +13,11 @@ from sidecar_harness import make_settings
 from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
 from kdtree.state.rank_records import RankView, new_record
+from sidecar.api import ServerView
 from sidecar.controller import Controller
 from sidecar.metrics import Metrics
 from sidecar.probe import HTTP_STATUS, REFUSED, TIMEOUT, ProbeResult
 from sidecar.rank_evidence import RankCheck
-from sidecar.readiness import ServerView
 from sidecar.server_control import ServerMissing, ServerState
 from sidecar.store import SidecarState, Store, Transition
 from sidecar.vocabulary import Condition, Method, Outcome, Phase, Step
