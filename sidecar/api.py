@@ -11,7 +11,7 @@ import math
 import operator
 from typing import Any, Literal
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from kdtree.config import Mode
 from kdtree.state.rank_records import RankView
@@ -85,15 +85,14 @@ class ModeAnswer(BaseModel):
     dry_run: bool | None = None
     force: bool | None = None
     changed: bool | None = None
-    detail: str | None = None
+    detail: str | list | None = None  # a list: FastAPI's 422 names each field
     allowed: bool | None = None
     gate_passed: bool | None = None
     criteria: list[Criterion] = []
     error: str | None = None
     accepted: bool | None = None
-    transition: Transition | dict[str, Any] | None = (
-        None  # a dict: {"step": "evaluating the gate"} while busy
-    )
+    # a Transition whenever it reads as one; a dict ({"step": "evaluating the gate"}) while a request is decided
+    transition: Transition | dict[str, Any] | None = Field(None, union_mode="left_to_right")
     warning: str | None = None
 
     def wire(self) -> dict:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode
-from kdtree.state.rank_records import RankRecord, RankView, read_records
+from kdtree.state.rank_records import RankRecord, RankView, read_records, work_between
 
 from .settings import SidecarSettings
 
@@ -133,23 +133,23 @@ def bake_evidence(
                 f"rank {rank}: no live record at the {'start' if a is None else 'end'} of the bake"
             )
             continue
-        if (a.pid, a.started_at) != (b.pid, b.started_at):
+        work = work_between(a, b)
+        if work.restarted:
             problems.append(f"rank {rank}: restarted during the bake (pid {a.pid} -> {b.pid})")
             continue
-        if mode == Mode.ON and b.served_kdtree <= a.served_kdtree:
+        if mode == Mode.ON and work.served <= 0:
             problems.append(
                 f"rank {rank}: kdtree served no verify call during the bake "
                 f"(served_kdtree {a.served_kdtree} -> {b.served_kdtree})"
             )
-        if mode == Mode.VALIDATE and b.parity.calls_compared <= a.parity.calls_compared:
+        if mode == Mode.VALIDATE and work.compared <= 0:
             problems.append(
                 f"rank {rank}: no verify call was compared during the bake "
                 f"(calls_compared {a.parity.calls_compared} -> {b.parity.calls_compared})"
             )
-        grew = {r: n - a.fallbacks.get(r, 0) for r, n in b.fallbacks.items() if n > a.fallbacks.get(r, 0)}
-        if grew:
+        if work.fallbacks_grew:
             problems.append(
                 f"rank {rank}: fallbacks grew during the bake: "
-                + ", ".join(f"{r} +{n}" for r, n in sorted(grew.items()))
+                + ", ".join(f"{r} +{n}" for r, n in sorted(work.fallbacks_grew.items()))
             )
     return problems

@@ -30,7 +30,7 @@ from tenacity import AsyncRetrying, retry_if_result, stop_after_delay, wait_expo
 
 from kdtree.config import Mode
 from kdtree.state.mode_file import mode_path, write_desired_mode
-from kdtree.state.rank_records import RankRecord
+from kdtree.state.rank_records import RankRecord, written_since
 
 from .metrics import Metrics
 from .rank_evidence import bake_evidence, live_records
@@ -317,8 +317,7 @@ class TransitionRunner:
         deadline = time.monotonic() + s.heartbeat_stale_s
         while True:
             records = await self.readiness.live_records()
-            fresh = all(r in records and records[r].heartbeat >= at for r in range(s.expected_tp_size))
-            if fresh or time.monotonic() >= deadline:
+            if written_since(records, range(s.expected_tp_size), at) or time.monotonic() >= deadline:
                 return records
             await asyncio.sleep(min(0.5, s.ready_poll_min_s))
 

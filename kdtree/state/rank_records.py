@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
@@ -160,3 +161,31 @@ def new_record(mode: str, tp_rank: int = 0, tp_size: int = 1) -> RankRecord:
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
+
+
+class RankWork(BaseModel):
+    """What one rank did between two of its records: the evidence that the sidecar's bake and `kdtreectl check`
+    both judge (kdtree served verify calls in on, compared them in validate, no fallback grew, same process)."""
+
+    restarted: bool  # another process (pid, start) wrote the later record: the counters started again
+    served: int  # verify calls kdtree answered (served_kdtree grew by)
+    compared: int  # verify calls compared with the original (parity.calls_compared grew by)
+    fallbacks_grew: dict[str, int]  # reason -> how many more
+
+
+def work_between(before: RankRecord, after: RankRecord) -> RankWork:
+    b, a = before, after
+    return RankWork(
+        restarted=(b.pid, b.started_at) != (a.pid, a.started_at),
+        served=a.served_kdtree - b.served_kdtree,
+        compared=a.parity.calls_compared - b.parity.calls_compared,
+        fallbacks_grew={
+            r: n - b.fallbacks.get(r, 0) for r, n in a.fallbacks.items() if n > b.fallbacks.get(r, 0)
+        },
+    )
+
+
+def written_since(records: dict[int, RankRecord], ranks: Iterable[int], at: float) -> bool:
+    """Every one of `ranks` has a record written (its heartbeat) at or after `at`: counters read then include all
+    that happened before `at`."""
+    return all(r in records and records[r].heartbeat >= at for r in ranks)
