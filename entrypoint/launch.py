@@ -32,7 +32,7 @@ from pydantic import SecretStr, ValidationError
 
 from entrypoint.supervise import DEFAULT_LOG_MAX_BYTES, StopRequested, Supervisor, SupervisorSettings
 from kdtree.config import ConfigError, Mode, StateDirSettings, VerifySettings
-from kdtree.control import mode_path, read_desired_mode
+from kdtree.state.mode_file import mode_path, read_desired_mode
 
 EXIT_CONFIG = 2
 USAGE = """usage: python -m entrypoint.launch SGLANG_LAUNCH_SERVER_ARGUMENTS...

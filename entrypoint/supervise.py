@@ -55,22 +55,19 @@ from typing import ClassVar
 from pydantic import field_validator
 
 from kdtree.config import StateDirSettings
-from kdtree.process_record import (
+from kdtree.state.pids import own_pid_ns, proc_stat
+from kdtree.state.process_record import (
     HEARTBEAT_S,
     READER_DRAIN_S,
-    REQUEST_POLL_S,
-    RestartRequest,
     ServerProcessRecord,
     iso_time,
     log_path,
-    proc_stat,
     process_path,
     read_process_record,
-    read_restart_request,
     start_mark,
     write_process_record,
 )
-from kdtree.status import own_pid_ns
+from kdtree.state.restart_request import REQUEST_POLL_S, RestartRequest, read_restart_request
 
 DEFAULT_LOG_MAX_BYTES = 10 * 1024 * 1024
 MIN_LOG_MAX_BYTES = 64 * 1024

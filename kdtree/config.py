@@ -16,7 +16,7 @@ class Mode(StrEnum):
     STANDBY = "standby"  # installed and idle: Triton serves, kdtree does no attention work
 
 
-# A server started in one of these switches between them while it runs (kdtree.control.ModeHolder); to or from
+# A server started in one of these switches between them while it runs (kdtree.state.mode_file.ModeHolder); to or from
 # `off` it restarts.
 LIVE_MODES = frozenset({Mode.VALIDATE, Mode.ON, Mode.STANDBY})
 

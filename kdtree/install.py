@@ -10,7 +10,7 @@ Whichever path comes first installs; the other then finds the install and does n
 `forward_extend` is wrapped once. The installing process prints one line:
 `[kdtree] installed verify override (mode=..., pid=..., tp_rank=..., via=entry-point|import-hook)`. SGLang publishes a scheduler's
 tp rank only after plugins load, so the line usually says `tp_rank=?`; the status record carries the
-rank as soon as it is known (see kdtree.heartbeat).
+rank as soon as it is known (see kdtree.state.heartbeat).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kdtree.config import ConfigError, VerifySettings
 
 if TYPE_CHECKING:
-    from kdtree.heartbeat import Heartbeat
+    from kdtree.state.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
 TARGET_MODULE = "sglang.srt.layers.attention.triton_backend"
@@ -96,7 +96,7 @@ def install_on_import(module: ModuleType) -> bool:
 def _activate() -> None:
     global _override, _heartbeat
     settings = VerifySettings.load()  # ConfigError on a bad value, before anything is changed
-    from kdtree.heartbeat import Heartbeat
+    from kdtree.state.heartbeat import Heartbeat
     from kdtree.verify import VerifyOverride
 
     _override = VerifyOverride(settings)

@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from kdtree.config import FP8_PARITY_RTOL as FP8_PARITY_RTOL_BY_NAME
 from kdtree.config import Mode, VerifySettings
-from kdtree.control import ModeHolder
+from kdtree.state.mode_file import ModeHolder
 
 # Absorbed MLA (DeepSeek-V3, Kimi-K2): q/k = 512 latent + 64 rope dims, v = the 512 latent dims, one KV head.
 QK_HEAD_DIM = 576

@@ -25,6 +25,9 @@ from pathlib import Path
 import httpx
 
 from kdtree.config import Mode
+from kdtree.state.atomic import json_safe
+from kdtree.state.rank_records import RankView, work_between, written_since
+from sidecar.api import StatusDocument
 from sidecar.vocabulary import Outcome
 
 from .client import SidecarClient, Unreachable, criterion_line, short
@@ -175,41 +178,25 @@ async def run_level(
 # ---- evidence from the rank records ------------------------------------------------------------------------
 
 
-def rank_counts(status: dict) -> dict[int, dict]:
-    """Per tensor-parallel rank: the counters of its record in a /status document."""
-    out = {}
-    for view in status.get("ranks") or []:
-        rec = view.get("record") or {}
-        out[int(rec.get("tp_rank", -1))] = {
-            "mode": rec.get("mode"),
-            "installed": bool(rec.get("installed")),
-            "stale": bool(view.get("stale")),
-            "pid": rec.get("pid"),
-            "served_kdtree": int(rec.get("served_kdtree") or 0),
-            "served_original": int(rec.get("served_original") or 0),
-            "compared": int((rec.get("parity") or {}).get("calls_compared") or 0),
-            "fallbacks": dict(rec.get("fallbacks") or {}),
-            "parity": rec.get("parity") or {},
-        }
-    return out
+def rank_counts(status: StatusDocument) -> dict[int, RankView]:
+    """Per tensor-parallel rank: its record (and whether it is stale) in a /status document."""
+    return {v.record.tp_rank: v for v in status.ranks}
 
 
-def verify_evidence(before: dict[int, dict], after: dict[int, dict], expected: int) -> list[dict]:
-    """Per rank, what kdtree did between two /status reads: served (on) and compared (validate) verify calls,
-    and the fallback reasons that grew. `ok` when kdtree served or compared at least one call."""
+def verify_evidence(before: dict[int, RankView], after: dict[int, RankView], expected: int) -> list[dict]:
+    """Per rank, what kdtree did between two /status reads (kdtree.state.rank_records.work_between, as the
+    sidecar's bake judges it): served (on) and compared (validate) verify calls, and the fallback reasons that
+    grew. `ok` when kdtree served or compared at least one call."""
     rows = []
     for rank in range(max(expected, len(after))):
         a, b = before.get(rank), after.get(rank)
-        if a is None or b is None or a["pid"] != b["pid"]:
+        work = work_between(a.record, b.record) if a is not None and b is not None else None
+        if work is None or work.restarted:
             rows.append({"rank": rank, "ok": False, "served": 0, "compared": 0, "fallbacks_grew": {},
                          "problem": "no record" if b is None else "the rank restarted during the load"})  # fmt: skip
             continue
-        grew = {
-            r: n - a["fallbacks"].get(r, 0) for r, n in b["fallbacks"].items() if n > a["fallbacks"].get(r, 0)
-        }
-        served, compared = b["served_kdtree"] - a["served_kdtree"], b["compared"] - a["compared"]
-        rows.append({"rank": rank, "ok": served + compared > 0, "served": served, "compared": compared,
-                     "fallbacks_grew": grew, "problem": None})  # fmt: skip
+        rows.append({"rank": rank, "ok": work.served + work.compared > 0, "served": work.served,
+                     "compared": work.compared, "fallbacks_grew": work.fallbacks_grew, "problem": None})  # fmt: skip
     return rows
 
 
@@ -419,19 +406,19 @@ def _fail_line(message: str, code: int) -> int:
     return code
 
 
-def _preflight(st: dict) -> tuple[str, int] | None:
+def _preflight(st: StatusDocument) -> tuple[str, int] | None:
     """Why the stack cannot be checked now, with the exit code; or None."""
-    if st.get("active_transition"):
+    if st.active_transition:
         return "a mode transition is running; run the check when it has finished", BUSY
     if readiness(st) != OK:
-        reasons = "; ".join(st.get("reasons") or ["?"])
-        return f"the stack is not ready (phase {st.get('phase')}): {reasons}", readiness(st)
+        reasons = "; ".join(st.reasons or ["?"])
+        return f"the stack is not ready (phase {st.phase}): {reasons}", readiness(st)
     ranks = rank_counts(st)
-    missing = [r for r in range(int(st.get("expected_tp_size") or 0)) if r not in ranks]
-    bad = [r for r, c in ranks.items() if c["stale"] or (c["mode"] != "off" and not c["installed"])]
+    missing = [r for r in range(st.expected_tp_size) if r not in ranks]
+    bad = [r for r, v in ranks.items() if v.stale or (v.record.mode != "off" and not v.record.installed)]
     if missing or bad:
         return f"ranks missing {missing} or stale / not installed {bad}: see kdtreectl status", NOT_READY
-    if (st.get("mode") or {}).get("current") == "off":
+    if st.mode.current == Mode.OFF:
         return (
             "the server runs in off: kdtree is not installed; switch to validate first (kdtreectl mode validate)",
             USAGE,
@@ -465,15 +452,15 @@ async def _load(
     return levels, evidence
 
 
-def _fresh_counts(side: SidecarClient, at: float, timeout: float = 30.0) -> dict[int, dict]:
+def _fresh_counts(side: SidecarClient, at: float, timeout: float = 30.0) -> dict[int, RankView]:
     """The rank counters once every rank has rewritten its record after `at` (a rank heartbeats every
     KDTREE_HEARTBEAT_S, 5 s by default), or what there is after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        st = side.status()
-        beats = [(v.get("record") or {}).get("heartbeat") or 0 for v in st.get("ranks") or []]
-        if (beats and min(beats) >= at) or time.monotonic() >= deadline:
-            return rank_counts(st)
+        views = rank_counts(side.status())
+        records = {r: v.record for r, v in views.items()}
+        if (records and written_since(records, records, at)) or time.monotonic() >= deadline:
+            return views
         time.sleep(0.2)
 
 
@@ -504,26 +491,27 @@ def _accept_from_server(args) -> float | None:
         return None
 
 
-def _flip(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
+def _request_and_follow(side: SidecarClient, args, mode: str, report: dict) -> dict | None:
     """POST /mode (gated) and follow it; the transition, or None with report['failure'] set."""
     code, body = side.post_mode(mode, reason="kdtreectl check")
-    for c in body.get("criteria") or []:
+    for c in body.criteria:
         say("  " + criterion_line(c))
-    if code == 200 and body.get("changed") is False:
+    if code == 200 and body.changed is False:
         return {"outcome": Outcome.SUCCEEDED.value, "method": "none", "duration_s": 0.0, "to_mode": mode}
     if code != 202:
-        failed = [c["name"] for c in body.get("criteria") or [] if not c.get("passed")]
+        failed = [c.name for c in body.criteria if not c.passed]
         why = f"the gate refused the flip to {mode} ({', '.join(failed)})" if code == 412 else None
         report["failure"] = (
             why
-            or f"POST /mode {mode} answered {code}: {short(body.get('error') or body.get('detail') or body, 200)}"
+            or f"POST /mode {mode} answered {code}: {short(body.error or body.detail or body.wire(), 200)}"
         )
         return None
-    say(f"flip to {mode} accepted ({body.get('method')}); following it ...")
-    t = side.follow(body["transition"]["id"], args.timeout, args.interval)
-    if t is None:
+    say(f"flip to {mode} accepted ({body.method}); following it ...")
+    followed = side.follow(body.transition.id, args.timeout, args.interval)
+    if followed is None:
         report["failure"] = f"the flip to {mode} did not finish within {args.timeout:g}s"
         return None
+    t = json_safe(followed.model_dump())  # the report's JSON
     say(f"flip to {mode}: {t.get('outcome')} ({t.get('method')}, {t.get('duration_s') or 0:.1f}s)")
     if t.get("outcome") != Outcome.SUCCEEDED:
         report["failure"] = f"the flip to {mode} {t.get('outcome')}: {short(t.get('failure'), 200)}"
@@ -568,7 +556,7 @@ def cmd_check(args) -> int:
             not_ready = _preflight(st)
             if not_ready:
                 return _fail_line(*not_ready)
-            start_mode = st["mode"]["current"]
+            start_mode = st.mode.current.value
             report["model"] = model = _model(args)
             say(
                 f"stack ready in mode {start_mode}; model {model}; {len(texts)} prompts, levels {args.concurrency}"
@@ -577,14 +565,17 @@ def cmd_check(args) -> int:
             if args.flip and start_mode != Mode.ON and report["failure"] is None:
                 flip: dict = {"from_mode": start_mode}
                 report["flip"] = flip
-                t = _flip(side, args, Mode.ON.value, report)
+                t = _request_and_follow(side, args, Mode.ON.value, report)
                 flip["transition"] = t
                 if t is not None and t.get("outcome") == Outcome.SUCCEEDED:
                     runs["on"] = asyncio.run(_load(args, model, texts, "on", side))
-                    flip["parity"] = {r: c["parity"] for r, c in rank_counts(side.status()).items()}
+                    flip["parity"] = {
+                        r: json_safe(v.record.parity.model_dump())
+                        for r, v in rank_counts(side.status()).items()
+                    }
                     _compare(flip, runs[start_mode][0], runs["on"][0])
                     if not args.stay:
-                        back = _flip(side, args, start_mode, {})
+                        back = _request_and_follow(side, args, start_mode, {})
                         flip["returned"] = back.get("outcome") if back else "failed"
                         if not back or back.get("outcome") != Outcome.SUCCEEDED:
                             report["failure"] = (

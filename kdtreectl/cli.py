@@ -11,10 +11,12 @@ import sys
 import time
 
 from kdtree.config import Mode
+from sidecar.api import StatusDocument
+from sidecar.store import Transition
 from sidecar.vocabulary import Outcome, Step
 
 from . import check, exit_codes, rollout
-from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed
+from .client import SidecarClient, Unreachable, busy_with, criterion_line, fmt_elapsed
 from .exit_codes import BUSY, CRASHED, FAILED, OK, TIMED_OUT, UNAUTHORIZED, UNREACHABLE, USAGE, readiness
 from .settings import CtlSettings
 
@@ -28,63 +30,55 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _rank_lines(st: dict) -> list[str]:
+def _rank_lines(st: StatusDocument) -> list[str]:
     """One line per rank record: mode, installed, served and fallback counts, parity."""
     lines = []
-    for view in st.get("ranks") or []:
-        r = view.get("record") or {}
-        p = r.get("parity") or {}
-        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted((r.get("fallbacks") or {}).items())) or "none"
+    for view in st.ranks:
+        r, p = view.record, view.record.parity
+        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(r.fallbacks.items())) or "none"
         lines.append(
-            f"  rank {r.get('tp_rank')}: {r.get('mode')}"
-            + (" (stale: " + str(view.get("stale_reason")) + ")" if view.get("stale") else "")
-            + ("" if r.get("installed") else " NOT installed")
-            + f", served kdtree {r.get('served_kdtree')} / original {r.get('served_original')}"
+            f"  rank {r.tp_rank}: {r.mode}"
+            + (f" (stale: {view.stale_reason})" if view.stale else "")
+            + ("" if r.installed else " NOT installed")
+            + f", served kdtree {r.served_kdtree} / original {r.served_original}"
             + f", fallbacks {fallbacks}"
-            + f", compared {p.get('calls_compared')} (max rel L2 {p.get('max_rel_l2')}, over tol "
-            f"{p.get('calls_over_tol')}, NaN/Inf {p.get('nan_inf')})"
-            + (f", pending {r['mode_pending']}" if r.get("mode_pending") else "")
+            + f", compared {p.calls_compared} (max rel L2 {p.max_rel_l2}, over tol "
+            f"{p.calls_over_tol}, NaN/Inf {p.nan_inf})"
+            + (f", pending {r.mode_pending}" if r.mode_pending else "")
         )
     return lines
 
 
-def _summary(st: dict) -> str:
-    c = st.get("container") or {}
-    cs = c.get("state") or {}
-    marker = (st.get("log") or {}).get("latest_marker") or {}
-    probe = st.get("probe") or {}
-    mode = st.get("mode") or {}
+def _summary(st: StatusDocument) -> str:
+    c, cs, probe, mode = st.container, st.container.state, st.probe, st.mode
+    marker = st.log.latest_marker
     lines = [
-        f"phase:     {st.get('phase')}"
-        + (f" (server: {st.get('server_phase')})" if st.get("server_phase") != st.get("phase") else ""),
-        f"ready:     {st.get('ready')}" + (f" ({st['condition']})" if st.get("condition") else ""),
-        f"mode:      current {mode.get('current')}, expected now {mode.get('expected_now')}, "
-        + (f"mode file {mode['desired_file']}" if mode.get("desired_file") else "no mode file"),
+        f"phase:     {st.phase}" + (f" (server: {st.server_phase})" if st.server_phase != st.phase else ""),
+        f"ready:     {st.ready} ({st.condition})",
+        f"mode:      current {mode.current}, expected now {mode.expected_now}, "
+        + (f"mode file {mode.desired_file}" if mode.desired_file else "no mode file"),
         "server:    "
         + (
-            f"{cs.get('status')}"
-            + (f" exit={cs['exit_code']}" if cs.get("exit_code") is not None else "")
-            + f" oom={cs.get('oom_killed')} restarts={cs.get('restart_count')}"
+            f"{cs.status}"
+            + (f" exit={cs.exit_code}" if cs.exit_code is not None else "")
+            + f" oom={cs.oom_killed} restarts={cs.restart_count}"
             if cs
-            else str(c.get("error") or "not known")
+            else str(c.error or "not known")
         ),
-        f"log:       {marker.get('text', 'no startup marker yet')}",
+        f"log:       {marker.text if marker else 'no startup marker yet'}",
         "probe:     "
-        + ("ok" if probe.get("ok") else f"{probe.get('reason')}: {probe.get('detail')}" if probe else "none")
-        + (f" ({probe['latency_s']:.3f}s" if probe.get("latency_s") is not None else "")
-        + (f", {probe['verify_steps']} verify steps" if probe.get("verify_steps") is not None else "")
-        + (")" if probe.get("latency_s") is not None else ""),
-        f"ranks:     {len(st.get('ranks') or [])} records, expected {st.get('expected_tp_size')}",
+        + ("none" if probe is None else "ok" if probe.ok else f"{probe.reason}: {probe.detail}")
+        + (f" ({probe.latency_s:.3f}s" if probe and probe.latency_s is not None else "")
+        + (f", {probe.verify_steps} verify steps" if probe and probe.verify_steps is not None else "")
+        + (")" if probe and probe.latency_s is not None else ""),
+        f"ranks:     {len(st.ranks)} records, expected {st.expected_tp_size}",
         *_rank_lines(st),
     ]
-    lines += [f"  problem: {p}" for p in st.get("reasons") or []]
-    t = st.get("active_transition")
+    lines += [f"  problem: {p}" for p in st.reasons]
+    t = st.active_transition
     if t:
-        lines.append(
-            f"transition {t.get('id')}: {t.get('from_mode')} -> {t.get('to_mode')} ({t.get('method')}) at step "
-            f"{t.get('step')}"
-        )
-    for line in (st.get("log") or {}).get("crash_excerpt") or []:
+        lines.append(f"transition {t.id}: {t.from_mode} -> {t.to_mode} ({t.method}) at step {t.step}")
+    for line in st.log.crash_excerpt:
         lines.append(f"  | {line}")
     return "\n".join(lines)
 
@@ -93,10 +87,11 @@ def cmd_status(args) -> int:
     """The summary (or the document), and the stack's readiness as the exit code: 0, 3 crashed, 8 not ready."""
     try:
         with _client(args) as c:
-            st = c.status()
+            raw = c.status_json()
+            st = c.parse_status(raw)
     except Unreachable as e:
         return _fail(str(e), UNREACHABLE)
-    print(json.dumps(st, indent=2) if args.json else _summary(st))
+    print(json.dumps(raw, indent=2) if args.json else _summary(st))
     return readiness(st)
 
 
@@ -133,21 +128,19 @@ def cmd_wait(args) -> int:
                 progress.show(f"sidecar unreachable ({e}) elapsed {fmt_elapsed(elapsed)}")
                 st = None
             if st:
-                marker = ((st.get("log") or {}).get("latest_marker") or {}).get("text", "-")
-                progress.show(f"{st.get('phase')} | {marker} elapsed {fmt_elapsed(elapsed)}")
+                marker = st.log.latest_marker.text if st.log.latest_marker else "-"
+                progress.show(f"{st.phase} | {marker} elapsed {fmt_elapsed(elapsed)}")
                 verdict = readiness(st)
                 if verdict == OK:
                     progress.done()
-                    print(
-                        f"ready after {fmt_elapsed(elapsed)} in mode {(st.get('mode') or {}).get('current')}"
-                    )
+                    print(f"ready after {fmt_elapsed(elapsed)} in mode {st.mode.current}")
                     return OK
                 if verdict == CRASHED:
                     progress.done()
                     print("the server crashed:", file=sys.stderr)
-                    for r in st.get("reasons") or []:
+                    for r in st.reasons:
                         print(f"  {r}", file=sys.stderr)
-                    for line in (st.get("log") or {}).get("crash_excerpt") or []:
+                    for line in st.log.crash_excerpt:
                         print(f"  | {line}", file=sys.stderr)
                     return CRASHED
             if elapsed >= args.timeout:
@@ -156,7 +149,7 @@ def cmd_wait(args) -> int:
                     return _fail(
                         f"the sidecar at {args.url} never answered in {fmt_elapsed(elapsed)}", UNREACHABLE
                     )
-                why = "; ".join(st.get("reasons") or []) if st else "the sidecar stopped answering"
+                why = "; ".join(st.reasons) if st else "the sidecar stopped answering"
                 return _fail(f"not ready after {fmt_elapsed(elapsed)}: {why}", TIMED_OUT)
             time.sleep(min(args.interval, max(0.0, args.timeout - elapsed)))
 
@@ -170,31 +163,25 @@ def cmd_mode(args) -> int:
     except Unreachable as e:
         return _fail(str(e), UNREACHABLE)
     if code in (401, 403):
-        return _fail(f"{body.get('detail')} (pass --token or set KDTREE_ADMIN_TOKEN)", UNAUTHORIZED)
+        return _fail(f"{body.detail} (pass --token or set KDTREE_ADMIN_TOKEN)", UNAUTHORIZED)
     if code == 409:
-        t = body.get("transition") or {}
-        return _fail(
-            f"{body.get('error')}: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}", BUSY
-        )
+        return _fail(f"{body.error}: {busy_with(body.transition)}", BUSY)
     if code in (413, 422):
-        return _fail(f"the sidecar refused the request ({code}): {body.get('detail')}", USAGE)
-    print(
-        f"{body.get('from_mode')} -> {body.get('to_mode')}"
-        + (f" ({body['method']})" if body.get("method") else "")
-    )
-    for criterion in body.get("criteria") or []:
+        return _fail(f"the sidecar refused the request ({code}): {body.detail}", USAGE)
+    print(f"{body.from_mode} -> {body.to_mode}" + (f" ({body.method})" if body.method else ""))
+    for criterion in body.criteria:
         print("  " + criterion_line(criterion))
     if code == 200:
-        if body.get("dry_run") and body.get("changed") is not False:
-            print("dry run: " + ("would be allowed" if body.get("allowed") else "would be refused"))
-            return OK if body.get("allowed") else FAILED
-        print(body.get("detail", "nothing to do"))
+        if body.dry_run and body.changed is not False:
+            print("dry run: " + ("would be allowed" if body.allowed else "would be refused"))
+            return OK if body.allowed else FAILED
+        print(body.detail or "nothing to do")
         return OK
-    if code != 202 or not (body.get("transition") or {}).get("id"):
-        return _fail(str(body.get("error") or body), FAILED)
-    if body.get("warning"):
-        print(f"WARNING: {body['warning']}", file=sys.stderr)
-    tid = body["transition"]["id"]
+    if code != 202 or not isinstance(body.transition, Transition):
+        return _fail(str(body.error or body.wire()), FAILED)
+    if body.warning:
+        print(f"WARNING: {body.warning}", file=sys.stderr)
+    tid = body.transition.id
     print(f"transition {tid} accepted")
     return _follow(args, tid) if args.wait else OK
 
@@ -204,32 +191,28 @@ def _follow(args, tid: str) -> int:
     start = time.monotonic()
     progress = _Progress()
 
-    def show(st: dict) -> None:
-        t = st.get("active_transition") or {}
-        step = t.get("step", "?")
-        if step == Step.AWAITING_RANKS:
-            step += (
-                f" | {t.get('ranks_confirmed', 0)}/{st.get('expected_tp_size')} ranks in {t.get('to_mode')}"
-            )
-        progress.show(f"{step} | {st.get('server_phase')} elapsed {fmt_elapsed(time.monotonic() - start)}")
+    def show(st: StatusDocument) -> None:
+        t = st.active_transition
+        step = t.step if t else "?"
+        if t and step == Step.AWAITING_RANKS:
+            step += f" | {t.ranks_confirmed}/{st.expected_tp_size} ranks in {t.to_mode}"
+        progress.show(f"{step} | {st.server_phase} elapsed {fmt_elapsed(time.monotonic() - start)}")
 
     with _client(args) as c:
         t = c.follow(tid, args.timeout, args.interval, show)
     progress.done()
     if t is None:
         return _fail(f"transition {tid} still running after {fmt_elapsed(args.timeout)}", TIMED_OUT)
-    took = (
-        f"{t.get('method')}, {t['duration_s']:.1f}s" if t.get("duration_s") is not None else t.get("method")
-    )
-    if t.get("outcome") == Outcome.SUCCEEDED:
-        confirmed = f"; every rank confirmed after {t['confirmed_s']:.1f}s" if t.get("confirmed_s") else ""
-        print(f"mode is now {t.get('to_mode')} ({took}{confirmed})")
+    took = f"{t.method}, {t.duration_s:.1f}s" if t.duration_s is not None else t.method
+    if t.outcome == Outcome.SUCCEEDED:
+        confirmed = f"; every rank confirmed after {t.confirmed_s:.1f}s" if t.confirmed_s else ""
+        print(f"mode is now {t.to_mode} ({took}{confirmed})")
         return OK
-    print(f"transition {t.get('outcome')} ({took}): {t.get('failure')}", file=sys.stderr)
-    if t.get("rollback_note"):
-        print(t["rollback_note"], file=sys.stderr)
-    if t.get("rollback_failure"):
-        print(f"rollback failed too: {t['rollback_failure']}", file=sys.stderr)
+    print(f"transition {t.outcome} ({took}): {t.failure}", file=sys.stderr)
+    if t.rollback_note:
+        print(t.rollback_note, file=sys.stderr)
+    if t.rollback_failure:
+        print(f"rollback failed too: {t.rollback_failure}", file=sys.stderr)
     return FAILED
 
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
+
+from kdtree.state.atomic import first_error
+from sidecar.api import Criterion, ModeAnswer, StatusDocument
+from sidecar.store import Transition
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class Unreachable(Exception):
@@ -36,12 +44,18 @@ def short(text, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def criterion_line(c: dict) -> str:
+def criterion_line(c: Criterion) -> str:
     """A gate criterion as `pass  name: need >= 1000, got 1200` (its comparison, not a bare threshold)."""
-    verdict = "pass" if c.get("passed") else "FAIL"
-    need = f"need {c.get('op', '')} {c.get('threshold')}".replace("  ", " ")
-    detail = f" ({c['detail']})" if c.get("detail") else ""
-    return f"{verdict}  {c.get('name')}: {need}, got {c.get('value')}{detail}"
+    verdict = "pass" if c.passed else "FAIL"
+    detail = f" ({c.detail})" if c.detail else ""
+    return f"{verdict}  {c.name}: need {c.op} {c.threshold}, got {c.value}{detail}"
+
+
+def busy_with(t: Transition | dict | None) -> str:
+    """A 409's transition: the one running, or the request still being decided."""
+    if isinstance(t, Transition):
+        return f"{t.from_mode} -> {t.to_mode} at step {t.step}"
+    return f"None -> None at step {(t or {}).get('step')}"
 
 
 class SidecarClient:
@@ -74,7 +88,23 @@ class SidecarClient:
         except httpx.HTTPError as e:
             raise Unreachable(f"cannot reach the sidecar at {self.url}: {type(e).__name__}: {e}") from None
 
-    def status(self) -> dict:
+    def _parse(self, model: type[M], body: dict, what: str) -> M:
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise Unreachable(
+                f"{what} at {self.url} answered a document this kdtreectl cannot read ({first_error(e)}): "
+                "run kdtreectl of the sidecar's version"
+            ) from None
+
+    def status(self) -> StatusDocument:
+        """GET /status, read as the sidecar built it (sidecar.api.StatusDocument)."""
+        return self.parse_status(self.status_json())
+
+    def parse_status(self, body: dict) -> StatusDocument:
+        return self._parse(StatusDocument, body, "GET /status")
+
+    def status_json(self) -> dict:
         """GET /status: the document (Unreachable for anything but a 200 with the sidecar's JSON)."""
         resp = self._send("GET", "/status")
         body = self._json(resp, "GET /status")
@@ -86,7 +116,7 @@ class SidecarClient:
 
     def post_mode(
         self, mode: str, *, dry_run=False, force=False, restart=False, reason=""
-    ) -> tuple[int, dict]:
+    ) -> tuple[int, ModeAnswer]:
         """POST /mode: (HTTP status, body) of a sidecar's answer (MODE_ANSWER_FIELDS); Unreachable for anything
         else. A 401/403 body carries `detail`."""
         request = {"mode": mode, "dry_run": dry_run, "force": force, "restart": restart, "reason": reason}
@@ -98,11 +128,15 @@ class SidecarClient:
                 f"POST /mode at {self.url} answered HTTP {resp.status_code} with JSON no sidecar sends "
                 f"({short(body, 120)}): is this a kdtree sidecar?"
             )
-        return resp.status_code, body
+        return resp.status_code, self._parse(ModeAnswer, body, "POST /mode")
 
     def follow(
-        self, tid: str, timeout: float, interval: float, progress: Callable[[dict], None] | None = None
-    ) -> dict | None:
+        self,
+        tid: str,
+        timeout: float,
+        interval: float,
+        progress: Callable[[StatusDocument], None] | None = None,
+    ) -> Transition | None:
         """The finished transition `tid` from /status, or None after `timeout` seconds. A sidecar that does not
         answer for a while (restarting mid-flip) is waited for: it resolves the transition on its next start."""
         deadline = time.monotonic() + timeout
@@ -112,7 +146,7 @@ class SidecarClient:
             except Unreachable:
                 time.sleep(interval)
                 continue
-            done = [t for t in st.get("transitions") or [] if t.get("id") == tid]
+            done = [t for t in st.transitions if t.id == tid]
             if done:
                 return done[0]
             if progress:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+from sidecar.api import StatusDocument
 from sidecar.vocabulary import Phase
 
 OK, FAILED, USAGE, CRASHED, TIMED_OUT, BUSY, UNAUTHORIZED, UNREACHABLE, NOT_READY = range(9)
@@ -32,8 +33,8 @@ def listing(meanings: dict[int, str]) -> str:
     return textwrap.fill(f"Exit codes: {text}.", width=110) + "\n"
 
 
-def readiness(status: dict) -> int:
+def readiness(status: StatusDocument) -> int:
     """What a /status document means for a command that needs the stack ready: OK, CRASHED or NOT_READY."""
-    if status.get("ready") and status.get("phase") == Phase.READY:
+    if status.ready and status.phase == Phase.READY:
         return OK
-    return CRASHED if status.get("phase") == Phase.CRASHED else NOT_READY
+    return CRASHED if status.phase == Phase.CRASHED else NOT_READY

@@ -12,9 +12,11 @@ from enum import StrEnum
 
 import httpx
 
+from sidecar.api import Criterion, ModeAnswer, StatusDocument
+from sidecar.store import Transition
 from sidecar.vocabulary import Outcome
 
-from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
+from .client import SidecarClient, Unreachable, busy_with, criterion_line, fmt_elapsed, short
 from .exit_codes import FAILED, OK, UNREACHABLE, USAGE, listing
 
 
@@ -46,7 +48,7 @@ class Replica:
     duration_s: float | None = None
     detail: str = ""
     changed: bool = False  # this rollout flipped it, and it is (still) in the new mode
-    criteria: list | None = None  # the gate's criteria, as POST /mode answered them
+    criteria: list[Criterion] | None = None  # the gate's criteria, as POST /mode answered them
 
 
 ROLLOUT_HELP = """\
@@ -84,52 +86,49 @@ def _client(args, url: str) -> SidecarClient:
     return SidecarClient(url, args.token, args.http_timeout)
 
 
-def _post_mode(args, r: Replica, mode: str, *, dry_run: bool = False, force: bool = False) -> dict | None:
-    """POST /mode; sets r's outcome for every answer but 202 (returns the body then, else None)."""
+def _post_mode(
+    args, r: Replica, mode: str, *, dry_run: bool = False, force: bool = False
+) -> ModeAnswer | None:
+    """POST /mode; sets r's outcome for every answer but 202 (returns the answer then, else None)."""
     try:
         with _client(args, r.url) as c:
             code, body = c.post_mode(mode, dry_run=dry_run, force=force, reason=args.reason)
     except Unreachable as e:
         r.outcome, r.detail = ReplicaOutcome.UNREACHABLE, short(e)
         return None
-    r.from_mode = body.get("from_mode", r.from_mode)
-    if isinstance(body.get("criteria"), list):
-        r.criteria = body["criteria"]
-    failed = [c for c in r.criteria or [] if not c.get("passed")]
+    r.from_mode = body.from_mode or r.from_mode
+    if "criteria" in body.model_fields_set:
+        r.criteria = body.criteria
+    failed = [c for c in r.criteria or [] if not c.passed]
     if code in (401, 403):
         r.outcome = ReplicaOutcome.UNAUTHORIZED
-        r.detail = short(f"{body.get('detail')} (pass --token or set KDTREE_ADMIN_TOKEN)")
+        r.detail = short(f"{body.detail} (pass --token or set KDTREE_ADMIN_TOKEN)")
     elif code == 409:
-        t = body.get("transition") or {}
         r.outcome = ReplicaOutcome.BUSY
-        r.detail = short(
-            f"a transition is running: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}"
-        )
-    elif code == 412 or (code == 200 and dry_run and body.get("changed") is not False):
-        r.outcome = (
-            ReplicaOutcome.REFUSED if code == 412 or not body.get("allowed") else ReplicaOutcome.ALLOWED
-        )
+        r.detail = short(f"a transition is running: {busy_with(body.transition)}")
+    elif code == 412 or (code == 200 and dry_run and body.changed is not False):
+        r.outcome = ReplicaOutcome.REFUSED if code == 412 or not body.allowed else ReplicaOutcome.ALLOWED
         r.detail = short("gate failed: " + "; ".join(_need(c) for c in failed)) if failed else ""
     elif code == 200:
-        r.outcome, r.detail = ReplicaOutcome.ALREADY, short(body.get("detail") or f"already in mode {mode}")
-    elif code == 202 and (body.get("transition") or {}).get("id"):
+        r.outcome, r.detail = ReplicaOutcome.ALREADY, short(body.detail or f"already in mode {mode}")
+    elif code == 202 and isinstance(body.transition, Transition):
         return body
     else:
         r.outcome = ReplicaOutcome.ERROR
-        r.detail = short(f"HTTP {code}: {body.get('error') or body.get('detail') or body}")
+        r.detail = short(f"HTTP {code}: {body.error or body.detail or body.wire()}")
     return None
 
 
-def _need(c: dict) -> str:
-    return f"{c.get('name')} need {c.get('op')} {c.get('threshold')}, got {c.get('value')}"
+def _need(c: Criterion) -> str:
+    return f"{c.name} need {c.op} {c.threshold}, got {c.value}"
 
 
 def _await_transition(args, r: Replica, tid: str) -> None:
     """Poll GET /status until transition tid has an outcome, or --timeout."""
     step = ["?"]
 
-    def seen(st: dict) -> None:
-        step[0] = (st.get("active_transition") or {}).get("step", step[0])
+    def seen(st: StatusDocument) -> None:
+        step[0] = st.active_transition.step if st.active_transition else step[0]
 
     with _client(args, r.url) as c:
         t = c.follow(tid, args.timeout, args.interval, seen)
@@ -137,18 +136,18 @@ def _await_transition(args, r: Replica, tid: str) -> None:
         r.outcome = ReplicaOutcome.TIMEOUT
         r.detail = f"transition {tid} still at step {step[0]} after {fmt_elapsed(args.timeout)}"
         return
-    r.outcome = Outcome(t["outcome"]) if t.get("outcome") in set(Outcome) else ReplicaOutcome.ERROR
-    why = [t.get("failure")]
-    if t.get("rollback_failure"):
-        why.append("rollback: " + t["rollback_failure"])
+    r.outcome = t.outcome if t.outcome is not None else ReplicaOutcome.ERROR
+    why = [t.failure]
+    if t.rollback_failure:
+        why.append("rollback: " + t.rollback_failure)
     r.detail = short("; ".join(x for x in why if x))
 
 
-def _flip(args, r: Replica, mode: str, force: bool = False) -> Replica:
+def _flip_replica(args, r: Replica, mode: str, force: bool = False) -> Replica:
     start = time.monotonic()
     body = _post_mode(args, r, mode, force=force)
     if body is not None:
-        _await_transition(args, r, body["transition"]["id"])
+        _await_transition(args, r, body.transition.id)
     r.duration_s = time.monotonic() - start
     return r
 
@@ -223,13 +222,10 @@ def cmd_rollout(args) -> int:
         except Unreachable as e:
             r.outcome, r.detail = ReplicaOutcome.UNREACHABLE, short(e)
             return r
-        r.from_mode = (st.get("mode") or {}).get("current")
-        if st.get("active_transition"):
-            t = st["active_transition"]
+        r.from_mode = st.mode.current
+        if st.active_transition:
             r.outcome = ReplicaOutcome.BUSY
-            r.detail = short(
-                f"a transition is running: {t.get('from_mode')} -> {t.get('to_mode')} at step {t.get('step')}"
-            )
+            r.detail = short(f"a transition is running: {busy_with(st.active_transition)}")
         return r
 
     with ThreadPoolExecutor(workers) as pool:
@@ -254,7 +250,7 @@ def cmd_rollout(args) -> int:
     failed: Replica | None = None
     for label, wave in waves:
         with ThreadPoolExecutor(len(wave)) as pool:
-            for f in as_completed([pool.submit(_flip, args, r, args.to) for r in wave]):
+            for f in as_completed([pool.submit(_flip_replica, args, r, args.to) for r in wave]):
                 r = f.result()
                 r.changed = r.outcome == Outcome.SUCCEEDED
                 say(_line(label, r, args.to))
@@ -270,7 +266,7 @@ def cmd_rollout(args) -> int:
         if args.rollback_on_failure:
             for r in reversed([r for r in replicas if r.changed]):
                 back = Replica(url=r.url, to_mode=r.from_mode or "")
-                _flip(args, back, r.from_mode, force=True)
+                _flip_replica(args, back, r.from_mode, force=True)
                 if back.outcome in DONE:
                     r.outcome, r.changed = ReplicaOutcome.REVERTED, False
                     r.detail = f"flipped back to {r.from_mode} after the rollout stopped"

@@ -15,9 +15,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from kdtree.status import json_safe
+from kdtree.state.atomic import json_safe
 
-from .controller import Controller, ModeRequest
+from .admission import ModeRequest
+from .controller import Controller
 from .metrics import Metrics
 from .server_control import ServerControl
 from .server_control.docker import ServerContainer
@@ -109,15 +110,15 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
 
     @app.get("/status")
     async def status() -> ApiJSON:  # a Response, not `dict`: FastAPI would serialize a NaN as null
-        return ApiJSON(await controller.status())
+        return ApiJSON((await controller.status()).model_dump())
 
     # The body is read here, not by FastAPI: authentication (the dependency) comes first, then the size limit,
     # then parsing, so an unauthenticated or oversized request is answered without reading its body.
     @app.post("/mode", dependencies=[Depends(require_admin)])
     async def mode(request: Request) -> ApiJSON:
         req = await _mode_request(request)
-        code, body = await controller.request_mode(req)
-        return ApiJSON(jsonable_encoder(body), status_code=code)
+        code, answer = await controller.request_mode(req)
+        return ApiJSON(jsonable_encoder(answer.wire()), status_code=code)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

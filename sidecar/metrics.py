@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kdtree.config import Mode
-from kdtree.status import RankView
+from kdtree.state.rank_records import RankView
 
 from .probe import REASONS as PROBE_FAILURE_REASONS
 from .vocabulary import Condition, Method, Outcome, Phase

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdtree.config import ConfigError, Mode
-from kdtree.status import json_safe, open_regular, read_bounded, tail_of, write_atomically
+from kdtree.state.atomic import json_safe, open_regular, read_model, tail_of, write_atomically
 
 from .vocabulary import Method, Outcome, Step
 from .volume import StateVolume, VolumeWriteFailed
@@ -85,7 +85,7 @@ class Store:
 
     def load(self, initial_mode: Mode) -> SidecarState:
         try:
-            return SidecarState.model_validate_json(read_bounded(self.path, STATE_MAX))
+            return read_model(self.path, STATE_MAX, SidecarState)
         except FileNotFoundError:
             return SidecarState(current_mode=initial_mode)
         except ValidationError as e:

@@ -3,7 +3,7 @@
 Reads run on one dedicated thread, each kind shared by the callers that ask while it runs and waited for with a
 deadline: a hung volume (a stuck network mount) holds that one thread, never the event loop, so GET /live, which
 touches no file, always answers. Every file is read bounded and only when it is a regular file
-(kdtree.status.open_regular), so a FIFO is never waited on.
+(kdtree.state.atomic.open_regular), so a FIFO is never waited on.
 
 Writes stay on the caller: each one that fails (ENOSPC, EROFS, EACCES, EIO) is logged at ERROR with its path and
 errno and stands as the volume's `problem`, which /ready and /status name with its fix, until a later write

@@ -10,7 +10,7 @@ from process_harness import SupervisedStandin
 from standin_engine import StandinProcess, free_port
 
 from kdtree.config import Mode
-from kdtree.control import write_desired_mode
+from kdtree.state.mode_file import write_desired_mode
 
 
 def _cuda_reason() -> str | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from standin_engine import wait_port
 
-from kdtree.process_record import read_process_record
+from kdtree.state.process_record import read_process_record
 from sidecar.server_control.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]

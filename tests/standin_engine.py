@@ -13,7 +13,7 @@ It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with
 - with --api-key KEY, as SGLang's --api-key: every endpoint but /health, /health_generate, /ready and /metrics
   wants `Authorization: Bearer KEY` and answers 401 {"error": "Unauthorized"} without it.
 It also stands in for the SGLang ranks with the kdtree plugin, through kdtree's own rank code: one
-kdtree.heartbeat.Heartbeat and a kdtree.control.ModeHolder per tensor-parallel rank, so each rank writes
+kdtree.state.heartbeat.Heartbeat and a kdtree.state.mode_file.ModeHolder per tensor-parallel rank, so each rank writes
 its record into KDTREE_STATE_DIR and follows the sidecar's mode file live exactly as a real rank does. Each
 completion counts as ceil(tokens / --accept-length) verify steps of --layers calls on every rank, in that
 rank's mode: served_kdtree in on, compared (parity) in validate, served by the original otherwise.
@@ -67,8 +67,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kdtree from this checkout when run as a script
 
 from kdtree.config import Mode  # noqa: E402
-from kdtree.control import ModeHolder, read_desired_mode  # noqa: E402
-from kdtree.heartbeat import Heartbeat  # noqa: E402
+from kdtree.state.heartbeat import Heartbeat  # noqa: E402
+from kdtree.state.mode_file import ModeHolder, read_desired_mode  # noqa: E402
 
 FAULTS = (
     "none",
@@ -511,10 +511,10 @@ class StandinProcess:
     # ---- the ServerControl interface (imports the sidecar only here: the engine itself does not need it)
 
     def inspect(self):
-        from sidecar.server_control import ContainerState
+        from sidecar.server_control import ServerState
 
         rc = self.proc.poll() if self.proc else None
-        return ContainerState(
+        return ServerState(
             name=self.name,
             status="running" if rc is None else "exited",
             running=rc is None,

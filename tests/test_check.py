@@ -12,7 +12,7 @@ from sidecar_harness import TOKEN, kdtreectl, make_settings, serve
 from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode
+from kdtree.state.mode_file import read_desired_mode
 from kdtreectl.check import BUILTIN_PROMPTS, compare_outputs, first_divergence, prompts
 
 GOOD_PARITY = ("--parity-calls", "500", "--parity-max-rel", "0.004")

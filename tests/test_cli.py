@@ -19,7 +19,7 @@ from sidecar_harness import TOKEN, kdtreectl, make_settings, serve
 from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode
+from kdtree.state.mode_file import read_desired_mode
 
 REPO = Path(__file__).resolve().parents[1]
 

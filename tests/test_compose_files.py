@@ -554,7 +554,7 @@ def test_the_drain_outlasts_the_servers_healthcheck_window(compose, tmp_path):
 def test_the_servers_stop_grace_covers_sglangs_normal_stop(compose, tmp_path):
     """compose.yaml's derivation: SGLang notices SIGTERM (5 s), the requests in flight (60 s budgeted), its
     schedulers (15 s), the entrypoint's last output (READER_DRAIN_S); a SIGKILL only past that."""
-    from kdtree.process_record import READER_DRAIN_S
+    from kdtree.state.process_record import READER_DRAIN_S
 
     grace = seconds(rendered(compose, env_file(tmp_path))["server"]["stop_grace_period"])
     assert grace >= 5 + 60 + 15 + READER_DRAIN_S, grace

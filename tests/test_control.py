@@ -1,4 +1,4 @@
-"""kdtree/control.py by itself: the mode file (read bounded, refused by name) and ModeHolder's rule for a live
+"""kdtree/state/mode_file.py by itself: the mode file (read bounded, refused by name) and ModeHolder's rule for a live
 switch. No SGLang, no server: the files are written here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kdtree.config import LIVE_MODES, ConfigError, Mode
-from kdtree.control import MODE_MAX, ModeHolder, mode_path, read_desired_mode, write_desired_mode
+from kdtree.state.mode_file import MODE_MAX, ModeHolder, mode_path, read_desired_mode, write_desired_mode
 
 
 def test_no_mode_file_means_no_desired_mode(tmp_path):

@@ -11,19 +11,20 @@ import pytest
 from sidecar_harness import make_settings
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
-from kdtree.status import RankView, new_record
-from sidecar.controller import ContainerView, Controller
-from sidecar.gate import RankCheck
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.rank_records import RankView, new_record
+from sidecar.api import ServerView
+from sidecar.controller import Controller
 from sidecar.metrics import Metrics
 from sidecar.probe import HTTP_STATUS, REFUSED, TIMEOUT, ProbeResult
-from sidecar.server_control import ContainerMissing, ContainerState
+from sidecar.rank_evidence import RankCheck
+from sidecar.server_control import ServerMissing, ServerState
 from sidecar.store import SidecarState, Store, Transition
 from sidecar.vocabulary import Condition, Method, Outcome, Phase, Step
 
 
 class Server:
-    """A stand-in ServerControl: a running server started at `started_at`, or none (ContainerMissing)."""
+    """A stand-in ServerControl: a running server started at `started_at`, or none (ServerMissing)."""
 
     name = "stand-in server"
 
@@ -31,11 +32,11 @@ class Server:
         self.started_at, self.status = started_at, status
         self.restarts = 0
 
-    def inspect(self) -> ContainerState:
+    def inspect(self) -> ServerState:
         if self.started_at is None:
-            raise ContainerMissing("no server has started (stand-in)")
+            raise ServerMissing("no server has started (stand-in)")
         running = self.status == "running"
-        return ContainerState(name=self.name, status=self.status, running=running, started_at=self.started_at)
+        return ServerState(name=self.name, status=self.status, running=running, started_at=self.started_at)
 
     def logs(self, tail: int, since: float | None = None) -> str:
         return ""
@@ -59,8 +60,8 @@ def probe(ok: bool, reason: str | None = None, status_code: int | None = None) -
     return ProbeResult(ok=ok, reason=reason, status_code=status_code, latency_s=0.01, at=time.time())
 
 
-def running(started_at: float, status: str = "running") -> ContainerState:
-    return ContainerState(name="s", status=status, running=status == "running", started_at=started_at)
+def running(started_at: float, status: str = "running") -> ServerState:
+    return ServerState(name="s", status=status, running=status == "running", started_at=started_at)
 
 
 RANKS_OK = RankCheck(ok=True, problems=[], ranks=[])
@@ -72,7 +73,7 @@ RANKS_MISSING = RankCheck(ok=False, problems=["rank 1 has no record"], ranks=[])
 
 def test_live_between_live_modes_when_every_rank_can_switch(tmp_path):
     c = controller(tmp_path)
-    assert c._method(Mode.VALIDATE, Mode.ON, False, [view(0), view(1)]) is Method.LIVE
+    assert c.admission._method(Mode.VALIDATE, Mode.ON, False, [view(0), view(1)]) is Method.LIVE
 
 
 @pytest.mark.parametrize(
@@ -86,12 +87,12 @@ def test_live_between_live_modes_when_every_rank_can_switch(tmp_path):
     ],
 )
 def test_restart_otherwise(tmp_path, current, target, restart, views, why):
-    assert controller(tmp_path)._method(current, target, restart, views) is Method.RESTART, why
+    assert controller(tmp_path).admission._method(current, target, restart, views) is Method.RESTART, why
 
 
 def test_restart_when_the_rank_check_is_off(tmp_path):
     c = controller(tmp_path, expected_tp_size=0)
-    assert c._method(Mode.VALIDATE, Mode.ON, False, [view(0), view(1)]) is Method.RESTART
+    assert c.admission._method(Mode.VALIDATE, Mode.ON, False, [view(0), view(1)]) is Method.RESTART
 
 
 # ---- the server's phase ---------------------------------------------------------------------------------------
@@ -100,24 +101,30 @@ def test_restart_when_the_rank_check_is_off(tmp_path):
 def test_the_phase_from_the_container_and_the_probe(tmp_path):
     c = controller(tmp_path)
     t0 = time.time() - 10
-    assert c._server_phase(probe(True), running(t0, "exited"), RANKS_OK, False) is Phase.CRASHED
-    assert c._server_phase(None, running(t0, "created"), RANKS_OK, False) is Phase.STARTING
-    assert c._server_phase(None, running(t0), RANKS_OK, False) is Phase.STARTING
-    assert c._server_phase(probe(True), running(t0), RANKS_OK, False) is Phase.READY
-    assert c._server_phase(probe(True), running(t0), RANKS_MISSING, False) is Phase.DEGRADED
-    assert c._server_phase(probe(False, REFUSED), running(t0), RANKS_OK, False) is Phase.LOADING
-    assert c._server_phase(probe(False, TIMEOUT), running(t0), RANKS_OK, False) is Phase.WARMING
-    assert c._server_phase(probe(False, HTTP_STATUS, 503), running(t0), RANKS_OK, False) is Phase.WARMING
-    assert c._server_phase(probe(False, HTTP_STATUS, 500), running(t0), RANKS_OK, False) is Phase.DEGRADED
+    assert c.readiness._server_phase(probe(True), running(t0, "exited"), RANKS_OK, False) is Phase.CRASHED
+    assert c.readiness._server_phase(None, running(t0, "created"), RANKS_OK, False) is Phase.STARTING
+    assert c.readiness._server_phase(None, running(t0), RANKS_OK, False) is Phase.STARTING
+    assert c.readiness._server_phase(probe(True), running(t0), RANKS_OK, False) is Phase.READY
+    assert c.readiness._server_phase(probe(True), running(t0), RANKS_MISSING, False) is Phase.DEGRADED
+    assert c.readiness._server_phase(probe(False, REFUSED), running(t0), RANKS_OK, False) is Phase.LOADING
+    assert c.readiness._server_phase(probe(False, TIMEOUT), running(t0), RANKS_OK, False) is Phase.WARMING
+    assert (
+        c.readiness._server_phase(probe(False, HTTP_STATUS, 503), running(t0), RANKS_OK, False)
+        is Phase.WARMING
+    )
+    assert (
+        c.readiness._server_phase(probe(False, HTTP_STATUS, 500), running(t0), RANKS_OK, False)
+        is Phase.DEGRADED
+    )
     # Probes failing under load, tolerated: the phase stays what the server has shown.
-    assert c._server_phase(probe(False, TIMEOUT), running(t0), RANKS_OK, True) is Phase.READY
+    assert c.readiness._server_phase(probe(False, TIMEOUT), running(t0), RANKS_OK, True) is Phase.READY
 
 
 def test_a_closed_port_after_serving_is_degraded_not_loading(tmp_path):
     c = controller(tmp_path)
     t0 = time.time() - 10
-    c.prober.last_ok_at = time.time() - 1  # it served since its start
-    assert c._server_phase(probe(False, REFUSED), running(t0), RANKS_OK, False) is Phase.DEGRADED
+    c.readiness.prober.last_ok_at = time.time() - 1  # it served since its start
+    assert c.readiness._server_phase(probe(False, REFUSED), running(t0), RANKS_OK, False) is Phase.DEGRADED
 
 
 # ---- the condition ----------------------------------------------------------------------------------------------
@@ -125,9 +132,9 @@ def test_a_closed_port_after_serving_is_degraded_not_loading(tmp_path):
 
 def test_ready_and_state_problems(tmp_path):
     c = controller(tmp_path)
-    up = ContainerView(state=running(time.time()))
-    assert c._condition(True, up, probe(True), []) == (Condition.READY, [])
-    assert c._condition(False, up, probe(True), ["the volume refused a write"]) == (
+    up = ServerView(state=running(time.time()))
+    assert c.readiness._condition(True, up, probe(True), []) == (Condition.READY, [])
+    assert c.readiness._condition(False, up, probe(True), ["the volume refused a write"]) == (
         Condition.BROKEN,
         ["the volume refused a write"],
     )
@@ -135,31 +142,31 @@ def test_ready_and_state_problems(tmp_path):
 
 def test_no_server_yet_is_not_ready_yet_until_the_start_grace_is_spent(tmp_path):
     c = controller(tmp_path, start_grace_s=60.0)
-    missing = ContainerView(error="no server has started", missing=True)
-    condition, evidence = c._condition(False, missing, None, [])
+    missing = ServerView(error="no server has started", missing=True)
+    condition, evidence = c.readiness._condition(False, missing, None, [])
     assert condition is Condition.NOT_READY_YET and "KDTREE_START_GRACE_S=60" in evidence[0]
-    c._born -= 61
-    condition, evidence = c._condition(False, missing, None, [])
+    c.readiness._born -= 61
+    condition, evidence = c.readiness._condition(False, missing, None, [])
     assert condition is Condition.BROKEN and "no server has started in the 61s" in evidence[0]
 
 
 def test_a_crashed_server_is_broken_and_a_slow_one_only_past_its_budget(tmp_path):
     c = controller(tmp_path, ready_timeout_s=100.0)
-    crashed = ContainerView(state=running(time.time() - 5, "exited"))
-    assert c._condition(False, crashed, None, [])[0] is Condition.BROKEN
-    slow = ContainerView(state=running(time.time() - 50))
-    assert c._condition(False, slow, probe(False, REFUSED), [])[0] is Condition.NOT_READY_YET
-    stuck = ContainerView(state=running(time.time() - 150))
-    condition, evidence = c._condition(False, stuck, probe(False, REFUSED), [])
+    crashed = ServerView(state=running(time.time() - 5, "exited"))
+    assert c.readiness._condition(False, crashed, None, [])[0] is Condition.BROKEN
+    slow = ServerView(state=running(time.time() - 50))
+    assert c.readiness._condition(False, slow, probe(False, REFUSED), [])[0] is Condition.NOT_READY_YET
+    stuck = ServerView(state=running(time.time() - 150))
+    condition, evidence = c.readiness._condition(False, stuck, probe(False, REFUSED), [])
     assert condition is Condition.BROKEN and "never ready (KDTREE_READY_TIMEOUT_S=100)" in evidence[0]
 
 
 def test_a_server_that_served_since_its_start_and_fails_now_is_broken(tmp_path):
     c = controller(tmp_path)
     started = time.time() - 30
-    c.prober.last_ok_at = started + 10
-    condition, evidence = c._condition(
-        False, ContainerView(state=running(started)), probe(False, TIMEOUT), []
+    c.readiness.prober.last_ok_at = started + 10
+    condition, evidence = c.readiness._condition(
+        False, ServerView(state=running(started)), probe(False, TIMEOUT), []
     )
     assert condition is Condition.BROKEN and "and fails now" in evidence[0]
 
@@ -169,7 +176,7 @@ def test_a_running_transition_is_not_ready_yet_naming_its_step(tmp_path):
     c.state.active = Transition(
         from_mode=Mode.VALIDATE, to_mode=Mode.ON, method=Method.LIVE, step=Step.BAKING
     )
-    condition, evidence = c._condition(False, ContainerView(state=running(time.time())), None, [])
+    condition, evidence = c.readiness._condition(False, ServerView(state=running(time.time())), None, [])
     assert condition is Condition.NOT_READY_YET
     assert evidence == ["a live transition validate -> on is at step baking"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from entrypoint import launch
 from entrypoint.launch import EXIT_CONFIG, Gpu, LaunchError, LauncherSettings, main
-from kdtree.control import write_desired_mode
+from kdtree.state.mode_file import write_desired_mode
 
 H200 = Gpu(0, "NVIDIA H200", (9, 0))
 RTX_PRO = Gpu(0, "NVIDIA RTX PRO 6000 Blackwell", (12, 0))

@@ -1,4 +1,4 @@
-"""sidecar/gate.py on records made here: the rank check, the gate to `on` (non-finite parity above all), the bake's
+"""sidecar/admission.py and sidecar/rank_evidence.py on records made here: the rank check, the gate to `on` (non-finite parity above all), the bake's
 evidence. No server and no file: the records are what read_records would return."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import time
 import pytest
 
 from kdtree.config import FP8_PARITY_RTOL, Mode
-from kdtree.status import Parity, RankView, new_record
-from sidecar.gate import bake_evidence, check_ranks, gate_to_on, live_records, non_finite_parity
+from kdtree.state.rank_records import Parity, RankView, new_record
+from sidecar.admission import gate_to_on, non_finite_parity
+from sidecar.rank_evidence import bake_evidence, check_ranks, live_records
 from sidecar.settings import SidecarSettings
 
 

@@ -518,7 +518,7 @@ assert any(pathlib.Path(inductor_cache_dir()).glob("fxgraph/**/*")), "inductor c
 # Caches that only a GPU fills (FlashInfer's JIT folder, CUDA's compute cache) and the state volume: written and
 # read back the way they are used, folders created on demand and files published by rename.
 import flashinfer.jit.env as flashinfer_env
-from kdtree.status import write_atomically
+from kdtree.state.atomic import write_atomically
 for what, folder in {
     "flashinfer": flashinfer_env.FLASHINFER_JIT_DIR,
     "cuda": pathlib.Path(os.environ.get("CUDA_CACHE_PATH") or pathlib.Path.home() / ".nv") / "ComputeCache",
@@ -702,7 +702,7 @@ def test_compose_restarting_the_sidecar_leaves_the_server_serving(stack):
     assert after["exited_at"] is None
     # The launcher kept beating through the sidecar's restart: a newer heartbeat within three periods (the restart
     # itself can take less than one).
-    from kdtree.process_record import HEARTBEAT_S
+    from kdtree.state.process_record import HEARTBEAT_S
 
     deadline = time.monotonic() + 3 * HEARTBEAT_S
     while after["heartbeat_at"] <= record["heartbeat_at"] and time.monotonic() < deadline:

@@ -29,7 +29,7 @@ yaml = pytest.importorskip(
 )
 
 from kdtree.config import Mode  # noqa: E402
-from kdtree.status import new_record, read_records, write_record  # noqa: E402
+from kdtree.state.rank_records import new_record, read_records, write_record  # noqa: E402
 from sidecar.metrics import Metrics  # noqa: E402
 from sidecar.probe import REASONS  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode
-from kdtree.status import read_records
+from kdtree.state.mode_file import read_desired_mode
+from kdtree.state.rank_records import read_records
 
 pytestmark = pytest.mark.sglang
 TP = 3
@@ -116,8 +116,8 @@ def ranks(tmp_path, monkeypatch):
 
 
 def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(ranks):
-    pytest.importorskip("sidecar.gate")
-    from sidecar.gate import check_ranks, read_rank_views
+    pytest.importorskip("sidecar.rank_evidence")
+    from sidecar.rank_evidence import check_ranks, read_rank_views
     from sidecar.settings import SidecarSettings
 
     state, procs = ranks

@@ -398,7 +398,7 @@ def test_the_mode_lives_in_one_holder_per_override():
 def test_tp_rank_lookup_reads_sglang_runtime_context_without_publish():
     from sglang.srt import runtime_context
 
-    from kdtree.heartbeat import scheduler_tp_rank
+    from kdtree.state.heartbeat import scheduler_tp_rank
 
     assert callable(runtime_context.publish_role) and callable(runtime_context.get_parallel)
     assert runtime_context.publish_role() is None

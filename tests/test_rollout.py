@@ -14,7 +14,7 @@ from sidecar_harness import TOKEN, kdtreectl, make_settings, serve
 from standin_engine import StandinProcess, free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
 from kdtreectl.cli import main as kdtreectl_main
 from sidecar.store import Store
 

@@ -19,8 +19,8 @@ from sidecar_harness import AUTH, make_settings, sidecar
 from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode
-from sidecar.server_control import ContainerMissing
+from kdtree.state.mode_file import read_desired_mode
+from sidecar.server_control import ServerMissing
 from sidecar.server_control.docker import DockerError, ServerContainer
 from sidecar.server_log import crash_excerpt, latest_marker
 
@@ -142,7 +142,7 @@ def test_restart_starts_the_same_container_again(run_container):
 
 
 def test_missing_container_is_a_clear_error(docker_client):
-    with pytest.raises(ContainerMissing, match="no container named 'kdtree-no-such-container'"):
+    with pytest.raises(ServerMissing, match="no container named 'kdtree-no-such-container'"):
         ServerContainer("kdtree-no-such-container").inspect()
 
 

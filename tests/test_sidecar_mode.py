@@ -23,8 +23,8 @@ from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, 
 from standin_engine import free_port
 
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
-from sidecar.server_control import ContainerMissing
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from sidecar.server_control import ServerMissing
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
 
 pytestmark = pytest.mark.anyio
@@ -354,7 +354,7 @@ class GoneServer:
     name = "kdtree-server"
 
     def inspect(self):
-        raise ContainerMissing("no container named 'kdtree-server' (check KDTREE_SERVER_CONTAINER)")
+        raise ServerMissing("no container named 'kdtree-server' (check KDTREE_SERVER_CONTAINER)")
 
     def logs(self, tail, since=None):
         self.inspect()
@@ -527,19 +527,19 @@ async def test_a_restart_flip_to_validate_needs_compared_calls(engine, tmp_path)
 
 
 async def test_a_failed_live_rollback_falls_back_to_a_restart(engine, tmp_path, monkeypatch):
-    from sidecar.controller import Controller, StepFailed
+    from sidecar.transition import StepFailed, TransitionRunner
 
     proc = engine(
         "--fault", "no-verify-count", "--fault-in-mode", "on", "--parity-calls", "500", mode=Mode.VALIDATE
     )
-    real = Controller._await_ranks
+    real = TransitionRunner._await_ranks
 
     async def confirm_forward_only(self, t, mode):
         if t.step == "rolling_back":
             raise StepFailed("0/2 ranks confirmed mode validate (injected)")
         await real(self, t, mode)
 
-    monkeypatch.setattr(Controller, "_await_ranks", confirm_forward_only)
+    monkeypatch.setattr(TransitionRunner, "_await_ranks", confirm_forward_only)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
         await wait_ready(c)
         assert (await c.post("/mode", json={"mode": "on"}, headers=AUTH)).status_code == 202

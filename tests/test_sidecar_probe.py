@@ -18,7 +18,7 @@ from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
-from kdtree.process_record import read_process_record
+from kdtree.state.process_record import read_process_record
 from sidecar import probe as P
 from sidecar.app import create_app
 from sidecar.server_log import crash_excerpt, latest_marker

@@ -26,15 +26,16 @@ import pytest
 from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
 from standin_engine import free_port
 
-from kdtree import control as control_module
 from kdtree.config import Mode
-from kdtree.control import read_desired_mode, write_desired_mode
-from kdtree.status import RECORD_MAX, new_record, own_pid_ns, read_records, record_path
-from sidecar import controller as controller_module
+from kdtree.state import mode_file as control_module
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.pids import own_pid_ns
+from kdtree.state.rank_records import RECORD_MAX, new_record, read_records, record_path
+from sidecar import readiness as readiness_module
 from sidecar import store as store_module
-from sidecar.controller import Controller
 from sidecar.server_control.process import ServerProcess
 from sidecar.store import STATE_FILE, SidecarState, Store, Transition
+from sidecar.transition import TransitionRunner
 
 pytestmark = pytest.mark.anyio
 UID = os.getuid()
@@ -55,7 +56,7 @@ def logs(caplog):
 class VolumeFaults:
     """The sidecar's writes fail with OSError(code), from the first one that `trigger(path, text)` matches on,
     until heal() (once: that write only): the state file and the mode file (write_atomically, as sidecar.store
-    and kdtree.control call it) and the audit append (sidecar.store.append_line)."""
+    and kdtree.state.mode_file call it) and the audit append (sidecar.store.append_line)."""
 
     def __init__(self, monkeypatch):
         self.code: int | None = None
@@ -246,14 +247,14 @@ async def test_an_audit_entry_the_volume_refuses_ends_the_flip_and_is_kept_in_th
 
 async def test_a_task_that_fails_is_logged_and_holds_no_claim(standin, tmp_path, monkeypatch, logs):
     proc = standin(mode=Mode.VALIDATE)
-    real = Controller._finish
+    real = TransitionRunner.finish
 
     def finish_then_fail(self, t, outcome):
         real(self, t, outcome)
         if t.to_mode == Mode.STANDBY:
             raise RuntimeError("injected after the outcome")
 
-    monkeypatch.setattr(Controller, "_finish", finish_then_fail)
+    monkeypatch.setattr(TransitionRunner, "finish", finish_then_fail)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
         await wait_ready(c)
         assert (await c.post("/mode", json={"mode": "standby"}, headers=AUTH)).status_code == 202
@@ -295,7 +296,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
     /live at once; when the volume answers again, so does everything else."""
     proc = standin()
     release = threading.Event()
-    real = controller_module.read_snapshot
+    real = readiness_module.read_volume
 
     def hung(settings):
         release.wait(30)
@@ -307,7 +308,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
     try:
         async with sidecar(settings, server=proc) as c:
             await wait_ready(c)
-            monkeypatch.setattr(controller_module, "read_snapshot", hung)
+            monkeypatch.setattr(readiness_module, "read_volume", hung)
             start = time.monotonic()
             pending = [asyncio.create_task(c.get(path)) for path in ("/ready", "/status", "/metrics") * 4]
             await asyncio.sleep(0.05)
@@ -325,7 +326,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
             assert all(a.status_code in (200, 503) for a in answers)
             assert len(volume_threads() - others) == 1
             release.set()
-            monkeypatch.setattr(controller_module, "read_snapshot", real)
+            monkeypatch.setattr(readiness_module, "read_volume", real)
             await wait_ready(c)
             await kill_switch_works(c, tmp_path, proc)
     finally:
@@ -393,7 +394,7 @@ async def test_a_record_that_is_no_record_is_refused_naming_why(standin, tmp_pat
 
 @pytest.mark.parametrize(("value", "shown"), [("inf", "Infinity"), ("-inf", "-Infinity"), ("nan", "NaN")])
 async def test_non_finite_parity_from_the_ranks_refuses_the_gate_by_name(standin, tmp_path, value, shown):
-    """Written by the ranks' own code (kdtree.heartbeat through the stand-in), read back by the sidecar."""
+    """Written by the ranks' own code (kdtree.state.heartbeat through the stand-in), read back by the sidecar."""
     proc = standin("--parity-calls", "500", f"--parity-max-rel={value}", mode=Mode.VALIDATE)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
         await wait_ready(c)

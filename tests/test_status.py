@@ -12,17 +12,9 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from kdtree.heartbeat import Heartbeat, scheduler_tp_rank
-from kdtree.status import (
-    RECORD_MAX,
-    Parity,
-    json_safe,
-    new_record,
-    read_bounded,
-    read_records,
-    record_path,
-    write_record,
-)
+from kdtree.state.atomic import json_safe, read_bounded
+from kdtree.state.heartbeat import Heartbeat, scheduler_tp_rank
+from kdtree.state.rank_records import RECORD_MAX, Parity, new_record, read_records, record_path, write_record
 
 
 def _record(**fields):
@@ -209,7 +201,7 @@ def test_tp_rank_comes_from_a_published_scheduler_only(monkeypatch, role, expect
 
 
 def test_evidence_module_imports_neither_torch_nor_sglang():
-    code = "import sys, kdtree.heartbeat, kdtree.install; print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))"
+    code = "import sys, kdtree.state.heartbeat, kdtree.install; print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -231,7 +223,7 @@ def test_evidence_module_imports_neither_torch_nor_sglang():
 )
 def test_the_mode_holder_switches_live_between_live_modes_only(started, desired, mode, pending, changed):
     from kdtree.config import Mode
-    from kdtree.control import ModeHolder
+    from kdtree.state.mode_file import ModeHolder
 
     holder = ModeHolder(started)
     before = holder.applied_at
@@ -252,7 +244,7 @@ class Word:
 
 def test_a_switch_is_stored_where_the_device_reads_it():
     from kdtree.config import Mode
-    from kdtree.control import ModeHolder
+    from kdtree.state.mode_file import ModeHolder
 
     holder, word = ModeHolder("validate"), Word()
     holder.attach(word)
@@ -264,8 +256,8 @@ def test_a_switch_is_stored_where_the_device_reads_it():
 def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
     """Each rank reads the mode file every MODE_POLL_S and rewrites its record as soon as it switched, long before
     its next regular heartbeat (60 s here)."""
-    from kdtree.control import ModeHolder, write_desired_mode
-    from kdtree.heartbeat import MODE_POLL_S
+    from kdtree.state.heartbeat import MODE_POLL_S
+    from kdtree.state.mode_file import ModeHolder, write_desired_mode
 
     holder = ModeHolder("validate")
 
@@ -295,7 +287,7 @@ def test_the_heartbeat_applies_the_mode_file_and_confirms_at_once(tmp_path):
 
 
 def test_an_unreadable_mode_file_is_reported_and_changes_nothing(tmp_path):
-    from kdtree.control import ModeHolder
+    from kdtree.state.mode_file import ModeHolder
 
     holder = ModeHolder("validate")
     (tmp_path / "mode").write_text("fastest\n")

@@ -22,21 +22,22 @@ import pytest
 from entrypoint import launch
 from entrypoint.supervise import MIN_LOG_MAX_BYTES, StopRequested, Supervisor
 from kdtree.config import ConfigError, Mode
-from kdtree.process_record import (
+from kdtree.state.pids import own_pid_ns, pid_alive
+from kdtree.state.process_record import (
     HEARTBEAT_S,
-    REQUEST_POLL_S,
-    RestartRequest,
     ServerProcessRecord,
     log_path,
-    pid_alive,
     process_path,
     read_process_record,
-    read_restart_request,
     write_process_record,
+)
+from kdtree.state.restart_request import (
+    REQUEST_POLL_S,
+    RestartRequest,
+    read_restart_request,
     write_restart_request,
 )
-from kdtree.status import own_pid_ns
-from sidecar.server_control import ContainerMissing
+from sidecar.server_control import ServerMissing
 from sidecar.server_control.process import STALE_S, ProcessControlError, ServerProcess
 from sidecar.server_log import crash_excerpt
 from sidecar.settings import SidecarSettings
@@ -270,7 +271,7 @@ def test_the_launcher_serves_through_the_supervisor(tmp_path, monkeypatch, capfd
 
 
 def test_no_record_means_no_server_yet(tmp_path):
-    with pytest.raises(ContainerMissing, match="server-process.json is absent"):
+    with pytest.raises(ServerMissing, match="server-process.json is absent"):
         ServerProcess(tmp_path).inspect()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from .protocol import ContainerMissing, ContainerState, ServerControlError
+from .protocol import ServerControlError, ServerMissing, ServerState
 
 
 class DockerError(ServerControlError):
@@ -41,18 +41,16 @@ class ServerContainer:
                 self._client = docker.from_env()
             return self._client.containers.get(self.name)
         except NotFound:
-            raise ContainerMissing(
-                f"no container named {self.name!r} (check KDTREE_SERVER_CONTAINER)"
-            ) from None
+            raise ServerMissing(f"no container named {self.name!r} (check KDTREE_SERVER_CONTAINER)") from None
         except DockerException as e:
             raise DockerError(
                 f"Docker is unreachable ({e}); mount /var/run/docker.sock into the sidecar"
             ) from None
 
-    def inspect(self) -> ContainerState:
+    def inspect(self) -> ServerState:
         attrs = self._container().attrs
         state = attrs.get("State", {})
-        return ContainerState(
+        return ServerState(
             name=self.name,
             status=state.get("Status", "unknown"),
             running=bool(state.get("Running")),

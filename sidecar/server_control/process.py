@@ -1,12 +1,12 @@
 """The server seen and restarted as a process, without the Docker socket (KDTREE_SERVER_CONTROL=process).
 
 The server's entrypoint (entrypoint.supervise) records each start in KDTREE_STATE_DIR/server-process.json
-(kdtree.process_record's format), rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's
+(kdtree.state.process_record's format), rewrites it every HEARTBEAT_S seconds while it runs, and copies the server's
 output into KDTREE_STATE_DIR/server.log (+ server.log.1). ServerProcess reads both and maps them onto the same
-ContainerState the Docker control reports, so the controller's state machine is the same for both:
+ServerState the Docker control reports, so the controller's state machine is the same for both:
 
-  record                                               ContainerState
-  no file                                              ContainerMissing (no server has started yet)
+  record                                               ServerState
+  no file                                              ServerMissing (no server has started yet)
   no exit status, launcher alive                       running
   no exit status, launcher gone                        exited, exit code 137, oom_killed (a guess: SIGKILL)
   exit status                                          exited, its exit code; oom_killed when SIGKILL
@@ -18,7 +18,7 @@ its pid means nothing to the sidecar); where the record's pid namespace is the s
 pod sharing one), the pid itself is checked, which sees a SIGKILL at once.
 
 Restarting sends no signal across containers: the sidecar writes a restart request for the running start into
-the state volume (kdtree.process_record.RestartRequest); the launcher acknowledges it in its record, stops the
+the state volume (kdtree.state.restart_request.RestartRequest); the launcher acknowledges it in its record, stops the
 server as the orchestrator's SIGTERM would (SIGKILL to its process group after the request's stop timeout)
 and exits; the orchestrator's restart policy starts the container again (compose: restart: unless-stopped;
 Kubernetes: restartPolicy: Always), which shows as a new start in the record. The two containers share only
@@ -34,23 +34,20 @@ import time
 import uuid
 from pathlib import Path
 
-from kdtree.process_record import (
+from kdtree.state.atomic import open_regular, tail_of
+from kdtree.state.pids import own_pid_ns, pid_alive
+from kdtree.state.process_record import (
     HEARTBEAT_S,
     READER_DRAIN_S,
-    REQUEST_POLL_S,
     START_MARK,
-    RestartRequest,
     ServerProcessRecord,
     log_path,
-    pid_alive,
     process_path,
     read_process_record,
-    request_path,
-    write_restart_request,
 )
-from kdtree.status import open_regular, own_pid_ns, tail_of
+from kdtree.state.restart_request import REQUEST_POLL_S, RestartRequest, request_path, write_restart_request
 
-from .protocol import ContainerMissing, ContainerState, ServerControlError
+from .protocol import ServerControlError, ServerMissing, ServerState
 
 _MARK = re.compile(re.escape(START_MARK) + r" #\d+ at \S+ \(t=(\d+(?:\.\d+)?)\)")
 LOG_READ_CAP = 4 * 1024 * 1024  # bytes read from the end of the log files per logs() call
@@ -89,7 +86,7 @@ class ServerProcess:
         except OSError as e:
             raise ProcessControlError(f"cannot read {process_path(self.state_dir)}: {e}") from None
         if rec is None:
-            raise ContainerMissing(
+            raise ServerMissing(
                 f"no server has started: {process_path(self.state_dir)} is absent (the server's entrypoint "
                 "writes it; the server and the sidecar must share KDTREE_STATE_DIR's volume; with the Docker "
                 "socket instead, set KDTREE_SERVER_CONTROL=docker)"
@@ -109,7 +106,7 @@ class ServerProcess:
             )
         return time.time() - rec.heartbeat_at <= STALE_S
 
-    def inspect(self) -> ContainerState:
+    def inspect(self) -> ServerState:
         rec = self._record()
         base = dict(
             name=self.name,
@@ -123,7 +120,7 @@ class ServerProcess:
                 error = f"the server was killed by {rec.signal}" + (
                     " without a stop request (an OOM kill looks like this)" if killed else ""
                 )
-            return ContainerState(
+            return ServerState(
                 **base,
                 status="exited",
                 running=False,
@@ -133,13 +130,13 @@ class ServerProcess:
                 error=error,
             )
         if self._alive(rec):
-            return ContainerState(**base, status="running", running=True)
+            return ServerState(**base, status="running", running=True)
         gone = (
             f"its heartbeat stopped {time.time() - rec.heartbeat_at:.0f}s ago"
             if rec.heartbeat_at is not None and rec.pid_ns and rec.pid_ns != own_pid_ns()
             else f"pid {rec.pid} is gone"
         )
-        return ContainerState(
+        return ServerState(
             **base,
             status="exited",
             running=False,

@@ -2,7 +2,7 @@
 
 Everything the sidecar does to the server goes through a ServerControl: docker.ServerContainer (the Docker SDK,
 KDTREE_SERVER_CONTROL=docker) or process.ServerProcess (the entrypoint's record and log in the state volume, a
-restart request there, no socket: KDTREE_SERVER_CONTROL=process). Both report the same ContainerState and raise a
+restart request there, no socket: KDTREE_SERVER_CONTROL=process). Both report the same ServerState and raise a
 ServerControlError when they cannot answer or act, so the state machine is the same for both, and can be tested
 with any object that has the three methods.
 """
@@ -18,12 +18,12 @@ class ServerControlError(RuntimeError):
     """The server control could not answer or act; the message says what was attempted and the fix."""
 
 
-class ContainerMissing(ServerControlError):
+class ServerMissing(ServerControlError):
     """Docker answers, but no container has the configured name (e.g. compose has not created it yet);
     process control: no server has started on the state volume yet."""
 
 
-class ContainerState(BaseModel):
+class ServerState(BaseModel):
     name: str
     status: str  # created | running | paused | restarting | removing | exited | dead
     running: bool
@@ -44,7 +44,7 @@ class ContainerState(BaseModel):
 class ServerControl(Protocol):
     name: str
 
-    def inspect(self) -> ContainerState: ...
+    def inspect(self) -> ServerState: ...
 
     def logs(self, tail: int, since: float | None = None) -> str: ...
 

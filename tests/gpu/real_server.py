@@ -43,8 +43,8 @@ from process_harness import Orchestrated  # noqa: E402
 from tiny_model import write_dflash_drafter  # noqa: E402  (this folder is on sys.path wherever this module is)
 
 from kdtree.config import Mode  # noqa: E402
-from kdtree.control import write_desired_mode  # noqa: E402
-from kdtree.status import read_records  # noqa: E402
+from kdtree.state.mode_file import write_desired_mode  # noqa: E402
+from kdtree.state.rank_records import read_records  # noqa: E402
 from kdtreectl.check import first_divergence  # noqa: E402
 
 GPU_DIR = Path(__file__).resolve().parent

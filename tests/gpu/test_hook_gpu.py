@@ -296,8 +296,8 @@ def following_rank(installed, tmp_path, monkeypatch, start: str):
     """A fresh override started in `start`, behind the installed wrapper, with the heartbeat a rank runs: it
     follows the sidecar's mode file in tmp_path and confirms each switch in its rank record (default timing)."""
     from kdtree.config import VerifySettings
-    from kdtree.control import write_desired_mode
-    from kdtree.heartbeat import Heartbeat
+    from kdtree.state.heartbeat import Heartbeat
+    from kdtree.state.mode_file import write_desired_mode
     from kdtree.verify import VerifyOverride
 
     write_desired_mode(tmp_path, start)
@@ -317,8 +317,8 @@ def flip(tmp_path, mode: str, timeout: float = 10.0) -> float:
     goal: within 10 s at the default heartbeat)."""
     import time
 
-    from kdtree.control import write_desired_mode
-    from kdtree.status import read_records
+    from kdtree.state.mode_file import write_desired_mode
+    from kdtree.state.rank_records import read_records
 
     start = time.monotonic()
     write_desired_mode(tmp_path, mode)
@@ -386,8 +386,8 @@ def test_a_rank_started_in_off_never_switches_live(torch, installed, monkeypatch
     server restarts."""
     import time
 
-    from kdtree.control import write_desired_mode
-    from kdtree.status import read_records
+    from kdtree.state.mode_file import write_desired_mode
+    from kdtree.state.rank_records import read_records
 
     with following_rank(installed, tmp_path, monkeypatch, "off") as ov:
         write_desired_mode(tmp_path, "on")

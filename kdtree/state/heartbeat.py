@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kdtree.config import ConfigError, Mode
-from kdtree.control import read_desired_mode
-from kdtree.status import Parity, RankRecord, new_record, write_record
+from kdtree.state.mode_file import read_desired_mode
+from kdtree.state.rank_records import Parity, RankRecord, new_record, write_record
 
 log = logging.getLogger("kdtree")
 

@@ -1,5 +1,5 @@
-"""Per-rank status records: the one format the SGLang ranks write and the sidecar reads; and how every file in
-the state directory is written (atomically) and read (bounded, regular files only).
+"""Per-rank status records (rank-<N>.json): the one format the SGLang ranks write (kdtree.state.heartbeat) and the
+sidecar reads.
 
 Each tensor-parallel rank owns one JSON file in KDTREE_STATE_DIR, replaced atomically
 (write to a temporary file, then rename), so a reader never sees half a record.
@@ -10,24 +10,19 @@ the reader takes those and JSON's non-standard NaN/Infinity literals alike.
 
 from __future__ import annotations
 
-import errno
-import math
 import os
 import socket
-import stat
-import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
 
+from kdtree.state.atomic import first_error, read_bounded, write_atomically
+from kdtree.state.pids import own_pid_ns, pid_exists
+
 SCHEMA = 1
 RECORD_MAX = 16 * 1024  # bytes: a rank record is about 1 KiB; a larger file is refused unread
-
-
-class StateFileError(ValueError):
-    """A state-directory file that is no regular file, or larger than its kind can be; the message names it."""
 
 
 class Parity(BaseModel):
@@ -86,110 +81,13 @@ class RankView(BaseModel):
     age_s: float
 
 
-def json_safe(value):
-    """`value` (dicts, lists, scalars) with each non-finite float as the string the records write for it
-    ("Infinity", "-Infinity", "NaN"): JSON has no NaN, and a reader that follows the standard refuses it."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def own_pid_ns() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 def record_path(state_dir: str | os.PathLike, tp_rank: int) -> Path:
     return Path(state_dir) / f"rank-{tp_rank}.json"
-
-
-STATE_FILE_MODE = 0o640  # owner writes; the group (the other container's user, gid 10001) reads
-
-
-def write_atomically(path: Path, text: str) -> Path:
-    """Replace `path` with `text` through a temporary file and a rename, so that a reader sees the old file or the
-    new one, never half of one. Every file in the state directory is written this way, group-readable: the server
-    (uid 10001) and the sidecar (uid 10002) share the group 10001 and each reads what the other writes (mkstemp
-    alone makes 0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, STATE_FILE_MODE)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def open_regular(path: str | os.PathLike) -> BinaryIO:
-    """`path` opened for reading if it is a regular file; StateFileError for a FIFO, a device, a directory or a
-    symbolic link (opened without following it and without blocking, so a FIFO is never waited on);
-    FileNotFoundError when it is absent. Every file the sidecar reads in the state directory goes through here."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise StateFileError(f"{path} is a symbolic link, not a regular file") from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "no regular file"
-        raise StateFileError(f"{path} is {kind}, not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
-    """The whole of regular file `path`, refused (StateFileError) unread when it is larger than `limit` bytes."""
-    with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        data = f.read(limit + 1) if size <= limit else b""
-    if size > limit or len(data) > limit:
-        raise StateFileError(f"{path} is {max(size, len(data))} bytes, more than the {limit} it can be")
-    return data
-
-
-def tail_of(f: BinaryIO, n: int, cap: int) -> list[bytes]:
-    """The last n lines of an open file, reading at most about `cap` bytes from its end."""
-    end = f.seek(0, os.SEEK_END)
-    pos, data = end, b""
-    while pos > 0 and data.count(b"\n") <= n and end - pos < cap:
-        step = min(65536, pos)
-        pos -= step
-        f.seek(pos)
-        data = f.read(step) + data
-    lines = data.split(b"\n")
-    if pos > 0:
-        lines = lines[1:]  # the first one may have started before what was read
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return lines[-n:] if n > 0 else []
 
 
 def write_record(state_dir: str | os.PathLike, record: RankRecord) -> Path:
     """Atomically replace this rank's record."""
     return write_atomically(record_path(state_dir, record.tp_rank), record.model_dump_json())
-
-
-def pid_exists(pid: int) -> bool:
-    """The process exists (a signal 0 reaches it, or it is another user's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_record(path: str | os.PathLike) -> RankRecord:
@@ -199,7 +97,7 @@ def read_record(path: str | os.PathLike) -> RankRecord:
     try:
         version = _Schema.model_validate_json(data).schema_version
     except ValidationError as e:
-        raise ValueError(f"not a rank record: {_first_error(e)}") from None
+        raise ValueError(f"not a rank record: {first_error(e)}") from None
     if version != SCHEMA:
         raise ValueError(
             f"schema_version {version}; this sidecar reads {SCHEMA}: upgrade the sidecar image to the server's"
@@ -207,17 +105,11 @@ def read_record(path: str | os.PathLike) -> RankRecord:
     try:
         return RankRecord.model_validate_json(data)
     except ValidationError as e:
-        raise ValueError(f"not a rank record: {_first_error(e)}") from None
+        raise ValueError(f"not a rank record: {first_error(e)}") from None
 
 
 class _Schema(BaseModel):
     schema_version: int = SCHEMA
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err.get("loc", ()))
-    return f"{err['msg']}" + (f" at {where}" if where else "")
 
 
 def read_records(
@@ -269,3 +161,31 @@ def new_record(mode: str, tp_rank: int = 0, tp_size: int = 1) -> RankRecord:
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
+
+
+class RankWork(BaseModel):
+    """What one rank did between two of its records: the evidence that the sidecar's bake and `kdtreectl check`
+    both judge (kdtree served verify calls in on, compared them in validate, no fallback grew, same process)."""
+
+    restarted: bool  # another process (pid, start) wrote the later record: the counters started again
+    served: int  # verify calls kdtree answered (served_kdtree grew by)
+    compared: int  # verify calls compared with the original (parity.calls_compared grew by)
+    fallbacks_grew: dict[str, int]  # reason -> how many more
+
+
+def work_between(before: RankRecord, after: RankRecord) -> RankWork:
+    b, a = before, after
+    return RankWork(
+        restarted=(b.pid, b.started_at) != (a.pid, a.started_at),
+        served=a.served_kdtree - b.served_kdtree,
+        compared=a.parity.calls_compared - b.parity.calls_compared,
+        fallbacks_grew={
+            r: n - b.fallbacks.get(r, 0) for r, n in a.fallbacks.items() if n > b.fallbacks.get(r, 0)
+        },
+    )
+
+
+def written_since(records: dict[int, RankRecord], ranks: Iterable[int], at: float) -> bool:
+    """Every one of `ranks` has a record written (its heartbeat) at or after `at`: counters read then include all
+    that happened before `at`."""
+    return all(r in records and records[r].heartbeat >= at for r in ranks)

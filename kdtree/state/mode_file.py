@@ -3,7 +3,7 @@ the one a process serves now (ModeHolder).
 
 The sidecar writes KDTREE_STATE_DIR/mode. The server's entrypoint reads it at start and exports KDTREE_VERIFY
 for every SGLang process; while the server runs, each rank's heartbeat reads it too and switches live between
-validate, on and standby (kdtree.heartbeat). To or from off the sidecar restarts the server instead.
+validate, on and standby (kdtree.state.heartbeat). To or from off the sidecar restarts the server instead.
 When the file is absent, the container's KDTREE_VERIFY environment value stands.
 """
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from kdtree.config import LIVE_MODES, ConfigError, Mode
-from kdtree.status import read_bounded, write_atomically
+from kdtree.state.atomic import read_bounded, write_atomically
 
 MODE_FILE = "mode"
 MODE_MAX = 64  # bytes: the file holds one mode name

@@ -1,0 +1,164 @@
+"""The documents the sidecar's API answers with, typed: the sidecar builds them, kdtreectl parses them (one reading
+of each). Pydantic only (no FastAPI): kdtreectl imports this module.
+
+The JSON on the wire is each model's dump: the same keys and values as the API has always sent. A POST /mode answer
+carries only the fields its case sets (model_dump(exclude_unset=True)), as before.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from kdtree.config import Mode
+from kdtree.state.rank_records import RankView
+
+from .probe import HealthResult, ProbeResult
+from .server_control import ServerState
+from .server_log import LogMarker
+from .store import Transition
+from .vocabulary import Condition, Method, Phase
+
+# ---- POST /mode ----------------------------------------------------------------------------------------------
+
+Op = Literal["==", ">=", "<="]
+_COMPARE = {"==": operator.eq, ">=": operator.ge, "<=": operator.le}
+
+
+def holds(value: float | int | bool | None, op: Op, threshold: float | int | bool | None) -> bool:
+    """`value <op> threshold`; False when either is missing or not a number (NaN compares false either way)."""
+    if value is None or threshold is None:
+        return False
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    return bool(_COMPARE[op](value, threshold))
+
+
+class Criterion(BaseModel):
+    """One condition of a gate: passed only when `value <op> threshold` holds (and, for `check`, the evidence is
+    complete). A criterion that says it passed while its own comparison does not hold is refused at construction,
+    so its text and its verdict cannot disagree."""
+
+    name: str
+    value: float | int | bool | None
+    op: Op
+    threshold: float | int | bool | None
+    passed: bool
+    detail: str = ""
+
+    @model_validator(mode="after")
+    def _verdict_follows_the_comparison(self) -> Criterion:
+        if self.passed and not holds(self.value, self.op, self.threshold):
+            raise ValueError(
+                f"criterion {self.name} says passed, but {self.value} {self.op} {self.threshold} does not hold"
+            )
+        return self
+
+    @classmethod
+    def check(
+        cls,
+        name: str,
+        value: float | int | bool | None,
+        op: Op,
+        threshold: float | int | bool | None,
+        detail: str = "",
+        *,
+        evidence: bool = True,
+    ) -> Criterion:
+        """The criterion with its verdict computed from its operator: passed iff `evidence` (the picture is whole)
+        and `value <op> threshold`."""
+        passed = evidence and holds(value, op, threshold)
+        return cls(name=name, value=value, op=op, threshold=threshold, passed=passed, detail=detail)
+
+
+class ModeAnswer(BaseModel):
+    """POST /mode's answer. Which fields are there depends on the case: nothing to do (changed, detail), a dry run
+    or a refusal (allowed, gate_passed, criteria; error), accepted (accepted, transition; warning when forced past a
+    failed gate), busy (error, transition)."""
+
+    from_mode: Mode | None = None
+    to_mode: Mode | None = None
+    method: Method | None = None
+    dry_run: bool | None = None
+    force: bool | None = None
+    changed: bool | None = None
+    detail: str | list | None = None  # a list: FastAPI's 422 names each field
+    allowed: bool | None = None
+    gate_passed: bool | None = None
+    criteria: list[Criterion] = []
+    error: str | None = None
+    accepted: bool | None = None
+    # a Transition whenever it reads as one; a dict ({"step": "evaluating the gate"}) while a request is decided
+    transition: Transition | dict[str, Any] | None = Field(None, union_mode="left_to_right")
+    warning: str | None = None
+
+    def wire(self) -> dict:
+        """The JSON body: the fields this case set, nothing else."""
+        return {k: v for k, v in self.model_dump().items() if k in self.model_fields_set}
+
+
+# ---- GET /status ---------------------------------------------------------------------------------------------
+
+
+class ServerView(BaseModel):
+    """What the server control answered (/status: "container", whatever the control)."""
+
+    state: ServerState | None = None
+    error: str | None = None
+    missing: bool = False  # the control answered: there is no server (no such container, no start yet)
+
+
+class ModeStatus(BaseModel):
+    current: Mode  # the mode the sidecar last settled on
+    expected_now: Mode  # the mode the server should be in now (a running transition decides)
+    desired_file: str | None  # what the mode file says ("unreadable: ...", "unread: ..."), None without one
+
+
+class VolumeProblemReport(BaseModel):
+    """volume.VolumeProblem with its fix spelled out."""
+
+    operation: str
+    path: str
+    errno: str
+    strerror: str
+    uid: int
+    at: float
+    fix: str
+
+
+class StateVolumeStatus(BaseModel):
+    path: str
+    problem: VolumeProblemReport | None = None
+
+
+class LogStatus(BaseModel):
+    latest_marker: LogMarker | None = None
+    crash_excerpt: list[str] = []
+    error: str | None = None
+
+
+class StatusDocument(BaseModel):
+    """GET /status."""
+
+    phase: Phase
+    server_phase: Phase
+    ready: bool
+    condition: Condition
+    condition_evidence: list[str]
+    reasons: list[str]
+    notes: list[str]
+    mode: ModeStatus
+    state_volume: StateVolumeStatus
+    container: ServerView
+    log: LogStatus
+    probe: ProbeResult | None
+    probe_failures_in_a_row: int
+    server_health: HealthResult | None
+    ranks: list[RankView]
+    rank_problems: list[str]
+    expected_tp_size: int
+    active_transition: Transition | None
+    transitions: list[Transition]
