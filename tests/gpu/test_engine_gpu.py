@@ -38,7 +38,7 @@ from tiny_model import prompt_of, write_model
 
 from kdtree.config import Mode
 from kdtreectl.check import first_divergence
-from sidecar.gate import fp8_bound
+from sidecar.admission import fp8_bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
