@@ -420,6 +420,44 @@ async def test_ready_holds_while_saturated_and_drops_for_a_dead_scheduler(engine
     print(f"a dead scheduler turned the pod not ready after {took:.2f}s")
 
 
+async def test_a_dead_scheduler_on_an_idle_server_turns_ready_503_within_the_bound(
+    engine, tmp_path, monkeypatch
+):
+    """The scheduler dies right after a good probe on an idle server, and /health takes SGLang's real
+    SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer 503, past the probe's own timeout: /ready turns 503 within
+    (KDTREE_PROBE_FAILURE_THRESHOLD + 1) x max(KDTREE_PROBE_INTERVAL_S, 0.9 x KDTREE_PROBE_DEADLINE_S). The
+    interval here is 0.9 x the deadline, where asking /health only after a failed probe took a whole interval
+    longer (at the defaults: 41 s for a bound of 36 s)."""
+    monkeypatch.delenv("SGLANG_HEALTH_CHECK_TIMEOUT", raising=False)  # SGLang's default, 20 s
+    proc = engine("--fault", "hang", "--fault-after", "2")  # dies right after the second good completion
+    deadline, threshold = 2.0, 3
+    interval = 0.9 * deadline
+    bound = (threshold + 1) * max(interval, 0.9 * deadline)
+    settings = make_settings(
+        tmp_path, proc.port, expected_tp_size=0, probe_interval_s=interval, probe_deadline_s=deadline
+    )
+    async with sidecar(settings, server=proc) as c:
+        await wait_ready(c)
+        died = None  # when the last good probe was answered: the scheduler's death
+        while (r := await c.get("/ready")).status_code == 200:
+            probe = (await c.get("/status")).json()["probe"]
+            if probe["ok"]:
+                died = probe["at"]
+            assert died is None or time.time() - died < 2 * bound, f"still ready: {r.json()}"
+            await asyncio.sleep(0.05)
+        assert died is not None, "no good probe seen before the scheduler died"
+        took = time.time() - died
+        st = (await c.get("/status")).json()
+    print(
+        f"a dead scheduler on an idle server turned the pod not ready after {took:.2f}s (bound {bound:.2f}s)"
+    )
+    # 0.6 s for this loop's polling and a busy machine; asking /health after the failed probe took 1.8 s more.
+    assert took <= bound + 0.6, f"not ready only after {took:.2f}s, past the bound of {bound:.2f}s"
+    assert r.json()["condition"] == "broken", r.json()
+    assert "GET /health did not answer within 1.8s" in " ".join(r.json()["reasons"]), r.json()
+    assert st["probe_failures_in_a_row"] == threshold, st
+
+
 async def test_a_server_that_never_served_is_judged_by_the_completion_probe(engine, tmp_path):
     """Saturated from its start: SGLang's /health says 200, but no completion has proven the serving path yet."""
     proc = engine("--tp-size", "2", "--fault", "saturated", "--fault-delay", "30")
