@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,13 +19,14 @@ from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
-from kdtree.process_record import read_process_record
+from kdtree.process_record import START_MARK, read_process_record
 from sidecar import probe as P
 from sidecar.app import create_app
 from sidecar.server_log import crash_excerpt, latest_marker
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
+DATA = Path(__file__).parent / "data"
 
 
 def prober(port, deadline=1.0, model=None) -> P.Prober:
@@ -280,6 +282,57 @@ def test_crash_excerpt_keeps_whole_tracebacks_and_error_lines():
     assert not any("all good" in line or "WARNING" in line for line in excerpt)
     assert latest_marker(log).name == "loading_weights"
     assert latest_marker("nothing here") is None
+
+
+def test_crash_excerpt_is_this_runs_last_incident():
+    """A run that served through a hang (its abandoned requests left BrokenPipeError tracebacks, and a transient
+    error line long before the end), then stopped: the excerpt is the lines that explain this exit, not the
+    hang's tracebacks, not that old line, not the previous run's crash."""
+    startup = (DATA / "sglang-0.5.23-startup.log").read_text().splitlines()
+    hang_up = [
+        "----------------------------------------",
+        "Exception occurred during processing of request from ('127.0.0.1', 40312)",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/socketserver.py", line 691, in process_request_thread',
+        "    self.finish_request(request, client_address)",
+        '  File "/usr/lib/python3.11/http/server.py", line 432, in handle',
+        "    self.wfile.write(data)",
+        "BrokenPipeError: [Errno 32] Broken pipe",
+        "----------------------------------------",
+    ]
+    end = [
+        "[2026-12-01 19:40:02 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+        '  File "/sgl/python/sglang/srt/managers/scheduler.py", line 2801, in run_scheduler_process',
+        "    scheduler.event_loop_overlap()",
+        "torch.AcceleratorError: CUDA error: an illegal memory access was encountered",
+        "[2026-12-01 19:40:02] Received sigquit from a child process. It usually means the child failed.",
+        "kdtree launcher: the server was killed by SIGKILL (exit status 137)",
+    ]
+    log = "\n".join(
+        [
+            f"{START_MARK} #1 at 2026-12-01T19:00:00.000Z (t=1796151600.000), pid 7",
+            "Traceback (most recent call last):",
+            "RuntimeError: the previous run's crash",
+            "kdtree launcher: the server exited with status 1",
+            f"{START_MARK} #2 at 2026-12-01T19:24:57.000Z (t=1796153097.000), pid 7",
+            "kdtree launcher: mode=on (from the mode file); model=/models/dsv3; tp=8 ...",
+            *startup,
+            "[2026-12-01 19:26:00 TP0] ERROR transient: a request with a bad sampling parameter",
+            *[f"[2026-12-01 19:27:{i:02d} TP0] Decode batch. #running-req: 1" for i in range(30)],
+            *hang_up * 5,  # 45 lines of a client's hang-ups
+            *[f"[2026-12-01 19:39:{i:02d} TP0] Prefill batch. #new-seq: 1" for i in range(3)],
+            *end,
+        ]
+    )
+    errors = [line for line in end if "sigquit" not in line]  # error lines and whole tracebacks
+    assert crash_excerpt(log) == errors
+    # An incident's errors may lie apart (ranks failing one after another, shutdown lines between them).
+    apart = ["[TP3] ERROR rank 3 lost its peer", *[f"[TP0] shutting down {i}" for i in range(15)], *end]
+    assert crash_excerpt("\n".join(apart)) == [apart[0], *errors]
+    # A log without a start mark (Docker's, read since the container's start) is one run.
+    assert crash_excerpt("\n".join([*startup, *end])) == errors
+    # Only hang-ups: nothing explains an exit.
+    assert crash_excerpt("\n".join(hang_up)) == []
 
 
 def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
