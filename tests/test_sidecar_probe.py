@@ -73,6 +73,20 @@ async def test_probe_names_each_fault(engine, fault, reason):
     assert time.monotonic() - start < 0.8 + 0.3  # a hang costs the deadline, no more
 
 
+def test_the_standin_refuses_a_fault_it_does_not_have(engine):
+    """The demo switches faults by name: a misspelt one is refused, naming the valid ones, and changes nothing."""
+    url = f"http://127.0.0.1:{engine().port}/_standin/fault"
+    r = httpx.post(url, json={"fault": "fallbak"})
+    assert r.status_code == 400 and "'fallbak' is not a fault; faults: none, slow," in r.json()["error"], (
+        r.text
+    )
+    assert "fallback" in r.json()["error"] and "crash-on-start" not in r.json()["error"]
+    r = httpx.post(url, json={"fault": "crash-on-start"})
+    assert r.status_code == 400 and "happens at start only (--fault)" in r.json()["error"], r.text
+    assert httpx.post(url, content=b"fallback").status_code == 400
+    assert httpx.get(url.replace("fault", "stats")).json()["fault"] == "none"
+
+
 async def test_probe_slow_answer_within_and_past_deadline(engine):
     proc = engine("--fault", "slow", "--fault-delay", "0.4")
     ok = await prober(proc.port, deadline=2.0).probe()
