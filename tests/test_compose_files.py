@@ -228,6 +228,9 @@ def test_env_example_documents_every_variable_compose_reads():
 def test_an_empty_admin_token_stops_compose_with_its_fix(compose, tmp_path):
     r = config(compose, ENV_EXAMPLE, COMPOSE)  # as shipped: KDTREE_ADMIN_TOKEN= (empty)
     assert r.returncode != 0 and "set KDTREE_ADMIN_TOKEN in .env to a secret" in r.stderr
+    # One line, not the option being interpolated with every variable in it (compose v1 prints that option).
+    assert len(r.stderr.strip().splitlines()) == 1 and len(r.stderr) < 400, r.stderr
+    assert "KDTREE_PROBE_PROMPT" not in r.stderr
 
 
 def test_env_example_appends_nothing():
