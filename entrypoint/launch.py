@@ -31,7 +31,7 @@ from typing import ClassVar
 from pydantic import SecretStr, ValidationError
 
 from entrypoint.supervise import DEFAULT_LOG_MAX_BYTES, StopRequested, Supervisor, SupervisorSettings
-from kdtree.config import ConfigError, Mode, StateDirSettings, VerifySettings
+from kdtree.config import ConfigError, Mode, StateDirSettings, VerifySettings, warn_unknown_variables
 from kdtree.state.mode_file import mode_path, read_desired_mode
 
 EXIT_CONFIG = 2
@@ -421,6 +421,7 @@ def main(
     if argv[:1] in (["-h"], ["--help"]):  # usage, without touching the GPU, torch or the state volume
         print(USAGE)
         return 0
+    warn_unknown_variables(environ)  # first: a misspelt variable may be why what follows fails
     recorded, log_max_bytes = _record_settings()
     state_dir = recorded.state_dir
     try:

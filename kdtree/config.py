@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Mapping
 from enum import Enum, StrEnum
 from typing import ClassVar, Literal, Self
 
-from pydantic import Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -46,11 +52,71 @@ class KdtreeSettings(BaseSettings):
 
     @classmethod
     def load(cls, **overrides) -> Self:
-        """The settings from the environment (and overrides); ConfigError naming the first bad value."""
+        """The settings from the environment (and overrides); ConfigError naming the first bad value. A KDTREE_
+        variable that no kdtree process reads (a misspelt setting) is warned about."""
+        warn_unknown_variables()
         try:
             return cls(**overrides)
         except ValidationError as e:
             raise ConfigError(invalid_setting(cls, e)) from None
+
+
+# KDTREE_ variables that no settings class reads: compose's stack variables (.env), the image build's, CI's and the
+# test and benchmark tools'. With the fields of every settings class they are the names a process knows (one
+# environment may hold another process's); tests/test_compose_files.py holds this list against those files.
+OTHER_VARIABLES = frozenset(
+    {
+        # compose (.env.example)
+        "KDTREE_MODEL", "KDTREE_MODEL_DIR", "KDTREE_TP_SIZE", "KDTREE_SPECULATIVE_ARGS", "KDTREE_SGLANG_EXTRA_ARGS",
+        "KDTREE_SERVER_ENV_FILE", "KDTREE_CONTAINER_LOG_MAX_SIZE", "KDTREE_CONTAINER_LOG_MAX_FILES",
+        "KDTREE_DOCKER_GID", "KDTREE_SERVER_IMAGE", "KDTREE_SIDECAR_IMAGE", "KDTREE_BASE_IMAGE", "KDTREE_CUDA_ARCHS",
+        "KDTREE_REVISION", "KDTREE_BIND_ADDRESS", "KDTREE_PUBLISH_SERVER_PORT", "KDTREE_PUBLISH_SIDECAR_PORT",
+        # the image build and CI (.ci/docker.sh, tests/compose.ci.yaml)
+        "KDTREE_SOURCE", "KDTREE_CREATED", "KDTREE_VERSION", "KDTREE_IMAGE_TAG", "KDTREE_CA_BUNDLE",
+        "KDTREE_CI_LOG_DIR", "KDTREE_CI_LOAD_SECONDS", "KDTREE_CI_SERVER_RESTART", "KDTREE_CI_STANDIN_ARGS",
+        # the test and benchmark tools (tests/, kernel_build/bench/)
+        "KDTREE_VENV", "KDTREE_DIST", "KDTREE_ENGINE_SITE", "KDTREE_FP8_BUDGET_S", "KDTREE_FP8_ERRORS",
+        "KDTREE_TIMELINE", "KDTREE_VARIANTS_DIR",
+    }
+)  # fmt: skip
+# The modules of the settings classes of every process (the sidecar, kdtreectl, the launcher and its supervisor);
+# this module's own serve SGLang's ranks.
+SETTINGS_MODULES = ("sidecar.settings", "kdtreectl.settings", "entrypoint.launch")
+_warned: set[str] = set()
+
+
+@functools.cache
+def known_variables() -> frozenset[str]:
+    """Every KDTREE_ variable some kdtree process or the stack reads."""
+    for module in SETTINGS_MODULES:
+        importlib.import_module(module)
+    names, classes = set(OTHER_VARIABLES), [KdtreeSettings]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        for name, field in cls.model_fields.items():
+            alias = field.validation_alias
+            names.update(alias.choices if isinstance(alias, AliasChoices) else ["KDTREE_" + name.upper()])
+    return frozenset(str(n) for n in names)
+
+
+def warn_unknown_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Warn, once per process and name, about each KDTREE_ variable set that nothing reads (a misspelt setting
+    would be ignored silently), with the closest known name; returns the warnings."""
+    new = [v for v in environ if v.startswith("KDTREE_") and v not in _warned]
+    if not new:
+        return []
+    known = known_variables()
+    warnings = []
+    for var in sorted(set(new) - known):
+        _warned.add(var)
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.append(
+            f"kdtree: warning: {var} is set, but no kdtree setting has that name: it is ignored{hint}"
+        )
+        logging.getLogger("kdtree.config").warning("%s", warnings[-1])
+    return warnings
 
 
 def invalid_setting(cls: type[KdtreeSettings], e: ValidationError) -> str:

@@ -89,14 +89,18 @@ class SingleFlight(Generic[T]):
         self._generation += 1
         self._value, self._task = None, None
 
+    def start(self) -> asyncio.Task[T]:
+        """The fetch in flight, started now when none is."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(self._generation))
+        return self._task
+
     async def get(self, max_age: float, wait: float | None = None) -> T | None:
         """The cached value if fresh, else the shared in-flight fetch; None when `wait` runs out first."""
         if self._value is not None and time.monotonic() - self._at <= max_age:
             return self._value
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(self._generation))
         try:
-            return await asyncio.wait_for(asyncio.shield(self._task), wait)
+            return await asyncio.wait_for(asyncio.shield(self.start()), wait)
         except TimeoutError:
             return None
 
@@ -123,6 +127,9 @@ class Prober:
     ):
         self.server_url = server_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # One TLS context for every client: httpx builds a new one per client otherwise, about 50 ms of the event
+        # loop each (for /ready's answers too), twice a round with /health beside the probe.
+        self._tls = httpx.create_ssl_context()
         self.prompt, self.max_tokens, self.deadline_s = prompt, max_tokens, deadline_s
         # The probe gives up a little before the deadline, so callers bounded by it still get its verdict.
         self.timeout_s = deadline_s * 0.9
@@ -155,7 +162,9 @@ class Prober:
         """GET /health within the probe's timeout: ok only for a 200."""
         start = time.monotonic()
         try:
-            async with httpx.AsyncClient(base_url=self.server_url, timeout=self.timeout_s) as client:
+            async with httpx.AsyncClient(
+                base_url=self.server_url, timeout=self.timeout_s, verify=self._tls
+            ) as client:
                 async with asyncio.timeout(self.timeout_s):
                     resp = await client.get("/health")
             ok, code = resp.status_code == 200, resp.status_code
@@ -169,13 +178,30 @@ class Prober:
         )
         return self.health
 
+    async def probe_with_health(self) -> ProbeResult | None:
+        """A fresh probe (joining one in flight) with SGLang's /health sent beside it, not after it: on an idle
+        server with a dead scheduler /health answers 503 only after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), so asked
+        after a failed probe it would add its own timeout to the probe's, and a dead scheduler would take one
+        round more than (KDTREE_PROBE_FAILURE_THRESHOLD + 1) x max(interval, timeout) to turn /ready 503.
+        /health is waited for only when the probe fails (its verdict then tells busy from broken); a good probe
+        stops it."""
+        self.flight.start()  # first: the probe's timeout runs from before /health's client is even built
+        health = asyncio.create_task(self.check_health())
+        try:
+            result = await self.get(0)
+            if result is None or not result.ok:
+                await health
+            return result
+        finally:
+            health.cancel()
+
     async def probe(self) -> ProbeResult:
         start = time.monotonic()
         model = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with httpx.AsyncClient(
-                    base_url=self.server_url, timeout=self.timeout_s, headers=self._headers
+                    base_url=self.server_url, timeout=self.timeout_s, headers=self._headers, verify=self._tls
                 ) as client:
                     model = self.configured_model or self._discovered_model or await self._discover(client)
                     self._discovered_model = None if self.configured_model else model

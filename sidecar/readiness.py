@@ -120,22 +120,17 @@ class Readiness:
 
     async def _monitor(self) -> None:
         """The background probe: a completion every KDTREE_PROBE_INTERVAL_S (joining one in flight, e.g. a bake's),
-        and SGLang's /health beside it while probes fail."""
+        and SGLang's /health beside it (Prober.probe_with_health)."""
         s = self.settings
         while True:
             began = time.monotonic()
             try:
-                health = asyncio.create_task(self.prober.check_health()) if self.prober.failures else None
-                result = await self.prober.get(0)
-                if health is None and result is not None and not result.ok and result.reason != REFUSED:
-                    health = asyncio.create_task(self.prober.check_health())
-                if health is not None:
-                    await health
+                await self.prober.probe_with_health()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the next round tries again; the verdict ages meanwhile
                 log.error("the background probe failed: %s: %s", type(e).__name__, e, exc_info=e)
-            await asyncio.sleep(max(0.05, s.probe_interval_s - (time.monotonic() - began)))
+            await asyncio.sleep(max(0.0, s.probe_interval_s - (time.monotonic() - began)))
 
     def _observe_probe(self, result: ProbeResult) -> None:
         self.metrics.probe_duration.observe(result.latency_s)

@@ -6,6 +6,8 @@ import re
 
 from pydantic import BaseModel
 
+from kdtree.state.process_record import START_MARK
+
 # SGLang 0.5.23 prints these, in this order, on a healthy start (weights, CUDA graphs, HTTP up); each is a regular
 # expression. Its graph lines name what is captured: "Capture target verify CUDA graph begin. backend=full, ..."
 # (speculative decoding), then the draft model's ("Capture draft decode CUDA graph begin. ..."); older versions
@@ -26,6 +28,12 @@ _ERROR_LINE = re.compile(
     # The server's entrypoint: a refused configuration, or the server killed by a signal.
     r"^kdtree launcher: (?:error:|the server was killed)",
 )
+# A client that hung up (a request abandoned during a hang, say): the server survives it, so it explains no exit.
+# socketserver's handle_error heads such a traceback with its own line.
+_HANG_UP = re.compile(r"^(?:BrokenPipeError|ConnectionResetError|ConnectionAbortedError)\b")
+_NOT_AN_ERROR = re.compile(r"^Exception occurred during processing of request from ")
+# Ordinary lines that may separate the errors of one incident (ranks failing one after another, the shutdown).
+INCIDENT_GAP = 20
 
 
 class LogMarker(BaseModel):
@@ -45,24 +53,36 @@ def latest_marker(log: str) -> LogMarker | None:
 
 
 def crash_excerpt(log: str, max_lines: int = 40) -> list[str]:
-    """Tracebacks (whole, up to the exception line) and other error lines, the last max_lines of them."""
+    """The lines that explain how this run ended: in this run's lines (after the launcher's last start mark), the
+    last incident (error lines and whole tracebacks, up to the exception line, with at most INCIDENT_GAP other
+    lines between them), its last max_lines lines. Errors of earlier incidents (a hang's abandoned requests,
+    a warning hours before) and of earlier runs are left out."""
     lines = log.splitlines()
-    picked: list[str] = []
+    starts = [i for i, line in enumerate(lines) if line.startswith(START_MARK)]
+    if starts:
+        lines = lines[starts[-1] + 1 :]
+    incidents: list[list[str]] = []
+    last_end = None  # the index after the last error item
     i = 0
     while i < len(lines):
+        first = i
         line = lines[i]
         if "Traceback (most recent call last)" in line:
-            picked.append(line)
             i += 1
             # A traceback body is indented; its first unindented line is the exception itself.
             while i < len(lines) and (lines[i].startswith((" ", "\t")) or not lines[i].strip()):
-                picked.append(lines[i])
                 i += 1
-            if i < len(lines):
-                picked.append(lines[i])
-                i += 1
+            i = min(i + 1, len(lines))
+            if _HANG_UP.match(lines[i - 1]):
+                continue
+        elif _ERROR_LINE.search(line) and not _NOT_AN_ERROR.match(line):
+            i += 1
+        else:
+            i += 1
             continue
-        if _ERROR_LINE.search(line):
-            picked.append(line)
-        i += 1
+        if last_end is None or first - last_end > INCIDENT_GAP:
+            incidents.append([])
+        incidents[-1].extend(lines[first:i])
+        last_end = i
+    picked = incidents[-1] if incidents else []
     return [p.rstrip()[:500] for p in picked if p.strip()][-max_lines:]

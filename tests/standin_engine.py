@@ -22,7 +22,8 @@ With --no-speculation it serves as SGLang 0.5.23 does without speculative decodi
 and no `sglext` in a completion even when asked for its details (SGLang builds spec_tokens_details only from
 speculative metrics, finds none, and drops `sglext` when it is empty: serving_completions.py, protocol.py).
 
-Faults (--fault, optionally only while the server is in --fault-in-mode, optionally after --fault-after good answers):
+Faults (--fault, optionally only while the server is in --fault-in-mode, optionally after --fault-after good answers;
+each but crash-on-start also switches at run time, through the test hook below):
   slow             completions answer after --fault-delay seconds
   saturated        completions queue behind load and answer after --fault-delay seconds, while /health answers 200
                    (other requests' output keeps arriving: what SGLang's /health says of a busy server)
@@ -33,15 +34,18 @@ Faults (--fault, optionally only while the server is in --fault-in-mode, optiona
   no-finish-reason 200 with a choice whose finish_reason is null
   http-500         500 with an error body
   die-mid-probe    the process exits while writing the completion answer
-  crash-on-start   a traceback during CUDA graph capture, then exit with --exit-code (port never opens)
+  crash-on-start   a traceback during CUDA graph capture, then exit with --exit-code (port never opens); at start
+                   only
   rank-error       the ranks report a last_error
   no-verify-count  the ranks count no verify call (kdtree installed but never reached)
   fallback         every verify call falls back to the original, counted as kv_dtype
   stuck-rank       rank 1 keeps its mode: it never follows the mode file (never confirms a live switch)
-  diverge          completions differ from position --diverge-at on (a wrong kdtree result)
+  diverge          completions in mode on differ from position --diverge-at on (a wrong kdtree result: the other
+                   modes serve the original)
 
 Run: python tests/standin_engine.py --port P [--load-seconds S] [--warm-seconds S] [--fault F] [--tp-size N]
-Test hooks: GET /_standin/stats (request counts), POST /_standin/fault {"fault": F} (switch at run time).
+Test hooks: GET /_standin/stats (request counts), POST /_standin/fault {"fault": F} (switch at run time; 400 naming
+the valid faults for any other name).
 
 StandinProcess (below) runs it as a child process and controls it the way the sidecar controls the server
 container (inspect, logs, restart), so the sidecar's state machine can be tested without Docker.
@@ -87,6 +91,7 @@ FAULTS = (
     "stuck-rank",
     "diverge",
 )
+RUN_TIME_FAULTS = tuple(f for f in FAULTS if f != "crash-on-start")
 GOOD = (
     "none",
     "slow",
@@ -172,15 +177,20 @@ class Engine:
     def start_ranks(self) -> None:
         a = self.args
         for rank, holder in enumerate(self.holders):
-            stuck = self.fault == "stuck-rank" and rank == 1
             evidence = Heartbeat(
                 a.state_dir,
                 snapshot=lambda rank=rank: self.snapshot(rank),
                 installed=lambda: self.started_mode != Mode.OFF and not a.not_installed,
                 rank_source=lambda rank=rank: (rank, a.tp_size),
-                follow=None if stuck else holder.follow,
+                follow=lambda desired, rank=rank, holder=holder: self.follow(rank, holder, desired),
             )
             evidence.start(a.heartbeat_s)
+
+    def follow(self, rank: int, holder: ModeHolder, desired: Mode | None) -> bool:
+        """A rank follows the mode file as kdtree's does, but rank 1 not while stuck-rank is on."""
+        if rank == 1 and self.active_fault() == "stuck-rank":
+            return False
+        return holder.follow(desired)
 
     def snapshot(self, rank: int) -> dict:
         a, holder = self.args, self.holders[rank]
@@ -263,7 +273,7 @@ class Engine:
         seed = zlib.crc32(prompt.encode())
         length = n if ignore_eos else max(1, (3 * n) // 4)
         ids = [100 + (seed + 7919 * i) % 30000 for i in range(length)]
-        if self.active_fault() == "diverge":
+        if self.active_fault() == "diverge" and self.mode == Mode.ON:
             ids = ids[: self.args.diverge_at] + [i + 1 for i in ids[self.args.diverge_at :]]
         return ids, "length" if ignore_eos else "stop"
 
@@ -362,7 +372,16 @@ def make_handler(engine: Engine):
             if not self._authorized():
                 return None
             if self.path == "/_standin/fault":
-                engine.fault = json.loads(raw)["fault"]
+                try:
+                    fault = json.loads(raw)["fault"]
+                except (ValueError, KeyError, TypeError):
+                    return self._send(400, {"error": 'the body must be JSON: {"fault": NAME}'})
+                if fault not in RUN_TIME_FAULTS:
+                    why = "happens at start only (--fault)" if fault == "crash-on-start" else "is not a fault"
+                    return self._send(
+                        400, {"error": f"{fault!r} {why}; faults: {', '.join(RUN_TIME_FAULTS)}"}
+                    )
+                engine.fault = fault
                 return self._send(200, {"fault": engine.fault})
             if self.path != "/v1/completions":
                 return self._send(404, {"detail": "Not Found"})

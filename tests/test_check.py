@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 
+import httpx
 import pytest
 from sidecar_harness import TOKEN, kdtreectl, make_settings, serve
 from standin_engine import free_port
@@ -99,8 +100,13 @@ def test_ranks_whose_counters_do_not_move_fail_the_check_naming_the_fallbacks(st
     assert report["passed"] is False and report["failure"] in line
 
 
-def test_flip_reports_diverging_outputs_with_their_positions_and_returns(stack, tmp_path):
-    url, proc = stack(*GOOD_PARITY, "--fault", "diverge", "--fault-in-mode", "on", "--diverge-at", "5")
+@pytest.mark.parametrize("when", ["at start", "at run time"])
+def test_flip_reports_diverging_outputs_with_their_positions_and_returns(stack, tmp_path, when):
+    fault = ["--fault", "diverge", "--fault-in-mode", "on"] if when == "at start" else []
+    url, proc = stack(*GOOD_PARITY, *fault, "--diverge-at", "5")
+    if when == "at run time":  # the demo's way: diverge is a wrong kdtree result, so it shows in on only
+        switched = httpx.post(f"http://127.0.0.1:{proc.port}/_standin/fault", json={"fault": "diverge"})
+        assert switched.json() == {"fault": "diverge"}
     r, report = check(url, proc, tmp_path, "--flip")
     assert r.returncode == 0, (r.stdout, r.stderr)
     flip = report["flip"]

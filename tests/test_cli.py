@@ -308,6 +308,40 @@ def test_python_m_sidecar_refuses_to_start_without_an_admin_decision(tmp_path):
     assert "KDTREE_ADMIN_TOKEN" in r.stderr and "KDTREE_ALLOW_OPEN_ADMIN=true" in r.stderr
 
 
+def test_python_m_sidecar_holds_a_refused_configuration_for_its_healthcheck(tmp_path):
+    """Under compose (--on-config-error hold) a bad value keeps the sidecar up, not serving, and its healthcheck
+    prints the refusal: the container's health output names the problem instead of a restart loop."""
+    env = sidecar_env(tmp_path, KDTREE_ADMIN_TOKEN=TOKEN, KDTREE_GATE_MIN_CALLS="-1", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "--on-config-error", "hold"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "kdtree-sidecar-refusal").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "python -m sidecar did not hold"
+            time.sleep(0.1)
+        check = subprocess.run(
+            [sys.executable, "-m", "sidecar.healthcheck", "/live"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.poll() is None  # held, not exited
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert check.returncode == 1, check
+    assert check.stdout.startswith("kdtree sidecar: KDTREE_GATE_MIN_CALLS='-1' is invalid"), check.stdout
+    assert proc.returncode == 2 and "KDTREE_GATE_MIN_CALLS='-1' is invalid" in out and "holding" in out, out
+
+
 def test_python_m_sidecar_serves_on_the_configured_port(tmp_path):
     port = free_port()
     env = sidecar_env(
@@ -336,9 +370,17 @@ def test_python_m_sidecar_serves_on_the_configured_port(tmp_path):
                 assert time.monotonic() < deadline and proc.poll() is None, "python -m sidecar did not serve"
                 time.sleep(0.1)
         ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        checks = [
+            subprocess.run([sys.executable, "-m", "sidecar.healthcheck", *path], env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
+            for path in ([], ["/ready"])
+        ]  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(10)
+    assert checks[0].returncode == 0 and checks[0].stdout == "", checks[
+        0
+    ]  # /live: the container's healthcheck
+    assert checks[1].returncode == 1 and checks[1].stdout.startswith("GET /ready answered 503: {"), checks[1]
     assert live.json() == {"live": True}
     assert ready.status_code == 503 and ready.json()["phase"] == "loading"
 

@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,9 @@ def test_env_example_documents_every_variable_compose_reads():
 def test_an_empty_admin_token_stops_compose_with_its_fix(compose, tmp_path):
     r = config(compose, ENV_EXAMPLE, COMPOSE)  # as shipped: KDTREE_ADMIN_TOKEN= (empty)
     assert r.returncode != 0 and "set KDTREE_ADMIN_TOKEN in .env to a secret" in r.stderr
+    # One line, not the option being interpolated with every variable in it (compose v1 prints that option).
+    assert len(r.stderr.strip().splitlines()) == 1 and len(r.stderr) < 400, r.stderr
+    assert "KDTREE_PROBE_PROMPT" not in r.stderr
 
 
 def test_env_example_appends_nothing():
@@ -294,6 +298,59 @@ def test_every_kdtree_variable_the_code_reads_is_a_setting():
         for path in (REPO / folder).rglob("*.py"):
             for var in read.findall(path.read_text()):
                 assert var in fields, f"{path.relative_to(REPO)} reads {var}, which no settings class has"
+
+
+def test_the_stack_variables_no_settings_class_reads_are_known():
+    """kdtree.config.OTHER_VARIABLES, the KDTREE_ names no settings class reads (no process warns about them), holds
+    every one that compose, .env.example, the image build, CI and the Kubernetes files read, and none that nothing
+    reads."""
+    from kdtree.config import OTHER_VARIABLES, known_variables
+
+    stack = [
+        *COMPOSE_FILES,
+        ENV_EXAMPLE,
+        REPO / "tests/compose.ci.yaml",
+        REPO / ".ci/docker.sh",
+        REPO / "Dockerfile",
+    ]
+    stack += sorted((REPO / "deploy").rglob("*.yaml"))
+    names = re.compile(r"\bKDTREE_[A-Z0-9_]*[A-Z0-9]\b")
+    used = set().union(*(names.findall(f.read_text()) for f in stack))
+    assert used - known_variables() == set(), "add these to kdtree.config.OTHER_VARIABLES"
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    read = set().union(
+        *(names.findall((REPO / f).read_text(errors="replace")) for f in tracked if f != "kdtree/config.py")
+    )
+    assert OTHER_VARIABLES - read == set(), "nothing reads these any more: drop them from OTHER_VARIABLES"
+    assert (
+        OTHER_VARIABLES.isdisjoint(env_names(SidecarSettings)) and "KDTREE_READY_TIMEOUT" in known_variables()
+    )
+
+
+@pytest.mark.parametrize(
+    "process, args",
+    [
+        ("sidecar", ["-m", "sidecar"]),  # then refused: no admin token
+        ("kdtreectl", ["-m", "kdtreectl", "--help"]),
+        ("launcher", ["-m", "entrypoint.launch", "--model-path", "/models/x"]),  # then refused: no state dir
+    ],
+)
+def test_a_misspelt_variable_is_named_with_the_setting_it_resembles(process, args, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDTREE_")}
+    env.update(KDTREE_GATE_MIN_CALL="5", KDTREE_NO_SUCH_THING="1", KDTREE_MODEL="DeepSeek-V3-0324")
+    env.update(KDTREE_STATE_DIR=str(tmp_path / "absent"), PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
+    )
+    warnings = [line for line in r.stderr.splitlines() if "warning:" in line]
+    assert len(warnings) == 2, r.stderr  # once each, however many settings classes the process loads
+    assert warnings[0].endswith(
+        "kdtree: warning: KDTREE_GATE_MIN_CALL is set, but no kdtree setting has that name: it is ignored; "
+        "did you mean KDTREE_GATE_MIN_CALLS?"
+    )
+    assert warnings[1].endswith(
+        "KDTREE_NO_SUCH_THING is set, but no kdtree setting has that name: it is ignored"
+    )
 
 
 def env_names(cls) -> dict[str, object]:

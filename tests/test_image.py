@@ -964,6 +964,28 @@ def test_compose_crash_at_start_shows_the_traceback(stack):
     assert s["container"]["state"]["exit_code"] == 1
 
 
+def test_a_bad_value_in_env_is_named_in_the_sidecars_health_output(sidecar_image, server_image, tmp_path):
+    """A bad value in .env (KDTREE_PROBE_FAILURE_THRESHOLD=0; CI's file sets the gate's): `up` fails on the dependency's health, as compose does, and
+    the sidecar, held up rather than restarted in a loop, names the value in its health output."""
+    require_compose()
+    models = Path(tempfile.mkdtemp(prefix="kdtree-models-"))
+    s = Stack(tmp_path, models)
+    s.env["KDTREE_PROBE_FAILURE_THRESHOLD"] = "0"
+    cmd = ["docker-compose", "-p", s.project, "--project-directory", str(REPO), "--env-file", str(s.env_file)]
+    cmd += [a for f in s.files for a in ("-f", str(f))]
+    try:
+        up = subprocess.run([*cmd, "up", "-d"], env=s.env, capture_output=True, text=True, timeout=300)
+        assert up.returncode != 0 and "is unhealthy" in up.stderr, up.stderr
+        sidecar = subprocess.run([*cmd, "ps", "-q", "sidecar"], env=s.env, capture_output=True, text=True)
+        cid = sidecar.stdout.strip()
+        health = s.inspect("{{range .State.Health.Log}}{{.Output}}{{end}}", cid)
+        assert "kdtree sidecar: KDTREE_PROBE_FAILURE_THRESHOLD='0' is invalid" in health, health
+        assert s.inspect("{{.State.Running}} {{.RestartCount}}", cid) == "true 0"
+    finally:
+        s.down()
+        shutil.rmtree(models)
+
+
 def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_image, server_image, tmp_path):
     """docs/troubleshooting.md's row, on this GPU-less engine: `up` fails with Docker's own message, and the
     sidecar it leaves running turns broken ("no server has started") after KDTREE_START_GRACE_S. The files are what

@@ -464,11 +464,15 @@ async def test_a_live_flip_works_without_server_control(engine, tmp_path):
     assert restart.status_code == 503 and "needs a server restart" in restart.json()["error"]
 
 
-async def test_a_rank_that_never_confirms_is_rolled_back_live(engine, tmp_path):
-    proc = engine("--fault", "stuck-rank", mode=Mode.VALIDATE)
+@pytest.mark.parametrize("when", ["at start", "at run time"])
+async def test_a_rank_that_never_confirms_is_rolled_back_live(engine, tmp_path, when):
+    proc = engine(*(["--fault", "stuck-rank"] if when == "at start" else []), mode=Mode.VALIDATE)
     settings = make_settings(tmp_path, proc.port, live_flip_timeout_s=1.5)
     async with sidecar(settings, server=proc) as c:
         await wait_ready(c)
+        if when == "at run time":  # the stand-in's test hook, as the demo's users switch faults
+            fault = httpx.post(f"http://127.0.0.1:{proc.port}/_standin/fault", json={"fault": "stuck-rank"})
+            assert fault.json() == {"fault": "stuck-rank"}
         r = await c.post("/mode", json={"mode": "standby"}, headers=AUTH)
         assert r.status_code == 202
         t = await settle(c)

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,13 +19,14 @@ from sidecar_harness import TOKEN, make_settings, sidecar, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
-from kdtree.state.process_record import read_process_record
+from kdtree.state.process_record import START_MARK, read_process_record
 from sidecar import probe as P
 from sidecar.app import create_app
 from sidecar.server_log import crash_excerpt, latest_marker
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
+DATA = Path(__file__).parent / "data"
 
 
 def prober(port, deadline=1.0, model=None) -> P.Prober:
@@ -69,6 +71,20 @@ async def test_probe_names_each_fault(engine, fault, reason):
     r = await prober(proc.port, deadline=0.8).probe()
     assert not r.ok and r.reason == reason, r
     assert time.monotonic() - start < 0.8 + 0.3  # a hang costs the deadline, no more
+
+
+def test_the_standin_refuses_a_fault_it_does_not_have(engine):
+    """The demo switches faults by name: a misspelt one is refused, naming the valid ones, and changes nothing."""
+    url = f"http://127.0.0.1:{engine().port}/_standin/fault"
+    r = httpx.post(url, json={"fault": "fallbak"})
+    assert r.status_code == 400 and "'fallbak' is not a fault; faults: none, slow," in r.json()["error"], (
+        r.text
+    )
+    assert "fallback" in r.json()["error"] and "crash-on-start" not in r.json()["error"]
+    r = httpx.post(url, json={"fault": "crash-on-start"})
+    assert r.status_code == 400 and "happens at start only (--fault)" in r.json()["error"], r.text
+    assert httpx.post(url, content=b"fallback").status_code == 400
+    assert httpx.get(url.replace("fault", "stats")).json()["fault"] == "none"
 
 
 async def test_probe_slow_answer_within_and_past_deadline(engine):
@@ -282,6 +298,57 @@ def test_crash_excerpt_keeps_whole_tracebacks_and_error_lines():
     assert latest_marker("nothing here") is None
 
 
+def test_crash_excerpt_is_this_runs_last_incident():
+    """A run that served through a hang (its abandoned requests left BrokenPipeError tracebacks, and a transient
+    error line long before the end), then stopped: the excerpt is the lines that explain this exit, not the
+    hang's tracebacks, not that old line, not the previous run's crash."""
+    startup = (DATA / "sglang-0.5.23-startup.log").read_text().splitlines()
+    hang_up = [
+        "----------------------------------------",
+        "Exception occurred during processing of request from ('127.0.0.1', 40312)",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/socketserver.py", line 691, in process_request_thread',
+        "    self.finish_request(request, client_address)",
+        '  File "/usr/lib/python3.11/http/server.py", line 432, in handle',
+        "    self.wfile.write(data)",
+        "BrokenPipeError: [Errno 32] Broken pipe",
+        "----------------------------------------",
+    ]
+    end = [
+        "[2026-12-01 19:40:02 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+        '  File "/sgl/python/sglang/srt/managers/scheduler.py", line 2801, in run_scheduler_process',
+        "    scheduler.event_loop_overlap()",
+        "torch.AcceleratorError: CUDA error: an illegal memory access was encountered",
+        "[2026-12-01 19:40:02] Received sigquit from a child process. It usually means the child failed.",
+        "kdtree launcher: the server was killed by SIGKILL (exit status 137)",
+    ]
+    log = "\n".join(
+        [
+            f"{START_MARK} #1 at 2026-12-01T19:00:00.000Z (t=1796151600.000), pid 7",
+            "Traceback (most recent call last):",
+            "RuntimeError: the previous run's crash",
+            "kdtree launcher: the server exited with status 1",
+            f"{START_MARK} #2 at 2026-12-01T19:24:57.000Z (t=1796153097.000), pid 7",
+            "kdtree launcher: mode=on (from the mode file); model=/models/dsv3; tp=8 ...",
+            *startup,
+            "[2026-12-01 19:26:00 TP0] ERROR transient: a request with a bad sampling parameter",
+            *[f"[2026-12-01 19:27:{i:02d} TP0] Decode batch. #running-req: 1" for i in range(30)],
+            *hang_up * 5,  # 45 lines of a client's hang-ups
+            *[f"[2026-12-01 19:39:{i:02d} TP0] Prefill batch. #new-seq: 1" for i in range(3)],
+            *end,
+        ]
+    )
+    errors = [line for line in end if "sigquit" not in line]  # error lines and whole tracebacks
+    assert crash_excerpt(log) == errors
+    # An incident's errors may lie apart (ranks failing one after another, shutdown lines between them).
+    apart = ["[TP3] ERROR rank 3 lost its peer", *[f"[TP0] shutting down {i}" for i in range(15)], *end]
+    assert crash_excerpt("\n".join(apart)) == [apart[0], *errors]
+    # A log without a start mark (Docker's, read since the container's start) is one run.
+    assert crash_excerpt("\n".join([*startup, *end])) == errors
+    # Only hang-ups: nothing explains an exit.
+    assert crash_excerpt("\n".join(hang_up)) == []
+
+
 def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
     monkeypatch.delenv("KDTREE_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("KDTREE_ALLOW_OPEN_ADMIN", raising=False)
@@ -351,15 +418,15 @@ async def test_condition_broken_when_a_fresh_start_never_gets_ready(engine, tmp_
     """A server that hangs from its start stays `warming` as a phase; past its budget the condition says broken."""
     proc = engine("--fault", "hang")
     settings = make_settings(
-        tmp_path, proc.port, ready_timeout_s=1.0, probe_deadline_s=0.5, probe_interval_s=0.05
+        tmp_path, proc.port, ready_timeout_s=2.0, probe_deadline_s=0.5, probe_interval_s=0.05
     )
     async with sidecar(settings, server=proc) as c:
-        early = (await c.get("/ready")).json()
-        await asyncio.sleep(1.2)
+        early = (await c.get("/ready")).json()  # the stand-in's and the sidecar's starts take up to ~1 s
+        await asyncio.sleep(2.2)
         late = (await c.get("/ready")).json()
     assert early["condition"] == "not_ready_yet" and early["phase"] == "warming"
     assert late["condition"] == "broken" and late["phase"] == "warming"
-    assert "never ready (KDTREE_READY_TIMEOUT_S=1)" in late["condition_evidence"][0]
+    assert "never ready (KDTREE_READY_TIMEOUT_S=2)" in late["condition_evidence"][0]
 
 
 @pytest.mark.parametrize("fault", ["hang", "http-500"])
@@ -418,6 +485,44 @@ async def test_ready_holds_while_saturated_and_drops_for_a_dead_scheduler(engine
         took = time.monotonic() - died
     assert body["condition"] == "broken" and "GET /health did not answer" in " ".join(body["reasons"]), body
     print(f"a dead scheduler turned the pod not ready after {took:.2f}s")
+
+
+async def test_a_dead_scheduler_on_an_idle_server_turns_ready_503_within_the_bound(
+    engine, tmp_path, monkeypatch
+):
+    """The scheduler dies right after a good probe on an idle server, and /health takes SGLang's real
+    SGLANG_HEALTH_CHECK_TIMEOUT (20 s) to answer 503, past the probe's own timeout: /ready turns 503 within
+    (KDTREE_PROBE_FAILURE_THRESHOLD + 1) x max(KDTREE_PROBE_INTERVAL_S, 0.9 x KDTREE_PROBE_DEADLINE_S). The
+    interval here is 0.9 x the deadline, where asking /health only after a failed probe took a whole interval
+    longer (at the defaults: 41 s for a bound of 36 s)."""
+    monkeypatch.delenv("SGLANG_HEALTH_CHECK_TIMEOUT", raising=False)  # SGLang's default, 20 s
+    proc = engine("--fault", "hang", "--fault-after", "2")  # dies right after the second good completion
+    deadline, threshold = 2.0, 3
+    interval = 0.9 * deadline
+    bound = (threshold + 1) * max(interval, 0.9 * deadline)
+    settings = make_settings(
+        tmp_path, proc.port, expected_tp_size=0, probe_interval_s=interval, probe_deadline_s=deadline
+    )
+    async with sidecar(settings, server=proc) as c:
+        await wait_ready(c)
+        died = None  # when the last good probe was answered: the scheduler's death
+        while (r := await c.get("/ready")).status_code == 200:
+            probe = (await c.get("/status")).json()["probe"]
+            if probe["ok"]:
+                died = probe["at"]
+            assert died is None or time.time() - died < 2 * bound, f"still ready: {r.json()}"
+            await asyncio.sleep(0.05)
+        assert died is not None, "no good probe seen before the scheduler died"
+        took = time.time() - died
+        st = (await c.get("/status")).json()
+    print(
+        f"a dead scheduler on an idle server turned the pod not ready after {took:.2f}s (bound {bound:.2f}s)"
+    )
+    # 0.6 s for this loop's polling and a busy machine; asking /health after the failed probe took 1.8 s more.
+    assert took <= bound + 0.6, f"not ready only after {took:.2f}s, past the bound of {bound:.2f}s"
+    assert r.json()["condition"] == "broken", r.json()
+    assert "GET /health did not answer within 1.8s" in " ".join(r.json()["reasons"]), r.json()
+    assert st["probe_failures_in_a_row"] == threshold, st
 
 
 async def test_a_server_that_never_served_is_judged_by_the_completion_probe(engine, tmp_path):
