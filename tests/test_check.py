@@ -1,4 +1,4 @@
-"""`kdtreectl check` against stand-in stacks: tests/standin_engine.py is a stand-in for SGLang (not SGLang: no
+"""`kdtreectl check` against stand-in stacks: standins/standin_engine.py is a stand-in for SGLang (not SGLang: no
 model), with SGLang's completion fields (token_ids, sglext.spec_tokens_details, usage) and ranks that count
 verify calls the way the real ranks' records do, behind the real sidecar served by uvicorn."""
 

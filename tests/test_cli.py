@@ -1,6 +1,6 @@
 """kdtreectl and `python -m sidecar`, as a user runs them, against a sidecar served by uvicorn.
 
-The server behind the sidecar is tests/standin_engine.py, a stand-in for SGLang (a separate local process).
+The server behind the sidecar is standins/standin_engine.py, a stand-in for SGLang (a separate local process).
 """
 
 from __future__ import annotations

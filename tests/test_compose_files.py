@@ -152,7 +152,7 @@ def test_demo_runs_the_shipped_sidecar_with_a_stand_in_and_no_gpu(compose, tmp_p
     assert all(not gpu_reservations(s) for s in started.values())
     standin, sidecar = started["standin-server"], started["sidecar"]
     assert standin["entrypoint"][:3] == ["python", "-m", "entrypoint.supervise"]
-    assert standin["entrypoint"][-1] == "/opt/kdtree/tests/standin_engine.py"
+    assert standin["entrypoint"][-1] == "/opt/kdtree/standins/standin_engine.py"
     assert standin["image"] == sidecar["image"] and standin["user"] == "10001:10001"
     assert (
         standin["network_mode"] == "service:netns"

@@ -4,7 +4,7 @@ The images are built by `.ci/docker.sh build` (CI runs it before pytest); a miss
 with that command as the reason. Nothing here builds an image.
 
 The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compose.ci.yaml replaces the
-server's command with tests/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
+server's command with standins/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
 and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor; the GPU
 reservation (compose.override.yaml) is left out, since this machine has no GPU runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
 shared PID namespace; it reads the server's state file and log from the shared volume and restarts it with a
@@ -1007,7 +1007,7 @@ def test_compose_as_shipped_on_a_machine_without_the_nvidia_runtime(sidecar_imag
 
 DEMO_HEADING = "### Try it without a GPU\n"
 # What the demo's commands read from a checkout (compose.yaml's server reads server.env even while left out).
-DEMO_FILES = ("compose.yaml", "compose/demo.yaml", ".env.example", "server.env", "tests/standin_engine.py")
+DEMO_FILES = ("compose.yaml", "compose/demo.yaml", ".env.example", "server.env", "standins/standin_engine.py")
 
 
 def readme_demo() -> list[tuple[str, list[str]]]:

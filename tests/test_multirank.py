@@ -152,7 +152,7 @@ def test_every_rank_reports_and_the_sidecar_flags_dead_and_missing_ranks(ranks):
 @pytest.mark.anyio
 async def test_real_ranks_follow_a_live_flip_and_one_that_never_confirms_is_rolled_back(tmp_path, ranks):
     """Three ranks with kdtree installed by SGLang's own plugin loader, behind the real sidecar (the HTTP server
-    is tests/standin_engine.py, a stand-in, writing no records): a live flip validate -> standby is confirmed
+    is standins/standin_engine.py, a stand-in, writing no records): a live flip validate -> standby is confirmed
     by every rank through its own heartbeat; then, with rank 1 stopped (SIGSTOP), standby -> validate times out
     naming rank 1 and is rolled back live. No server restart is involved (the sidecar has no server control)."""
     from sidecar_harness import AUTH, make_settings, sidecar

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
+STANDINS = GPU_DIR.parents[1] / "standins"
 sys.path.insert(0, str(GPU_DIR))
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
@@ -170,15 +171,15 @@ def test_tree_sampling_standin_walks_a_chain_as_the_kernel_does():
 
 
 def _stubs():
-    """tests/gpu/sglang_stubs.py as a module object, without installing its import hooks in this process."""
+    """standins/sglang_stubs.py as a module object, without installing its import hooks in this process."""
     source = (
-        (GPU_DIR / "sglang_stubs.py")
+        (STANDINS / "sglang_stubs.py")
         .read_text()
         .replace("sys.meta_path.append(", "(")
         .replace("sys.meta_path.insert(0, ", "(")
     )
     module = types.ModuleType("sglang_stubs_copy")
-    exec(compile(source, str(GPU_DIR / "sglang_stubs.py"), "exec"), module.__dict__)
+    exec(compile(source, str(STANDINS / "sglang_stubs.py"), "exec"), module.__dict__)
     return module
 
 

@@ -1,6 +1,6 @@
 """kdtreectl rollout across several replicas, each a stand-in stack on loopback.
 
-A replica is tests/standin_engine.py (a stand-in for SGLang, NOT SGLang: its startup and HTTP contract, and
+A replica is standins/standin_engine.py (a stand-in for SGLang, NOT SGLang: its startup and HTTP contract, and
 per-rank records in its own state dir) behind a real sidecar app served by uvicorn in a thread, restarting
 its stand-in through StandinProcess. kdtreectl runs as a user runs it, in a subprocess.
 """

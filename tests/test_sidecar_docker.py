@@ -1,7 +1,7 @@
 """The sidecar's Docker control (ServerContainer, KDTREE_SERVER_CONTROL=docker) against a real Docker engine.
 
 Containers run from kdtree-test-base:bookworm, the minimal Debian image .ci/docker.sh builds with
-debootstrap (no registry is needed); the fixture builds it when missing. The last test runs tests/standin_engine.py (a stand-in for SGLang, not
+debootstrap (no registry is needed); the fixture builds it when missing. The last test runs standins/standin_engine.py (a stand-in for SGLang, not
 SGLang) inside a container and lets the sidecar flip its mode through a real `docker restart`.
 """
 
@@ -182,7 +182,7 @@ def test_mode_flip_through_a_real_docker_restart(run_container, tmp_path):
     c = run_container(
         [
             "python3",
-            "/src/tests/standin_engine.py",
+            "/src/standins/standin_engine.py",
             "--host",
             "0.0.0.0",
             "--port",

@@ -1,13 +1,13 @@
 """POST /mode: the gate, the flip, rollback at each failure point, concurrency, auth, persistence.
 
-The server is tests/standin_engine.py, a stand-in for SGLang (NOT SGLang: it keeps SGLang's startup and
+The server is standins/standin_engine.py, a stand-in for SGLang (NOT SGLang: it keeps SGLang's startup and
 HTTP contract and writes the per-rank records) run as a separate local process. Every test that uses it
 runs twice, once per server control:
 - standin: the sidecar restarts it through StandinProcess, which has the same inspect/logs/restart methods
   as the Docker-backed ServerContainer (that one is tested against a real dockerd in test_sidecar_docker.py);
 - process: it runs under the server entrypoint's real supervisor behind a stand-in orchestrator that
   restarts it like a restart policy, and the sidecar sees and restarts it through its process control
-  (sidecar/server_control/process.py, reading the state file and log the supervisor writes; tests/process_harness.py).
+  (sidecar/server_control/process.py, reading the state file and log the supervisor writes; standins/process_harness.py).
 """
 
 from __future__ import annotations

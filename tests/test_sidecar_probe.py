@@ -1,4 +1,4 @@
-"""The sidecar's probe, /ready, /status and /metrics against tests/standin_engine.py.
+"""The sidecar's probe, /ready, /status and /metrics against standins/standin_engine.py.
 
 The stand-in engine stands in for the SGLang server (no model, no GPU): a separate local process that
 keeps its port closed while loading, answers 503 while warming, then serves SGLang's OpenAI endpoints,

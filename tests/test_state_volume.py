@@ -2,7 +2,7 @@
 records (a FIFO, 64 MiB, an unknown schema) or carry non-finite parity, a server that never starts or answers
 garbage, a sidecar stopped at any step of a transition, and the kill switch preempting a wedged transition.
 
-The server is tests/standin_engine.py, a stand-in for SGLang 0.5.23 (NOT SGLang: it keeps SGLang's startup and
+The server is standins/standin_engine.py, a stand-in for SGLang 0.5.23 (NOT SGLang: it keeps SGLang's startup and
 HTTP contract, and its ranks write their records through kdtree's own code) run as a local process, restarted
 through StandinProcess. Write failures are injected at the filesystem boundary (the tests run as root in CI,
 where a read-only mode stops nothing): VolumeFaults below makes the sidecar's writes raise OSError, while the

@@ -13,4 +13,4 @@ if [ -d .whl ]; then  # once per machine: several scripts of one call may source
   fi
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:$PWD/tests/gpu:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/tests/gpu:$PWD/standins:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -6,7 +6,7 @@ exit status into server-process.json), with the real scheduler process, the CUDA
 (NGRAM: 8 draft tokens; NEXTN: topk 4, 3 steps, 8 draft tokens; DFLASH-B8 / DFLASH-B16: SGLang's DFlash worker,
 block 8 / 16, a one-layer drafter with dummy weights) on a tiny DeepSeek-V3-architecture model
 (tests/gpu/tiny_model.py, random weights), Triton attention, CUDA graphs on. It runs under a stand-in orchestrator
-(tests/process_harness.Orchestrated: started again when it exits, as compose's restart policy), so the sidecar
+(standins/process_harness.Orchestrated: started again when it exits, as compose's restart policy), so the sidecar
 controls it through its real process control.
 
 kdtree reaches the SGLang processes one of two ways, as the tests choose (`install`):
@@ -17,8 +17,8 @@ kdtree reaches the SGLang processes one of two ways, as the tests choose (`insta
   switched off (SGLANG_PLUGINS names another plugin), so only the import hook installs.
 The repository itself is never on the server's path: what runs is the installed package.
 
-What the GPU machine lacks is stood in for in every server process by tests/gpu/engine_site/sitecustomize.py
-(SGLang's compiled packages, setproctitle, xgrammar: tests/gpu/sglang_stubs.py), and these settings
+What the GPU machine lacks is stood in for in every server process by standins/engine_site/sitecustomize.py
+(SGLang's compiled packages, setproctitle, xgrammar: standins/sglang_stubs.py), and these settings
 (ENGINE_ENV) keep SGLang off the compiled parts that cannot load there.
 """
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "standins"))
 
 from process_harness import Orchestrated  # noqa: E402
 from tiny_model import write_dflash_drafter  # noqa: E402  (this folder is on sys.path wherever this module is)
@@ -48,7 +48,7 @@ from kdtree.status import read_records  # noqa: E402
 from kdtreectl.check import first_divergence  # noqa: E402
 
 GPU_DIR = Path(__file__).resolve().parent
-ENGINE_SITE = GPU_DIR / "engine_site"
+ENGINE_SITE = REPO / "standins" / "engine_site"
 ENGINE_ENV = {
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",  # the Rust radix core is built for another torch's ABI
     "SGLANG_IS_FLASHINFER_AVAILABLE": "false",
@@ -206,7 +206,7 @@ class RealServer(Orchestrated):
         state = root / "state"
         state.mkdir(parents=True, exist_ok=True)
         write_desired_mode(state, spec.mode)  # as the sidecar leaves it: the launcher reads it at start
-        paths = [str(site_dir()), str(ENGINE_SITE), str(GPU_DIR)]
+        paths = [str(site_dir()), str(ENGINE_SITE), str(ENGINE_SITE.parent), str(GPU_DIR)]
         env = {**ENGINE_ENV, "CUDA_HOME": cuda_home() or "", "KDTREE_VERIFY": spec.mode.value,
                "KDTREE_HEARTBEAT_S": "1", **spec.env}  # fmt: skip
         if spec.own_library:

@@ -17,7 +17,7 @@ device call stays under its limit; `engine-tests` runs the rest (`-k "not dflash
 
 half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
 import hook) with the entry point switched off. Greedy decoding only: the comparisons need determinism (the sampled
-verify's rejection sampling runs through a slow Python stand-in here: tests/gpu/torch_standins.py). Run: bash
+verify's rejection sampling runs through a slow Python stand-in here: standins/torch_standins.py). Run: bash
 kernel_build/bench/device_run.sh engine-tests, and engine-spec for DFLASH.
 """
 

@@ -1,6 +1,6 @@
 """Torch-native stand-ins, with the real meaning, for the few compiled SGLang functions the real server calls on the
 GPU machine, where SGLang's compiled packages (sgl_kernel, built for another torch) cannot be installed.
-tests/gpu/sglang_stubs.py routes calls of those names here; every other compiled function stays a stub that raises.
+standins/sglang_stubs.py routes calls of those names here; every other compiled function stays a stub that raises.
 
 - `rmsnorm(x, weight, eps)`: sgl_kernel's RMSNorm, out = x / rms(x) * weight, computed in fp32 and returned in x's dtype
   (SGLang's RMSNorm.forward_native is the reference: tests/test_real_server_tools.py checks it against float64).
@@ -21,7 +21,7 @@ tests/gpu/sglang_stubs.py routes calls of those names here; every other compiled
   (DFlashWorkerV2.prewarm_sampling). This is the kernel's walk, line for line, in Python on host copies: it
   synchronises, so it must not run inside a CUDA-graph capture (it raises there, as .cpu() does), and it is slow;
   the greedy requests the tests send never reach it after start-up. Installed over SGLang's name by
-  tests/gpu/sglang_stubs.py (PATCHED below).
+  standins/sglang_stubs.py (PATCHED below).
 
 Apart from the tree sampling stand-in, nothing here synchronises with the host or allocates more than the result, so
 the stand-ins run inside SGLang's CUDA-graph captures as the compiled kernels do.
@@ -160,7 +160,7 @@ KNOWN = {
     "flashinfer.sampling.top_k_renorm_probs": top_k_renorm_probs,
 }
 # SGLang's own Python names whose implementation cannot be built here (a JIT kernel needing FlashInfer's headers):
-# module -> {name: stand-in}, set on the module as soon as it is imported (tests/gpu/sglang_stubs.py), before any
+# module -> {name: stand-in}, set on the module as soon as it is imported (standins/sglang_stubs.py), before any
 # `from module import name` copies it.
 PATCHED = {
     "sglang.kernels.ops.speculative.sampling": {

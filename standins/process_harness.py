@@ -1,8 +1,8 @@
 """Commands under a stand-in orchestrator (`Orchestrated`, a restart policy), controlled through the sidecar's real
 process control; and the stand-in engine under the server entrypoint's real supervisor (`SupervisedStandin`).
 
-SupervisedStandin runs `python -m entrypoint.supervise python tests/standin_engine.py ...`: the supervising
-code the server image's launcher runs SGLang with (entrypoint/supervise.py), around tests/standin_engine.py,
+SupervisedStandin runs `python -m entrypoint.supervise python standins/standin_engine.py ...`: the supervising
+code the server image's launcher runs SGLang with (entrypoint/supervise.py), around standins/standin_engine.py,
 a stand-in that is NOT SGLang (it keeps SGLang's startup log and HTTP contract and writes the per-rank
 records). So the state file (server-process.json) and the log (server.log) the sidecar reads are produced
 by the real entrypoint code. The launcher's configuration checks are not run: they need a GPU. The real
@@ -25,7 +25,7 @@ from kdtree.process_record import read_process_record
 from sidecar.server_control.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-STANDIN = REPO / "tests" / "standin_engine.py"
+STANDIN = REPO / "standins" / "standin_engine.py"
 
 
 class Orchestrated:
@@ -135,7 +135,7 @@ class Orchestrated:
 
 
 class SupervisedStandin(Orchestrated):
-    """tests/standin_engine.py under the server entrypoint's supervisor (python -m entrypoint.supervise), orchestrated.
+    """standins/standin_engine.py under the server entrypoint's supervisor (python -m entrypoint.supervise), orchestrated.
     It has StandinProcess's attributes (port, proc, starts, restart_failures, logs/inspect/restart), so the same tests
     drive either."""
 

@@ -1,4 +1,4 @@
-"""A stand-in for the SGLang 0.5.23 server, for tests only: it is NOT SGLang and runs no model.
+"""A stand-in for the SGLang 0.5.23 server, for the tests and the CPU demo: it is NOT SGLang and runs no model.
 
 It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with the same timing shape:
 - while "loading" the port is closed (SGLang binds only after weights and CUDA graphs are in place), and
@@ -40,7 +40,7 @@ Faults (--fault, optionally only while the server is in --fault-in-mode, optiona
   stuck-rank       rank 1 keeps its mode: it never follows the mode file (never confirms a live switch)
   diverge          completions differ from position --diverge-at on (a wrong kdtree result)
 
-Run: python tests/standin_engine.py --port P [--load-seconds S] [--warm-seconds S] [--fault F] [--tp-size N]
+Run: python standins/standin_engine.py --port P [--load-seconds S] [--warm-seconds S] [--fault F] [--tp-size N]
 Test hooks: GET /_standin/stats (request counts), POST /_standin/fault {"fault": F} (switch at run time).
 
 StandinProcess (below) runs it as a child process and controls it the way the sidecar controls the server
@@ -537,7 +537,7 @@ class StandinProcess:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="stand-in for the SGLang server (tests only)")
+    p = argparse.ArgumentParser(description="stand-in for the SGLang server (tests and the CPU demo)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--load-seconds", type=float, default=0.0)
