@@ -6,7 +6,7 @@ code the server image's launcher runs SGLang with (entrypoint/supervise.py), aro
 a stand-in that is NOT SGLang (it keeps SGLang's startup log and HTTP contract and writes the per-rank
 records). So the state file (server-process.json) and the log (server.log) the sidecar reads are produced
 by the real entrypoint code. The launcher's configuration checks are not run: they need a GPU. The real
-server on a GPU runs the same way with the launcher itself (tests/gpu/real_server.py).
+server on a GPU runs the same way with the launcher itself (kernel_build/bench/harness/real_server.py).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-GPU_DIR = Path(__file__).resolve().parent / "gpu"
-STANDINS = GPU_DIR.parents[1] / "standins"
-sys.path.insert(0, str(GPU_DIR))
+REPO = Path(__file__).resolve().parents[1]
+STANDINS = REPO / "standins"
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
 
@@ -268,7 +267,7 @@ def test_the_stream_reader_takes_sglangs_own_chunks_and_times_decode_from_the_fi
 
 
 def test_the_profile_summary_counts_gpu_busy_time_once_where_kernels_overlap_and_groups_kernels_by_purpose():
-    sys.path.insert(0, str(GPU_DIR.parents[1] / "kernel_build" / "bench" / "benchmarks"))
+    sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "benchmarks"))
     import profile_engine
 
     kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731

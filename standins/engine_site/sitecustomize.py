@@ -1,5 +1,5 @@
 """Runs at the start of every process of a real SGLang server in the GPU tests (this folder is on its PYTHONPATH:
-tests/gpu/real_server.py): the stand-ins for what the GPU machine lacks are in place before anything imports SGLang
+kernel_build/bench/harness/real_server.py): the stand-ins for what the GPU machine lacks are in place before anything imports SGLang
 (standins/sglang_stubs.py, found beside this folder). In the tests' sitecustomize configuration kdtree's own
 sitecustomize comes first on the path and runs this one, as it runs any sitecustomize it shadows; this one in turn
 runs the next one after it on the path, if the machine has one."""

@@ -5,7 +5,7 @@ runs `python -m sglang.launch_server` as its supervised child (output into KDTRE
 exit status into server-process.json), with the real scheduler process, the CUDA-graph runner and tree speculation
 (NGRAM: 8 draft tokens; NEXTN: topk 4, 3 steps, 8 draft tokens; DFLASH-B8 / DFLASH-B16: SGLang's DFlash worker,
 block 8 / 16, a one-layer drafter with dummy weights) on a tiny DeepSeek-V3-architecture model
-(tests/gpu/tiny_model.py, random weights), Triton attention, CUDA graphs on. It runs under a stand-in orchestrator
+(kernel_build/bench/harness/tiny_model.py, random weights), Triton attention, CUDA graphs on. It runs under a stand-in orchestrator
 (standins/process_harness.Orchestrated: started again when it exits, as compose's restart policy), so the sidecar
 controls it through its real process control.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "standins"))
 
 from process_harness import Orchestrated  # noqa: E402
@@ -47,7 +47,7 @@ from kdtree.control import write_desired_mode  # noqa: E402
 from kdtree.status import read_records  # noqa: E402
 from kdtreectl.check import first_divergence  # noqa: E402
 
-GPU_DIR = Path(__file__).resolve().parent
+HARNESS_DIR = Path(__file__).resolve().parent
 ENGINE_SITE = REPO / "standins" / "engine_site"
 ENGINE_ENV = {
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",  # the Rust radix core is built for another torch's ABI
@@ -206,7 +206,7 @@ class RealServer(Orchestrated):
         state = root / "state"
         state.mkdir(parents=True, exist_ok=True)
         write_desired_mode(state, spec.mode)  # as the sidecar leaves it: the launcher reads it at start
-        paths = [str(site_dir()), str(ENGINE_SITE), str(ENGINE_SITE.parent), str(GPU_DIR)]
+        paths = [str(site_dir()), str(ENGINE_SITE), str(ENGINE_SITE.parent), str(HARNESS_DIR)]
         env = {**ENGINE_ENV, "CUDA_HOME": cuda_home() or "", "KDTREE_VERIFY": spec.mode.value,
                "KDTREE_HEARTBEAT_S": "1", **spec.env}  # fmt: skip
         if spec.own_library:
