@@ -3,7 +3,7 @@ GPU machine, where SGLang's compiled packages (sgl_kernel, built for another tor
 standins/sglang_stubs.py routes calls of those names here; every other compiled function stays a stub that raises.
 
 - `rmsnorm(x, weight, eps)`: sgl_kernel's RMSNorm, out = x / rms(x) * weight, computed in fp32 and returned in x's dtype
-  (SGLang's RMSNorm.forward_native is the reference: tests/test_real_server_tools.py checks it against float64).
+  (SGLang's RMSNorm.forward_native is the reference: tests/kernel_build/test_real_server_tools.py checks it against float64).
 - `fused_add_rmsnorm(x, residual, weight, eps)`: in place, residual <- x + residual (rounded to its dtype), then
   x <- rmsnorm of the fp32 sum (as sgl_kernel's fused kernel: the norm reads the unrounded sum).
 - `moe_align_block_size(...)`: sgl_kernel's MoE token alignment (the NEXTN draft layer is MoE); SGLang ships a JIT

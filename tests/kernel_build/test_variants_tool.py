@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "variants.sh"
 
 pytestmark = pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "sm120_model.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import sm120_model as m  # noqa: E402

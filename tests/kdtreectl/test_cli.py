@@ -21,7 +21,7 @@ from standin_engine import free_port
 from kdtree.config import Mode
 from kdtree.control import read_desired_mode
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT_DIR = ROOT / "entrypoint"
 INSTALL_LINE = re.compile(
     r"^\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=(\?|\d+), via=(entry-point|import-hook)\)$",

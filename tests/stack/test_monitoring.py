@@ -8,7 +8,7 @@ and durations are never taken for metric names, and an expression Prometheus wou
 
 promtool (Prometheus' own checker) runs where it is found: on PATH, or in build/tools/ where tests/run puts it
 (unpacked from Debian's prometheus package). It checks the rule file and the config, and runs the alert
-cases in tests/monitoring_alerts_test.yml.
+cases in tests/stack/monitoring_alerts_test.yml.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sidecar.probe import REASONS  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402
 from sidecar.vocabulary import Outcome  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUNBOOK = REPO / "docs" / "runbook.md"
 MONITORING = REPO / "monitoring"
 ALERTS = MONITORING / "alerts.yml"
@@ -389,7 +389,7 @@ def test_not_ready_pages_only_past_the_startup_budget():
 
 
 def test_a_healthy_cold_start_case_checks_every_alert():
-    """tests/monitoring_alerts_test.yml's 20-minute cold start: every alert is evaluated over it, none fires."""
+    """tests/stack/monitoring_alerts_test.yml's 20-minute cold start: every alert is evaluated over it, none fires."""
     (case,) = [
         c
         for c in yaml.safe_load(ALERT_CASES.read_text())["tests"]
@@ -505,7 +505,7 @@ def alerts_without_annotations(dest: Path) -> None:
 
 @needs_promtool
 def test_promtool_alert_cases(tmp_path):
-    """tests/monitoring_alerts_test.yml: synthetic series in, the alerts that fire (and do not) out."""
+    """tests/stack/monitoring_alerts_test.yml: synthetic series in, the alerts that fire (and do not) out."""
     alerts_without_annotations(tmp_path / "alerts.yml")
     shutil.copy(ALERT_CASES, tmp_path / ALERT_CASES.name)
     r = promtool("test", "rules", ALERT_CASES.name, cwd=tmp_path)

@@ -26,7 +26,7 @@ from sidecar.server_log import crash_excerpt, latest_marker
 
 pytestmark = pytest.mark.docker
 IMAGE = "kdtree-test-base:bookworm"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_base_image() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STANDINS = REPO / "standins"
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
@@ -219,7 +219,7 @@ def test_the_sidecars_markers_follow_a_real_sglang_start_in_order():
     tp 1), written by tests/gpu/test_engine_gpu.py."""
     from sidecar.server_log import LOG_MARKERS, latest_marker
 
-    excerpt = (Path(__file__).resolve().parent / "data" / "sglang-0.5.23-startup.log").read_text()
+    excerpt = (REPO / "tests" / "data" / "sglang-0.5.23-startup.log").read_text()
     lines = excerpt.splitlines()
     names = [latest_marker(line).name for line in lines if latest_marker(line)]
     assert names[0] == "loading_weights" and names[-1] == "fired_up"

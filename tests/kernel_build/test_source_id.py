@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "kernel_build" / "bench" / "benchmarks" / "source_id.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from source_id import checkout, source_id  # noqa: E402

@@ -41,7 +41,7 @@ from sidecar.server_control.process import STALE_S, ProcessControlError, ServerP
 from sidecar.server_log import crash_excerpt
 from sidecar.settings import SidecarSettings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Prints its pid and process group, then waits; SIGTERM: says so and exits 0 (as SGLang stops on it).
 SERVER = textwrap.dedent(

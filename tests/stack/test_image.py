@@ -3,7 +3,7 @@
 The images are built by `.ci/docker.sh build` (CI runs it before pytest); a missing image skips its tests
 with that command as the reason. Nothing here builds an image.
 
-The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/compose.ci.yaml replaces the
+The end-to-end test runs compose.yaml with docker-compose v1 on CPU. tests/stack/compose.ci.yaml replaces the
 server's command with standins/standin_engine.py, a stand-in that is NOT SGLang (it keeps SGLang's startup
 and HTTP contract and writes the per-rank records), run under the server entrypoint's supervisor; the GPU
 reservation (compose.override.yaml) is left out, since this machine has no GPU runtime. The sidecar is the real one, with compose.yaml's default process control: no Docker socket and no
@@ -32,7 +32,7 @@ from standin_engine import free_port
 
 pytestmark = pytest.mark.docker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("KDTREE_IMAGE_TAG", "ci")
 SERVER = f"kdtree-server:{TAG}"
 SIDECAR = f"kdtree-sidecar:{TAG}"
@@ -293,7 +293,7 @@ def test_sidecar_image_has_kdtreectl_on_its_path(sidecar_image):
 
 
 # compose.yaml without a GPU file (compose.override.yaml holds the reservation), with the CPU override.
-CPU_FILES = [REPO / "compose.yaml", REPO / "tests" / "compose.ci.yaml"]
+CPU_FILES = [REPO / "compose.yaml", REPO / "tests" / "stack" / "compose.ci.yaml"]
 
 
 class Stack:

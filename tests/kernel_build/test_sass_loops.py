@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "sass_loops.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import sass_loops  # noqa: E402

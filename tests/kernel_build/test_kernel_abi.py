@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from kdtree import config, kernel  # noqa: E402
 
-HEADER = Path(__file__).resolve().parents[1] / "kernel_build" / "include" / "kdtree_verify.h"
+HEADER = Path(__file__).resolve().parents[2] / "kernel_build" / "include" / "kdtree_verify.h"
 TEXT = HEADER.read_text()
 TILE_TABLE = HEADER.parent / "kdtree_tile_configs.h"
 

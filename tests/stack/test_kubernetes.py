@@ -34,7 +34,7 @@ from kdtree.config import VerifySettings  # noqa: E402
 from sidecar.app import create_app  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy" / "kubernetes"
 COMPOSE = REPO / "compose.yaml"
 ONE_GPU = REPO / "compose" / "one-gpu.yaml"  # the one-GPU overlay's counterpart
@@ -178,7 +178,7 @@ def expand(value, env: dict[str, str]) -> str:
 def compose_for(target: str) -> tuple[dict, dict[str, str]]:
     """compose.yaml's services for the render `target`, and the .env it is read with (none: the defaults). For
     the one-GPU overlay, with compose/one-gpu.yaml over them as compose merges its keys: the server's command
-    replaced whole, environment entries by name (tests/test_compose_files.py renders it with compose itself)."""
+    replaced whole, environment entries by name (tests/stack/test_compose_files.py renders it with compose itself)."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     if target.startswith("one-gpu"):
         for name, override in yaml.safe_load(ONE_GPU.read_text())["services"].items():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "kernel_build"
 SM120_SMEM_LIMIT = 101376  # 99 KB: sm_120's per-block opt-in maximum
 SM90_SMEM_LIMIT = 232448  # 227 KB
