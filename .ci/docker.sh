@@ -2,7 +2,7 @@
 # Docker side of CI: a running engine, a locally built base image, and the kdtree images.
 #
 #   .ci/docker.sh tools    install docker.io, docker-compose (v1), debootstrap, and the curl and openssl the
-#                          README's demo runs (tests/test_image.py), from Debian when missing
+#                          README's demo runs (tests/stack/test_image.py), from Debian when missing
 #   .ci/docker.sh engine   start dockerd when no engine answers
 #   .ci/docker.sh base     build the bookworm base image once (debootstrap + docker import); reused when present
 #   .ci/docker.sh build    build the kernel, server and sidecar targets on that base

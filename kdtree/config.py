@@ -29,7 +29,7 @@ LIVE_MODES = frozenset({Mode.VALIDATE, Mode.ON, Mode.STANDBY})
 
 # The kernel's tile configurations, name -> enum kdtree_config: kernel_build/include/kdtree_tile_configs.h's rows in its
 # order, which is the automatic choice's (kdtree.kernel plans in the first whose shared memory the GPU allows per
-# block). The setting's allowed values and the binding read this; tests/test_kernel_abi.py holds it to the C table.
+# block). The setting's allowed values and the binding read this; tests/kernel_build/test_kernel_abi.py holds it to the C table.
 TILE_CONFIGS = {"wide": 1, "compact": 2}  # wide: sm_90/sm_100 shared memory; compact: sm_120's 99 KB
 TileConfig = Literal[tuple(TILE_CONFIGS)]
 

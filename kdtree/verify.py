@@ -165,7 +165,7 @@ def parity_rtol(c: VerifyCall, rtol: float) -> float:
 def describe_call(c: VerifyCall, capturing: bool) -> dict:
     """What a verify call hands kdtree, as metadata only (dtypes, shapes, strides, Python values: no device read),
     for the rank record (`verify_inputs`): the contract that kdtree.kernel and the GPU tests assume, as the real
-    runner keeps it (tests/gpu/test_engine_gpu.py compares it with tests/gpu/sglang_fixture.py's)."""
+    runner keeps it (tests/gpu/test_engine_gpu.py compares it with kernel_build/bench/harness/sglang_fixture.py's)."""
     md, layer = c.backend.forward_metadata, c.layer
     kbuf = c.backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
 

@@ -6,7 +6,7 @@
 #   pip install uv && bash requirements/lock.sh
 #
 # One universal resolution for Python 3.11 and newer (the CI base's python3.11 and the default
-# python:3.12-slim-bookworm); tests/test_locks.py checks that each lock still agrees with pyproject.toml.
+# python:3.12-slim-bookworm); tests/stack/test_locks.py checks that each lock still agrees with pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_backend=$(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')

@@ -12,7 +12,7 @@ from kdtree.state.process_record import START_MARK
 # expression. Its graph lines name what is captured: "Capture target verify CUDA graph begin. backend=full, ..."
 # (speculative decoding), then the draft model's ("Capture draft decode CUDA graph begin. ..."); older versions
 # printed "Capture cuda graph begin". tests/gpu/test_engine_gpu.py checks the list against a real server's log,
-# tests/test_sidecar_probe.py against an excerpt of it (tests/data/sglang-0.5.23-startup.log).
+# tests/sidecar/test_sidecar_probe.py against an excerpt of it (tests/data/sglang-0.5.23-startup.log).
 LOG_MARKERS = (
     ("loading_weights", r"Load weight begin\b"),
     ("weights_loaded", r"Load weight end\b"),

@@ -69,7 +69,7 @@ def _starter(tmp_path, cls):
 
 @pytest.fixture
 def engine(tmp_path):
-    """Start stand-in SGLang engines (tests/standin_engine.py) with tmp_path as their state dir:
+    """Start stand-in SGLang engines (standins/standin_engine.py) with tmp_path as their state dir:
     engine(*engine_args, port=None, wait=True, mode=None) -> StandinProcess; all are stopped at the end."""
     start, started = _starter(tmp_path, StandinProcess)
     yield start
@@ -80,7 +80,7 @@ def engine(tmp_path):
 @pytest.fixture
 def supervised(tmp_path):
     """Like `engine`, but each stand-in runs under the server entrypoint's supervisor behind a stand-in
-    orchestrator, and is controlled through the sidecar's process control (tests/process_harness.py):
+    orchestrator, and is controlled through the sidecar's process control (standins/process_harness.py):
     supervised(*engine_args, port=None, wait=True, mode=None) -> SupervisedStandin."""
     start, started = _starter(tmp_path, SupervisedStandin)
     yield start

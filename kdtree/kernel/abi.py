@@ -1,5 +1,5 @@
 """The C ABI as the binding reads it: kernel_build/include/kdtree_verify.h's constants, enums and structs again for
-ctypes (tests/test_kernel_abi.py holds them to the header)."""
+ctypes (tests/kernel_build/test_kernel_abi.py holds them to the header)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class ParityTotals(ctypes.Structure):
     ]
 
 
-# enum kdtree_status of kernel_build/include/kdtree_verify.h (tests/test_kernel_abi.py holds them to it)
+# enum kdtree_status of kernel_build/include/kdtree_verify.h (tests/kernel_build/test_kernel_abi.py holds them to it)
 STATUS = {0: "KDTREE_OK", 1: "KDTREE_ERR_ARGUMENT", 2: "KDTREE_ERR_WORKSPACE", 3: "KDTREE_ERR_CUDA"}
 
 # enum kdtree_mode: the verify modes as the device reads them (src/modes.cu)

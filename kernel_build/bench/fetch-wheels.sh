@@ -5,7 +5,7 @@
 #
 # usage: kernel_build/bench/fetch-wheels.sh DIR    (DIR is usually .whl in the repo root, git-ignored)
 # Copy DIR to the GPU machine as .whl in the repo root: kernel_build/bench/device_run.sh installs it into
-# /tmp/site. SGLang's compiled packages (sgl_kernel etc.) are not fetched: tests/gpu/sglang_stubs.py stands
+# /tmp/site. SGLang's compiled packages (sgl_kernel etc.) are not fetched: standins/sglang_stubs.py stands
 # in for them; the attention path (extend_attention_fwd, TritonAttnBackend, MLATokenToKVPool) never calls them.
 # About 61 MiB: with the checkout, just under the 64 MiB one GPU-machine call may carry.
 set -euo pipefail

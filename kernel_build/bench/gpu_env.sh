@@ -1,6 +1,7 @@
 # Sourced on a GPU machine by device_run.sh and variants.sh: sets $out (logs: $OUT or ./device-out) and $cc
 # (the GPU's compute capability, e.g. 90), installs SGLang's Python wheels from .whl when present, and exports
-# the PYTHONPATH the GPU tests and the benchmark import from. (The mma.sync rate the roofline uses is measured by
+# the PYTHONPATH the GPU tests and the benchmarks import from
+# (the real-server harness in kernel_build/bench/harness/, the stand-ins in standins/). (The mma.sync rate the roofline uses is measured by
 # the kernel library: kernel_build/bench/tuning/mma_peak.py.)
 out=${OUT:-$PWD/device-out}
 mkdir -p "$out" kernel_build/build
@@ -13,4 +14,4 @@ if [ -d .whl ]; then  # once per machine: several scripts of one call may source
   fi
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:$PWD/tests/gpu:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/kernel_build/bench/harness:$PWD/standins:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -11,7 +11,7 @@
  *
  * Rows are in the order of the automatic choice: kdtree.kernel plans in the first configuration whose shared memory
  * the GPU allows per block. kdtree/config.py's TILE_CONFIGS lists NAME and ID again, in this order, for Python (the
- * setting's allowed values, the binding, the automatic choice); tests/test_kernel_abi.py holds the two equal.
+ * setting's allowed values, the binding, the automatic choice); tests/kernel_build/test_kernel_abi.py holds the two equal.
  * Used by kdtree_verify.h (the enum) and src/tile_config.cuh (the types, their checks and the dispatch). */
 
 /* sm_90 / sm_100: 12 warps (168 registers each), 191 KB shared, tile by tile. */

@@ -2,9 +2,7 @@
 when the real compiled packages are absent, as on a bare GPU machine with only SGLang's Python wheels."""
 
 import importlib.util
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+# sglang_stubs is in standins/, on sys.path through pytest's pythonpath setting (pyproject.toml).
 if importlib.util.find_spec("sgl_kernel") is None and importlib.util.find_spec("sglang") is not None:
     import sglang_stubs  # noqa: F401

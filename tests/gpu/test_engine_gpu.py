@@ -2,7 +2,7 @@
 
 Every server here is `python -m entrypoint.launch` running `python -m sglang.launch_server` (scheduler process,
 CUDA-graph runner, tree speculation) on a tiny DeepSeek-V3-architecture model with random weights (8 layers, MLA
-576/512, 8 heads: tests/gpu/real_server.py, tests/gpu/tiny_model.py), Triton attention, CUDA graphs captured for
+576/512, 8 heads: kernel_build/bench/harness/real_server.py, kernel_build/bench/harness/tiny_model.py), Triton attention, CUDA graphs captured for
 batch sizes 1-4 (larger batches run eagerly), KDTREE_STATE_DIR of its own. They all start at once when the module
 starts (a start takes about a minute; in parallel the starts overlap):
 
@@ -17,7 +17,7 @@ device call stays under its limit; `engine-tests` runs the rest (`-k "not dflash
 
 half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
 import hook) with the entry point switched off. Greedy decoding only: the comparisons need determinism (the sampled
-verify's rejection sampling runs through a slow Python stand-in here: tests/gpu/torch_standins.py). Run: bash
+verify's rejection sampling runs through a slow Python stand-in here: standins/torch_standins.py). Run: bash
 kernel_build/bench/device_run.sh engine-tests, and engine-spec for DFLASH.
 """
 
@@ -313,7 +313,7 @@ def test_live_flips_serve_every_mode_from_the_graphs_captured_at_start(fleet, na
 @pytest.mark.parametrize("algo", ["ngram", "nextn"])
 def test_verify_metadata_in_the_real_runner_is_what_the_unit_tests_assume(fleet, algo):
     """The real runner's verify calls, as the rank record describes them (kdtree.verify.describe_call), against the
-    contract that kdtree.kernel checks and tests/gpu/sglang_fixture.py builds (test_hook_gpu checks the fixture
+    contract that kdtree.kernel checks and kernel_build/bench/harness/sglang_fixture.py builds (test_hook_gpu checks the fixture
     against the same EXPECTED_* descriptions)."""
     from sglang_fixture import (
         EXPECTED_CAPTURED,

@@ -1,9 +1,9 @@
 """End-to-end benchmark: decode tokens/s of the real SGLang 0.5.23 server in off and in on, same prompts, greedy.
 
 For each model depth (8 layers; 61, Kimi-K2's) and speculative algorithm (NGRAM 8 draft tokens; NEXTN topk 4, 3 steps,
-8 draft tokens) it starts two real servers as production starts them (tests/gpu/real_server.py: the launcher, the
+8 draft tokens) it starts two real servers as production starts them (kernel_build/bench/harness/real_server.py: the launcher, the
 supervised sglang.launch_server, CUDA graphs for batch 1-4, Triton attention) on a tiny DeepSeek-V3-architecture
-model with random weights (tests/gpu/tiny_model.py: MLA 576/512, 8 heads = one TP-8 rank's share of Kimi-K2, dense
+model with random weights (kernel_build/bench/harness/tiny_model.py: MLA 576/512, 8 heads = one TP-8 rank's share of Kimi-K2, dense
 1024-wide MLPs), one in off and one in on, all servers at once. Then, one server at a time, for each prompt length
 and batch: the batch of prompts once to fill the prefix cache, then `--repeats` timed rounds in off and in on,
 interleaved (off, on, off, on, ...), each decoding --max-tokens tokens per request with ignore_eos, streamed. Decode
@@ -17,7 +17,7 @@ both servers' top-2 logprobs there.
     python3 kernel_build/bench/benchmarks/bench_engine.py --out engine.md      # the table; engine.json beside it
     bash kernel_build/bench/device_run.sh engine                     # the same on the GPU machine, into $OUT
 
---algorithms takes the keys of tests/gpu/real_server.py's SPECULATIVE: NGRAM, NEXTN, and DFLASH-B8 / DFLASH-B16
+--algorithms takes the keys of kernel_build/bench/harness/real_server.py's SPECULATIVE: NGRAM, NEXTN, and DFLASH-B8 / DFLASH-B16
 (SGLang's DFlash worker, block 8 / 16, with a one-layer drafter of dummy weights: device_run.sh engine-spec).
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
+sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
 from real_server import RealServer, ServerSpec, divergence, unavailable  # noqa: E402
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import config, prompt_of, write_model  # noqa: E402

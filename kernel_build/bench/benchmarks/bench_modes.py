@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "gpu"))
+REPO = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(REPO / "kernel_build" / "bench" / "harness"), str(REPO / "standins")]
 if importlib.util.find_spec("sgl_kernel") is None:
     import sglang_stubs  # noqa: F401  (stands in for SGLang's compiled packages the attention path never calls)
 from sglang_fixture import forward, graph_setup  # noqa: E402

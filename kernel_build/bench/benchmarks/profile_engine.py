@@ -1,6 +1,6 @@
 """Where a decode step of the real SGLang server spends its time, in off and in on: GPU kernels by name, GPU idle.
 
-For each speculative algorithm it starts the real servers as bench_engine.py does (tests/gpu/real_server.py), one
+For each speculative algorithm it starts the real servers as bench_engine.py does (kernel_build/bench/harness/real_server.py), one
 in off and one in on, and for each prompt length (batch 1, the prompt in the prefix cache) records `--steps`
 scheduler steps with SGLang's own profiler (POST /start_profile: torch.profiler, GPU activity only, so that the host runs at its own pace; kernels
 replayed from CUDA graphs included) while one greedy request decodes, from its first token on (the prefill of the
@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
+sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
 from real_server import RealServer, ServerSpec, unavailable  # noqa: E402
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import prompt_of, write_model  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> int:
     head = [
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {checkout()}",
         f"Command: {' '.join(sys.argv)}",
-        f"{args.layers} layers (tests/gpu/tiny_model.py), batch 1, {args.steps} decode steps a row, SGLang's profiler "
+        f"{args.layers} layers (kernel_build/bench/harness/tiny_model.py), batch 1, {args.steps} decode steps a row, SGLang's profiler "
         "(GPU activity) from the request's first token on; CUDA graphs for batch 1-4, Triton attention",
     ]
     text = "\n".join(head) + "\n\n" + markdown(rows)
