@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kdtree"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kdtree" / "ddtree"))
 from test_ddtree_tree import assert_matches, random_lp  # noqa: E402
 
 from kdtree.ddtree.reference import build_ddtree_tree  # noqa: E402

@@ -267,7 +267,7 @@ def test_the_fp8_table_against_triton_is_its_raw_record_rendered():
 
 def test_the_dflash_end_to_end_table_is_its_raw_record_rendered():
     """BENCHMARKS.md's DFLASH rows are bench_engine.markdown() of the raw record it names, line for line."""
-    sys.path.insert(0, str(ROOT / "kernel_build" / "bench"))
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "benchmarks"))
     import bench_engine
 
     run = json.loads(

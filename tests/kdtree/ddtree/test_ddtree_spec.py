@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOOD = dict(
     model_path="unused",
     speculative_algorithm="DDTREE",
