@@ -63,7 +63,7 @@ class KdtreeSettings(BaseSettings):
 
 # KDTREE_ variables that no settings class reads: compose's stack variables (.env), the image build's, CI's and the
 # test and benchmark tools'. With the fields of every settings class they are the names a process knows (one
-# environment may hold another process's); tests/test_compose_files.py holds this list against those files.
+# environment may hold another process's); tests/stack/test_compose_files.py holds this list against those files.
 OTHER_VARIABLES = frozenset(
     {
         # compose (.env.example)
@@ -71,7 +71,7 @@ OTHER_VARIABLES = frozenset(
         "KDTREE_SERVER_ENV_FILE", "KDTREE_CONTAINER_LOG_MAX_SIZE", "KDTREE_CONTAINER_LOG_MAX_FILES",
         "KDTREE_DOCKER_GID", "KDTREE_SERVER_IMAGE", "KDTREE_SIDECAR_IMAGE", "KDTREE_BASE_IMAGE", "KDTREE_CUDA_ARCHS",
         "KDTREE_REVISION", "KDTREE_BIND_ADDRESS", "KDTREE_PUBLISH_SERVER_PORT", "KDTREE_PUBLISH_SIDECAR_PORT",
-        # the image build and CI (.ci/docker.sh, tests/compose.ci.yaml)
+        # the image build and CI (.ci/docker.sh, tests/stack/compose.ci.yaml)
         "KDTREE_SOURCE", "KDTREE_CREATED", "KDTREE_VERSION", "KDTREE_IMAGE_TAG", "KDTREE_CA_BUNDLE",
         "KDTREE_CI_LOG_DIR", "KDTREE_CI_LOAD_SECONDS", "KDTREE_CI_SERVER_RESTART", "KDTREE_CI_STANDIN_ARGS",
         # the test and benchmark tools (tests/, kernel_build/bench/)

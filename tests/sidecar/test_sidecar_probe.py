@@ -26,7 +26,7 @@ from sidecar.server_log import crash_excerpt, latest_marker
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def prober(port, deadline=1.0, model=None) -> P.Prober:

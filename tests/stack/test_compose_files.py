@@ -309,7 +309,7 @@ def test_the_stack_variables_no_settings_class_reads_are_known():
     stack = [
         *COMPOSE_FILES,
         ENV_EXAMPLE,
-        REPO / "tests/compose.ci.yaml",
+        REPO / "tests/stack/compose.ci.yaml",
         REPO / ".ci/docker.sh",
         REPO / "Dockerfile",
     ]
