@@ -47,7 +47,7 @@ VERIFY_BACKEND = "triton"
 # Speculative algorithms that always draft with a separate model (SGLang 0.5.23). EAGLE and NEXTN may instead
 # use the target's own MTP layers (SGLang then points the draft path at the model); NGRAM drafts from the
 # token history and needs no model.
-NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH"})
+NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH", "DDTREE"})
 MTP_CAPABLE = frozenset({"EAGLE", "NEXTN"})
 
 
@@ -314,6 +314,13 @@ def plan(
             "--speculative-algorithm is not set: there are no draft trees to verify",
             "pass e.g. --speculative-algorithm EAGLE --speculative-draft-model-path /models/<draft>, "
             "NEXTN (the model's own MTP layers) or NGRAM (no draft model)",
+        )
+    plugins = os.environ.get("SGLANG_PLUGINS")
+    if algorithm == "DDTREE" and plugins is not None and "kdtree" not in plugins.split(","):
+        raise LaunchError(
+            f"--speculative-algorithm DDTREE is registered by kdtree's SGLang plugin, and SGLANG_PLUGINS={plugins!r} "
+            "leaves it out",
+            "add kdtree to SGLANG_PLUGINS (comma-separated), or unset it",
         )
     draft = args.speculative_draft_model_path
     if draft is not None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Register the target-verify override as an AROUND hook on TritonAttnBackend.forward_extend (once)."""
+    """Register the target-verify override as an AROUND hook on TritonAttnBackend.forward_extend, and the DDTREE
+    speculative algorithm (`kdtree.ddtree.spec`), once each."""
+    from kdtree.ddtree.spec import register as register_ddtree
     from kdtree.install import install_via_registry
 
     install_via_registry()
+    register_ddtree()

@@ -2,6 +2,7 @@
 
 - `reference`: the pure-Python heap form of Algorithm 1 and the acceptance walk (no torch), the tests' oracle;
 - `tree`: the fixed-shape torch form that runs inside a CUDA graph (imports torch);
-- `spec`: `validate_server_args` and `DDTreeSpec` for `SpeculativeAlgorithm.register` (imports SGLang).
-Nothing here registers DDTREE, and kdtree's plugin does not either: there is no DDTree worker yet.
+- `accept`: the fixed-shape acceptance walk and the commit's slot permutation (imports torch);
+- `spec`: `validate_server_args`, `DDTreeSpec` and `register()` for SGLang's registry (imports SGLang);
+- `worker`: `DDTreeWorker`, DFlashWorkerV2 with the tree (imports SGLang's worker; only a server imports it).
 """

@@ -1,13 +1,6 @@
-"""DDTREE's pieces for SGLang 0.5.23's speculative-algorithm registry: the server-args check and the spec class.
-
-NOT REGISTERED: kdtree's plugin (kdtree/plugin.py) does not register DDTREE yet, because there is no DDTree worker;
-a name that resolves at launch but has nothing to run would fail only when the scheduler builds its worker. When
-the worker exists, the plugin's register() adds (inside the entry-point function, as SGLang's plugins/__init__.py
-asks):
-
-    SpeculativeAlgorithm.register(
-        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=DDTreeSpec
-    )(lambda server_args: DDTreeWorker)
+"""DDTREE's pieces for SGLang 0.5.23's speculative-algorithm registry: the server-args check, the spec class, and
+`register()`, which kdtree's plugin calls in every SGLang process (inside the entry-point function, as SGLang's
+plugins/__init__.py asks).
 
 Settings (no new flags): `--speculative-num-draft-tokens` N = budget + 1 (the verify width: the root and `budget`
 tree nodes), `--speculative-dflash-block-size` B = the DFlash drafter's block (one draft pass proposes depths
@@ -41,6 +34,8 @@ def validate_server_args(cfg) -> None:
         problems.append(
             f"DDTREE v1 does not run with pipeline parallelism: pass --pp-size 1 (got {cfg.pp_size})"
         )
+    if getattr(cfg, "speculative_draft_window_size", None) is not None:
+        problems.append("DDTREE v1 keeps the drafter's whole cache: drop --speculative-draft-window-size")
     if not cfg.disable_overlap_schedule:
         problems.append("DDTREE v1 runs synchronously: pass --disable-overlap-schedule")
     if cfg.grammar_backend not in (None, "none"):
@@ -113,3 +108,48 @@ class DDTreeSpec(CustomSpecAlgo):
         from sglang.srt.managers.overlap_utils import FutureMap
 
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+
+CAPTURE_HOOK_TARGET = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info"
+)
+
+
+def spec_info_with_tree_mask(original_fn, runner, *args, **kwargs):
+    """AROUND hook on the decode graph runner's capture input: SGLang captures a DFlash-family target verify
+    without a mask on Triton (its chain is causal), which would capture DDTREE's verify without its tree mask;
+    for DDTREE's target runner the captured verify reads the runner's mask buffer, as NGRAM's does."""
+    spec_info = original_fn(runner, *args, **kwargs)
+    mr = runner.model_runner
+    if (
+        isinstance(mr.spec_algorithm, DDTreeSpec)
+        and not mr.is_draft_worker
+        and spec_info is not None
+        and getattr(spec_info, "custom_mask", "absent") is None
+    ):
+        spec_info.custom_mask = runner.buffers.custom_mask
+    return spec_info
+
+
+def _worker_class(server_args):
+    # imports SGLang's DFlash worker: only when a server builds one
+    from kdtree.ddtree.worker import DDTreeWorker
+
+    return DDTreeWorker
+
+
+def register() -> bool:
+    """Register DDTREE and its capture hook once per process. True if this call registered."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    try:
+        SpeculativeAlgorithm.from_string(NAME)
+        return False  # registered already (load_plugins ran before in this process)
+    except ValueError:
+        pass
+    SpeculativeAlgorithm.register(
+        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=DDTreeSpec
+    )(_worker_class)
+    HookRegistry.register(CAPTURE_HOOK_TARGET, spec_info_with_tree_mask, HookType.AROUND)
+    return True

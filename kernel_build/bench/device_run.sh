@@ -48,7 +48,7 @@ install_site() {  # kdtree as a package (entry point included) with the library,
 }
 if [ "$what" = engine-tests ] || [ "$what" = all ]; then
   install_site
-  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_engine_gpu.py -k "not dflash" "$@" 2>&1 \
+  python3 -m pytest -p no:cacheprovider -q -rs tests/gpu/test_engine_gpu.py -k "not dflash and not ddtree" "$@" 2>&1 \
     | tee "$out/engine-tests.log"
   rc=${PIPESTATUS[0]}
   echo "engine tests: $((SECONDS - t0)) s (rc=$rc)"
@@ -62,7 +62,7 @@ fi
 if [ "$what" = engine-spec ]; then
   install_site
   timeout -s INT -k 10 $((${KDTREE_SPEC_TESTS_S:-360} - (SECONDS - t0))) python3 -m pytest -p no:cacheprovider -q -rs \
-    --basetemp=/tmp/engine-spec tests/gpu/test_engine_gpu.py -k dflash "$@" 2>&1 | tee "$out/engine-spec-tests.log"
+    --basetemp=/tmp/engine-spec tests/gpu/test_engine_gpu.py -k "dflash or ddtree" "$@" 2>&1 | tee "$out/engine-spec-tests.log"
   rc=${PIPESTATUS[0]}
   echo "engine-spec tests: $((SECONDS - t0)) s (rc=$rc)"
   left=$((${KDTREE_SPEC_BUDGET_S:-560} - (SECONDS - t0)))

@@ -369,6 +369,18 @@ def test_eagle3_needs_a_draft_model(model, capsys):
     assert "--speculative-algorithm EAGLE3 needs a draft model" in error_line(capsys)
 
 
+def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypatch, capsys):
+    assert run(spec(model, "DDTREE"))[0] == EXIT_CONFIG
+    assert "--speculative-algorithm DDTREE needs a draft model" in error_line(capsys)
+    monkeypatch.setenv(
+        "SGLANG_PLUGINS", "other"
+    )  # SGLang's plugin whitelist without kdtree: DDTREE is unknown there
+    draft = ["--speculative-draft-model-path", str(tmp_path)]
+    assert run(spec(model, "DDTREE", *draft))[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "SGLANG_PLUGINS='other' leaves it out" in line and "add kdtree to SGLANG_PLUGINS" in line
+
+
 def test_draft_path_must_exist(model, tmp_path, capsys):
     assert (
         run(spec(model, "EAGLE3", "--speculative-draft-model-path", str(tmp_path / "nope")))[0] == EXIT_CONFIG

@@ -12,8 +12,11 @@ starts (a start takes about a minute; in parallel the starts overlap):
   DFLASH, block 8 and block 16 (SGLang's DFlash worker, a one-layer drafter with dummy weights: a causal-chain
   verify of 8 / 16 tokens): off, validate, on, standby, per block size
 
-The DFLASH servers are tests of their own (`-k dflash`: kernel_build/bench/device_run.sh engine-spec), so that each
-device call stays under its limit; `engine-tests` runs the rest (`-k "not dflash"`).
+  DDTREE (kdtree's plugin: the block-8 drafter, a tree of 16 nodes verified as 17 tokens with its ancestor mask):
+  off, validate, on, standby; its greedy outputs equal the DFlash chain's (both the target's greedy decode)
+
+The DFLASH and DDTREE servers are tests of their own (`-k "dflash or ddtree"`: kernel_build/bench/device_run.sh
+engine-spec), so that each device call stays under its limit; `engine-tests` runs the rest.
 
 half with kdtree found by SGLang's plugin loader (its entry point), half through sitecustomize (the server image's
 import hook) with the entry point switched off. Greedy decoding only: the comparisons need determinism (the sampled
@@ -76,6 +79,11 @@ SPECS = {
                 ServerSpec(f"dflash-b{b}-standby", f"DFLASH-B{b}", Mode.STANDBY),
             )
         ),
+        ServerSpec("ddtree-b8-off", "DDTREE-B8", Mode.OFF),
+        # DDTREE is registered by kdtree's plugin (SGLang's registry): the entry point installs in all of them
+        ServerSpec("ddtree-b8-validate", "DDTREE-B8", Mode.VALIDATE),
+        ServerSpec("ddtree-b8-on", "DDTREE-B8", Mode.ON),
+        ServerSpec("ddtree-b8-standby", "DDTREE-B8", Mode.STANDBY),
     )
 }
 ALGOS = [
@@ -83,6 +91,7 @@ ALGOS = [
     "nextn",
     "dflash-b8",
     "dflash-b16",
+    "ddtree-b8",
 ]  # the bf16 servers' algorithms, as their names spell them
 BF16 = [n for n, s in SPECS.items() if s.kv_cache_dtype == "auto"]
 PROMPTS = [prompt_of(n, seed) for seed, n in enumerate((12, 40, 97, 180, 333, 64, 250, 21))]
@@ -205,6 +214,19 @@ def test_on_serves_every_verify_step_and_matches_off_token_for_token(fleet, algo
     assert original == 0 and fallbacks == {}, (original, fallbacks)
     off_rec = off.record(0)
     assert off_rec.served_kdtree == 0 and off_rec.parity.calls_compared == 0  # off runs nothing of kdtree's
+
+
+@pytest.mark.parametrize("servers", [("ddtree-b8-off", "dflash-b8-off"), ("ddtree-b8-on", "dflash-b8-off")])
+def test_ddtree_greedy_outputs_equal_dflash_chain(fleet, servers):
+    """Lossless: DDTREE's greedy tokens (Triton's verify in off, kdtree's in on) equal those of SGLang's DFlash chain
+    with the same drafter (greedy and lossless itself: the target's own greedy decode; kdtree's launcher serves only
+    speculative servers), at captured and eager batch sizes. Dummy weights make near-ties: a divergence names the
+    position and both servers' top-2 logprobs there."""
+    ddtree, reference = fleet[servers[0]], fleet[servers[1]]
+    for batch in ([PROMPTS[0]], PROMPTS[:3], PROMPTS):
+        assert_same_tokens(
+            ddtree.token_ids(batch, 32), reference.token_ids(batch, 32), batch, ddtree, reference, 32
+        )
 
 
 # ---- an fp8 KV cache ---------------------------------------------------------------------------------------------

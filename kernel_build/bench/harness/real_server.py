@@ -73,8 +73,16 @@ SPECULATIVE = {
         )
         for b in (8, 16)
     },
+    # kdtree's DDTREE (kdtree.ddtree): the same drafter's block of 8, a best-first tree of 16 nodes verified as 17
+    # tokens with the ancestor mask; v1 runs synchronously at page size 1
+    "DDTREE-B8": (
+        "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17",
+        "--speculative-dflash-block-size", "8", "--speculative-draft-load-format", "dummy",
+        "--speculative-draft-attention-backend", "triton", "--disable-overlap-schedule", "--page-size", "1",
+    ),
 }  # fmt: skip
-DFLASH_BLOCK = {"DFLASH-B8": 8, "DFLASH-B16": 16}  # the algorithms above that need a DFlash drafter
+# the algorithms above that need a DFlash drafter, and its block
+DFLASH_BLOCK = {"DFLASH-B8": 8, "DFLASH-B16": 16, "DDTREE-B8": 8}
 CAPTURED_BS = (1, 2, 3, 4)  # verify graphs captured per server; larger batches run eagerly
 INSTALL_LINE = re.compile(
     r"\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=([\w?]+), via=([\w-]+)\)"

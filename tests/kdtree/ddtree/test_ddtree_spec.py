@@ -1,6 +1,6 @@
 """DDTREE's server-args check and spec class against SGLang 0.5.23's real ServerArgs, registry and speculative hook
-(CPU). DDTREE is not registered by kdtree's plugin yet (no worker): these tests register it themselves, in a fresh
-interpreter, the way the plugin will."""
+(CPU). kdtree's plugin registers DDTREE when SGLang loads plugins; the registry test runs that in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -93,18 +93,15 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.plugins import load_plugins
 from kdtree.ddtree.spec import NAME, DDTreeSpec, validate_server_args
 
-load_plugins()  # kdtree's entry point among them: it must not register DDTREE (no worker yet)
-try:
-    SpeculativeAlgorithm.from_string(NAME)
-    plugin_registers = True
-except ValueError:
-    plugin_registers = False
-SpeculativeAlgorithm.register(NAME, validate_server_args=validate_server_args, spec_class=DDTreeSpec)(
-    lambda server_args: object)
+load_plugins()  # kdtree's entry point among them registers DDTREE
+load_plugins()  # a second load (launch_server, then the Engine) registers nothing twice
 algo = SpeculativeAlgorithm.from_string("ddtree")
 good = json.loads(sys.argv[1])
 from kdtree import install
-out = {"type": type(algo).__name__, "plugin_registers": plugin_registers, "plugin": install.installed_by()}
+from kdtree.ddtree.spec import register, CAPTURE_HOOK_TARGET
+from sglang.srt.plugins.hook_registry import HookRegistry
+out = {"type": type(algo).__name__, "plugin": install.installed_by(), "again": register()}
+out["hook"] = len(HookRegistry._hooks.get(CAPTURE_HOOK_TARGET, []))  # a private field: the registry has no reader
 enum_methods = [n for n, v in vars(SpeculativeAlgorithm).items() if callable(v) and n[0] != "_"
                 and not isinstance(v, (classmethod, staticmethod))]
 out["missing"] = sorted(set(enum_methods) - set(dir(algo)))
@@ -123,6 +120,7 @@ for name in ("is_dflash_family", "supports_target_verify_for_draft", "is_dflash"
              "need_topk", "carries_draft_hidden_states", "supports_grammar_overlap", "is_speculative", "has_draft_kv"):
     out[name] = getattr(algo, name)()
 out["platform_worker"] = algo.get_platform_worker_cls()
+out["worker"] = algo.create_worker(args).__name__
 
 class Pool:  # stand-in: the two attributes FutureMap reads from SGLang's ReqToTokenPool
     size = 8
@@ -168,7 +166,9 @@ def test_registered_through_sglangs_registry_the_spec_answers_as_the_design_says
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["plugin"] == "entry-point"  # kdtree's plugin did load
-    assert out["plugin_registers"] is False  # a name with no worker would pass validation, then fail late
+    assert out["again"] is False  # registered once per process
+    assert out["hook"] == 1  # the capture hook, once: that gives DDTREE's captured verify its tree mask
+    assert out["worker"] == "DDTreeWorker"
     assert out["type"] == "DDTreeSpec"
     assert out["missing"] == []  # every method SGLang's enum has, the three 0.5.23 gaps included
     assert out["refused"] == "DDTREE v1 commits a tree path slot by slot: pass --page-size 1 (got 16)"

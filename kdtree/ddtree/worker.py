@@ -1,0 +1,374 @@
+"""DDTreeWorker: SGLang 0.5.23's DFlashWorkerV2 with a draft tree instead of a draft chain.
+
+One decode step, per request (bs requests at once, fixed shapes, no host synchronisation):
+1. the DFlash drafter runs its block of B = [bonus, mask x (B-1)] as before (draft CUDA graph of width B);
+   inside that graph, `TreeDraftSampler` takes the top-K log-probs of each drafted depth from the target's
+   lm_head (SGLang's `candidate_topk`, tensor-parallel aware) and builds the best-first tree of `budget` nodes
+   (`kdtree.ddtree.tree.build_tree`);
+2. the target verifies the tree's N = budget + 1 tokens in one TARGET_VERIFY pass, positions prefix + depth,
+   the ancestor mask written into the attention backend's verify-mask buffer (so kdtree serves it in `on`);
+3. the target's token at every node (argmax, or one sample of SGLang's verify distribution per node) and
+   `kdtree.ddtree.accept.follow_tree` give the accepted path and the bonus;
+4. the commit permutes the window's slots in req_to_token (accepted path first) and materialises the drafter's
+   KV from the target's hidden states of the path's nodes, as DFlash does for its chain.
+
+Everything else (pools, prefill, graphs, the drafter) is DFlashWorkerV2's. Importing this module imports SGLang.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.lora.layers import unwrap_lora_layer
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
+from sglang.srt.models.dflash import candidate_topk
+from sglang.srt.runtime_context import get_exec, get_spec
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import (
+    apply_dflash_verify_logits_adjustments,
+    build_speculative_verify_target_probs,
+)
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.draft_worker_common import (
+    build_block_pos_offsets,
+    make_draft_block_spec_info,
+)
+from sglang.srt.speculative.spec_utils import draft_tp_context
+
+from kdtree.ddtree.accept import AcceptBuffers, follow_tree, window_permutation
+from kdtree.ddtree.tree import TreeBuffers, build_tree
+
+
+class TreeOutputs:
+    """The tree of each request as the verify reads it, rows of N = budget + 1 nodes (see TreeBuffers)."""
+
+    def __init__(self, rows: int, N: int, device):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.rows = rows
+        self.input_ids = torch.zeros(rows, N, **i64)
+        self.candidates = torch.zeros(rows, N, **i64)
+        self.parents = torch.zeros(rows, N, **i64)
+        self.depths = torch.zeros(rows, N, **i64)
+        self.mask = torch.zeros(rows, N, N, dtype=torch.bool, device=device)
+
+
+class TreeDraftSampler:
+    """The draft head of DDTree, run at the tail of the draft forward (inside its CUDA graph when there is
+    one): per drafted depth the top-K tokens of the target head with their log-probs, then the tree.
+
+    Graph replays pad the batch to a captured size, so the tree is built into per-size `TreeBuffers` made
+    before capture, and its outputs are copied into `max_bs`-row buffers that the worker reads."""
+
+    def __init__(self, *, lm_head, block_size: int, budget: int, sizes: list[int], device):
+        self.lm_head = lm_head
+        self.B, self.L, self.budget = block_size, block_size - 1, budget
+        vocab = int(getattr(lm_head, "org_vocab_size", 0) or lm_head.weight.shape[0])
+        self.K = min(budget, vocab)  # Lemma 1: more candidates a depth cannot enter a tree of `budget` nodes
+        self.trees = {bs: TreeBuffers(bs, self.L, self.K, budget, device) for bs in sorted(set(sizes))}
+        # the graphs write the outputs of up to max(sizes) rows here (captured addresses: never replaced); an eager
+        # batch above that gets outputs of its own
+        self.captured = TreeOutputs(max(sizes), budget + 1, device)
+        self.eager: TreeOutputs | None = None
+
+    def outputs(self, bs: int) -> TreeOutputs:
+        """Where the tree of a batch of bs requests is (the captured rows, or an eager batch's own)."""
+        if bs <= self.captured.rows:
+            return self.captured
+        if self.eager is None or self.eager.rows < bs:
+            self.eager = TreeOutputs(bs, self.budget + 1, self.captured.input_ids.device)
+        return self.eager
+
+    def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """hidden_states [bs * B, H] of the draft block, input_ids [bs * B] its tokens (the root first)."""
+        bs = hidden_states.shape[0] // self.B
+        hs = hidden_states.view(bs, self.B, -1)[:, 1:, :].reshape(bs * self.L, -1)
+        if hs.dtype != self.lm_head.weight.dtype:
+            hs = hs.to(self.lm_head.weight.dtype)
+        ids, vals, lse = candidate_topk(hs, self.lm_head, self.K, with_partition=True)
+        lp = (vals.float() - lse[:, None]).view(bs, self.L, self.K)
+        lp, order = torch.sort(
+            lp, dim=-1, descending=True, stable=True
+        )  # the builder needs each depth sorted
+        ids = torch.gather(ids.view(bs, self.L, self.K), 2, order)
+        if bs not in self.trees:  # an eager batch of a size no graph was captured for (never under capture)
+            self.trees[bs] = TreeBuffers(bs, self.L, self.K, self.budget, hs.device)
+        t = build_tree(lp, ids, input_ids.view(bs, self.B)[:, 0], self.budget, out=self.trees[bs])
+        o = self.outputs(bs)
+        for mine, theirs in (
+            (o.input_ids, t.input_ids),
+            (o.candidates, t.candidates),
+            (o.parents, t.parents),
+            (o.depths, t.depths),
+            (o.mask, t.mask),
+        ):
+            mine[:bs].copy_(theirs)
+
+
+class DDTreeWorker(DFlashWorkerV2):
+    """DFlashWorkerV2 with a budgeted draft tree; see the module. Synchronous scheduling only (the launcher
+    refuses overlap), page size 1, no DP attention, no compact draft window."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        spec = get_spec()
+        self.verify_width = int(
+            spec.speculative_num_draft_tokens
+        )  # N: the KV reserve, mask and target graphs
+        self.budget = self.verify_width - 1
+        # DFlashWorkerV2 sized its block from N; the drafter runs blocks of B.
+        self.block_size = int(spec.speculative_dflash_block_size)
+        self.draft_model.set_block_size(self.block_size)
+        self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
+        self._draft_block_spec_info = make_draft_block_spec_info(
+            draft_token_num=self.block_size, device=self.device
+        )
+        self.speculative_num_draft_tokens = self.verify_width
+        self._tree_sampler: TreeDraftSampler | None = None
+        self._accept: dict[int, AcceptBuffers] = {}
+        self._window_offsets = torch.arange(self.verify_width, dtype=torch.int64, device=self.device)
+
+    # -- the draft head ----------------------------------------------------------------------------------------
+
+    def _lm_head(self):
+        return unwrap_lora_layer(self._target_worker.model_runner.model.lm_head)
+
+    def _make_tree_sampler(self, sizes: list[int]) -> TreeDraftSampler:
+        return TreeDraftSampler(
+            lm_head=self._lm_head(),
+            block_size=self.block_size,
+            budget=self.budget,
+            sizes=sizes,
+            device=self.device,
+        )
+
+    def _maybe_build_draft_sampler(self):
+        # DFlashWorkerV2.init_cuda_graphs calls this before capturing the draft graphs.
+        self._tree_sampler = self._make_tree_sampler(list(get_exec().graph.cuda_graph_config.decode.bs))
+        return self._tree_sampler
+
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        if self._tree_sampler is None:  # graphs off: the same head, run eagerly after each draft forward
+            self._tree_sampler = self._make_tree_sampler([1])
+
+    def prewarm_sampling(self):
+        # DFlash's rehearsal sizes its chain verify; the tree's sampled verify goes through SGLang's
+        # build_speculative_verify_target_probs at N rows a request, measured by the generic rehearsal.
+        return self.model_runner.prewarm_sampling()
+
+    # -- one decode step ---------------------------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            # prefill (prompt hidden states into the draft KV) and idle batches: DFlash's own
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+        draft_input = batch.spec_info
+        if not isinstance(draft_input, DFlashDraftInputV2):
+            raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
+        batch.seq_lens.record_stream(torch.cuda.current_stream())
+        bs, B, N, L = len(batch.seq_lens), self.block_size, self.verify_width, self.block_size - 1
+        device = self.device
+        prefix = batch.seq_lens
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+
+        # the window: N reserved slots after the prefix (the scheduler reserved 2N)
+        window = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=req_to_token,
+            start_offset=prefix,
+            end_offset=prefix + N,
+            batch_size=bs,
+            draft_token_num=N,
+            device=device,
+        )
+        host_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu
+        translator = self.target_worker.model_runner.kv_index_translator
+        verify_plan = translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=host_lens,
+            write_virtual=window,
+            read_extent=N,
+        )
+
+        # 1. the draft block and its tree
+        self._ensure_draft_block_buffers(bs)
+        block_ids = self._draft_block_ids_buf[:bs]
+        block_ids.fill_(int(self._mask_token_id))
+        block_ids[:, 0].copy_(draft_input.bonus_tokens)
+        positions_2d = self._draft_block_positions_buf[:bs]
+        torch.add(prefix.unsqueeze(1), self._block_pos_offsets, out=positions_2d)
+        embed = unwrap_lora_layer(
+            _resolve_dflash_embedding_module(self.draft_model, self.target_worker.model_runner.model)
+        )
+        if self._full_embed_gpu is not None:
+            noise = torch.nn.functional.embedding(block_ids, self._full_embed_gpu)
+        else:
+            noise = embed(block_ids)
+        if self._noise_embed_scale != 1.0:
+            noise = noise * self._noise_embed_scale
+        draft_lens_cpu = self._draft_seq_lens_cpu_buf[:bs]
+        draft_lens_cpu.copy_(host_lens)
+        draft_lens_cpu.add_(B)
+        draft_plan = translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=host_lens,
+            write_virtual=window.view(bs, N)[:, :B].reshape(-1),
+            read_extent=B,
+        )
+        draft_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.flatten(),
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            out_cache_loc=None,
+            seq_lens_sum=int(draft_lens_cpu.sum()),
+            seq_lens_cpu=draft_lens_cpu,
+            positions=positions_2d.reshape(-1),
+            input_embeds=noise.view(-1, noise.shape[-1]),
+            spec_algorithm=self.model_runner.spec_algorithm,
+            spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_token_non_padded=(
+                torch.full((), bs * B, dtype=torch.int32, device=device)
+                if enable_num_token_non_padded()
+                else None
+            ),
+            global_num_token_non_padded_cpu=bs * B,
+            can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+        )
+        draft_plan.bind(draft_batch, self.draft_model_runner.kv_index_translator)
+        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+            draft_out = self.draft_model_runner.forward(draft_batch)
+            if not (draft_out.can_run_graph and self._draft_sampler is not None):
+                hidden = draft_out.logits_output.hidden_states
+                if hidden is None:
+                    raise RuntimeError("DDTREE: the draft model returned no hidden states")
+                self._tree_sampler(hidden[: bs * B], block_ids.flatten())
+        tree = self._tree_sampler.outputs(bs)
+        tree_ids, cands = tree.input_ids[:bs], tree.candidates[:bs]
+        parents, depths = tree.parents[:bs], tree.depths[:bs]
+
+        # 2. the verify of the tree's N tokens, mask into the backend's verify-mask buffer
+        positions = (prefix[:, None] + depths).reshape(-1)
+        custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, batch)
+        verify_input = DFlashVerifyInput(
+            draft_token=tree_ids.reshape(-1),
+            positions=positions,
+            draft_token_num=N,
+            custom_mask=custom_mask,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            kv_loc_plan=verify_plan,
+        )
+        batch.out_cache_loc = window
+        saved_lens_cpu, saved_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
+        if saved_lens_cpu is not None:
+            batch.seq_lens_cpu = saved_lens_cpu + N
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved_lens_cpu, saved_lens_sum
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=verify_batch, is_verify=True, skip_attn_backend_init=True
+        )
+        logits_output = target_out.logits_output
+        sampling_info = batch.sampling_info
+        lp = self._target_logits_processor
+        if lp is not None and lp.is_deferred_shard(logits_output.next_token_logits):
+            logits_output.next_token_logits = lp.finish_deferred_gather(logits_output.next_token_logits)
+        logits = logits_output.next_token_logits
+        if sampling_info is not None:
+            apply_dflash_verify_logits_adjustments(
+                next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N
+            )
+
+        # 3. the target's token at every node, the walk
+        target = self._target_tokens(logits, sampling_info, bs, N)
+        acc = self._accept.get(bs)
+        if acc is None:
+            acc = self._accept[bs] = AcceptBuffers(bs, N, L, device)
+        follow_tree(parents, cands, target, L, acc)
+        commit_lens = (acc.accepted + 1).to(torch.int32)
+        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        # 4. commit: the path's slots to the window's front, the drafter's KV from the path's hidden states
+        perm = window_permutation(acc)
+        rows = batch.req_pool_indices.to(torch.int64)[:, None]
+        cols = prefix.to(torch.int64)[:, None] + self._window_offsets
+        old = req_to_token[rows, cols]
+        req_to_token[rows, cols] = torch.gather(old, 1, perm)
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE: the target verify returned no hidden states")
+        hidden = hidden[: bs * N].view(bs, N, -1)
+        path_hidden = torch.gather(hidden, 1, acc.path[:, :, None].expand(bs, B, hidden.shape[-1]))
+        draft_ids = self._draft_write_ids(verify_plan).view(bs, N)
+        path_loc = torch.gather(draft_ids, 1, acc.path)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=path_hidden.reshape(bs * B, -1),
+            cache_loc=path_loc.reshape(-1),
+            cache_loc_2d=path_loc,
+            positions=(prefix[:, None] + self._block_pos_offsets).reshape(-1),
+            commit_lens=commit_lens,
+        )
+        logits_output.hidden_states = None
+
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=acc.out_tokens.reshape(-1),
+            accept_lens=commit_lens,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=self._make_next_draft_input_decode(
+                bonus_tokens=acc.bonus, new_seq_lens=new_seq_lens
+            ),
+            speculative_num_draft_tokens=N,
+            speculative_output_stride=B,
+            new_seq_lens=new_seq_lens,
+            routed_experts_output=target_out.routed_experts_output,
+            indexer_topk_output=target_out.indexer_topk_output,
+        )
+
+    def _write_verify_mask(self, mask: torch.Tensor, prefix: torch.Tensor, batch) -> torch.Tensor:
+        """The ancestor mask in SGLang's FULL layout (request b's N rows of prefix_b + N columns, from
+        mask_indptr[b]); only the tree block (the last N columns) is read, by Triton and by kdtree. Written in
+        place into the backend's verify-mask buffer when the batch fits it, as EAGLE does, so a graph replay's
+        copy is a copy onto itself."""
+        bs, N = mask.shape[0], mask.shape[1]
+        vm = self.target_worker.model_runner.attn_backend.verify_mask
+        if vm is not None and vm.fits(bs):
+            buf = vm.buffer
+        else:  # an eager batch above the captured sizes: a buffer of its own (host lengths known here)
+            buf = torch.zeros(N * int(batch.seq_lens_sum) + N * N * bs, dtype=torch.uint8, device=mask.device)
+        row = prefix.to(torch.int64) + N  # columns a row has
+        start = torch.cumsum(N * row, 0) - N * row  # exclusive: where request b's rows begin
+        i = self._window_offsets
+        idx = (
+            start[:, None, None]
+            + i[None, :, None] * row[:, None, None]
+            + prefix.to(torch.int64)[:, None, None]
+        )
+        idx = idx + i[None, None, :]
+        buf.view(torch.uint8).view(-1)[idx.reshape(-1)] = mask.reshape(-1).to(torch.uint8)
+        return buf
+
+    def _target_tokens(self, logits: torch.Tensor, sampling_info, bs: int, N: int) -> torch.Tensor:
+        """[bs, N]: the target's argmax at every node, or one sample per node of SGLang's verify distribution
+        (temperature, top-k, top-p, min-p as the request asks)."""
+        if sampling_info is None or sampling_info.is_all_greedy:
+            return torch.argmax(logits, dim=-1).view(bs, N)
+        probs = build_speculative_verify_target_probs(
+            next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N, bs=bs
+        ).view(bs * N, -1)
+        # a categorical sample without a host round trip: argmax of p / Exp(1)
+        noise = torch.empty_like(probs).exponential_()
+        return torch.argmax(probs / noise, dim=-1).view(bs, N)

@@ -1,0 +1,75 @@
+"""DDTree's fixed-shape acceptance walk and commit permutation (kdtree.ddtree.accept) against the reference walk
+(kdtree.ddtree.reference.follow_verified_tree), on trees from the fixed-shape builder (CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kdtree.ddtree.reference import follow_verified_tree
+
+torch = pytest.importorskip("torch", reason="the fixed-shape walk needs torch (the server extra)")
+
+from kdtree.ddtree.accept import AcceptBuffers, follow_tree, window_permutation  # noqa: E402
+from kdtree.ddtree.tree import build_tree  # noqa: E402
+
+
+def random_trees(seed: int, bs: int, L: int, K: int, budget: int):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(torch.randn(bs, L, K * 3, generator=g), -1)[..., :K]
+    lp, _ = torch.sort(lp, dim=-1, descending=True)
+    ids = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(bs * L)]).view(bs, L, K)
+    return build_tree(lp, ids, torch.arange(bs, dtype=torch.int64) + 100, budget)
+
+
+@pytest.mark.parametrize(
+    "seed, bs, L, K, budget", [(0, 4, 3, 2, 5), (1, 8, 7, 4, 16), (2, 6, 15, 8, 32), (3, 3, 2, 1, 9)]
+)
+def test_the_walk_and_the_commit_match_the_reference_walk(seed, bs, L, K, budget):
+    tree = random_trees(seed, bs, L, K, budget)
+    N = budget + 1
+    rng = random.Random(seed)
+    # targets that follow the tree for a while, then leave it (and some that never enter it)
+    target = torch.randint(0, 50, (bs, N), generator=torch.Generator().manual_seed(seed + 7))
+    for b in range(bs):
+        node = 0
+        for _ in range(rng.randint(0, L)):
+            kids = [i for i in range(1, N) if tree.parents[b, i] == node and tree.candidates[b, i] >= 0]
+            if not kids:
+                break
+            node = rng.choice(kids)
+            target[b, tree.parents[b, node]] = tree.candidates[b, node]
+    out = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L))
+    perm = window_permutation(out)
+    seen_lengths = set()
+    for b in range(bs):
+        path, bonus = follow_verified_tree(
+            tree.parents[b].tolist(), tree.candidates[b].tolist(), target[b].tolist()
+        )
+        a = len(path) - 1
+        seen_lengths.add(a)
+        assert out.accepted[b].item() == a
+        assert out.path[b, : a + 1].tolist() == path
+        assert out.bonus[b].item() == bonus
+        assert out.out_tokens[b, : a + 1].tolist() == [tree.candidates[b, i].item() for i in path[1:]] + [
+            bonus
+        ]
+        # the commit: the path's slots first, in path order; the window keeps every slot once
+        assert perm[b, : a + 1].tolist() == path
+        assert sorted(perm[b].tolist()) == list(range(N))
+        assert [d.item() for d in tree.depths[b, path]] == list(
+            range(a + 1)
+        )  # positions prefix + j hold depth j
+    assert len(seen_lengths) > 1  # the targets exercise different accepted lengths
+
+
+def test_a_target_that_leaves_at_the_root_accepts_nothing_and_gives_its_bonus():
+    tree = random_trees(5, 2, 4, 3, 8)
+    target = torch.full((2, 9), 49, dtype=torch.int64)
+    target[:, 0] = -5  # no candidate is negative but padding (-1): nothing matches
+    out = follow_tree(tree.parents, tree.candidates, target, 4, AcceptBuffers(2, 9, 4))
+    assert out.accepted.tolist() == [0, 0]
+    assert out.bonus.tolist() == [-5, -5]
+    assert out.out_tokens[:, 0].tolist() == [-5, -5]
+    assert window_permutation(out).tolist() == [list(range(9))] * 2
