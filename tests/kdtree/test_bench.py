@@ -44,9 +44,12 @@ def test_without_a_gpu_it_exits_2_with_one_line():
 def test_help_names_the_grids_and_the_output():
     r = run_module("--help")
     assert r.returncode == 0, r.stderr
-    for flag in ("--quick", "--full", "--torch", "--fp8 [{e4m3,e5m2}]", "--out DIR"):
+    for flag in ("--quick", "--full", "--ddtree", "--torch", "--fp8 [{e4m3,e5m2}]", "--out DIR"):
         assert flag in r.stdout
     assert run_module("--quick", "--full").returncode == 2  # one grid or the other
+    assert run_module("--full", "--ddtree").returncode == 2
+    both = run_module("--ddtree", "--fp8")
+    assert both.returncode == 2 and "--ddtree times bf16 pools only" in both.stderr
     bad = run_module("--fp8", "e4m3fn")
     assert bad.returncode == 2 and "invalid choice: 'e4m3fn' (choose from" in bad.stderr
 
@@ -134,6 +137,120 @@ def test_grids():
     assert len(bench.GRID) == 36 and len(set(bench.GRID)) == 36
     assert set(bench.QUICK) <= set(bench.GRID)
     assert bench.QUICK[:2] == [(1, 8, 16, 32768), (32, 8, 16, 4096)]  # the two goals of the published tables
+
+
+def test_the_ddtree_grid_is_its_tree_sizes_at_each_shape():
+    """N = budget + 1 for budgets 8 to 256, at bs 1 and 4, 8 and 16 heads, prefixes 8k and 32k: 48 rows, those of one
+    (bs, H, prefix) together in order of N; every row fits the kernel's limits."""
+    assert bench.DDTREE_N == (9, 17, 33, 65, 129, 257)
+    assert len(bench.DDTREE) == 48 == len(set(bench.DDTREE))
+    assert set(bench.DDTREE) == {
+        (bs, h, n, p) for bs in (1, 4) for h in (8, 16) for n in bench.DDTREE_N for p in (8192, 32768)
+    }
+    assert bench.DDTREE[:6] == [(1, 8, n, 8192) for n in bench.DDTREE_N]
+    assert bench.DDTREE[6:12] == [(1, 8, n, 32768) for n in bench.DDTREE_N]
+    assert all(h <= kernel.MAX_HEADS and n <= kernel.MAX_Q_LEN for _, h, n, _ in bench.DDTREE)
+
+
+def test_mma_share_counts_the_prefix_work_against_the_run_rate():
+    # The issue's own row: bs 1, 8 heads, N 257, 32k prefix, 493.4 us at 630 TFLOP/s is 47% of the rate.
+    assert bench.mma_share(493.4, (1, 8, 257, 32768), 630.0) == pytest.approx(47.2, abs=0.05)
+    flops = 2 * 4 * 16 * 65 * 8192 * (576 + 512)
+    assert bench.mma_share(100.0, (4, 16, 65, 8192), 500.0) == pytest.approx(100 * flops / 100e-6 / 500e12)
+    # Twice the time, half the share; twice the rate, half the share.
+    assert bench.mma_share(200.0, (1, 8, 9, 8192), 600.0) == pytest.approx(
+        bench.mma_share(100.0, (1, 8, 9, 8192), 1200.0)
+    )
+    assert bench.mma_share(200.0, (1, 8, 9, 8192), 600.0) == pytest.approx(
+        bench.mma_share(100.0, (1, 8, 9, 8192), 600.0) / 2
+    )
+
+
+def ddtree_row(shape, ours, compact=None):
+    """A row with the columns measure() returns (a stand-in's times), with compact when given."""
+    row = dict(batch=shape[0], heads=shape[1], draft=shape[2], prefix=shape[3], ours_us=ours, triton_us=6000.0,
+               torch_us=float("nan"), speedup=6000.0 / ours, gbps=1.0, tflops=1.0, roofline_us=5.0,
+               pct_roofline=100 * 5.0 / ours)  # fmt: skip
+    if compact is not None:
+        row |= dict(
+            compact_us=compact, compact_pct_roofline=100 * 5.0 / compact, compact_vs_ours=compact / ours
+        )
+    return row
+
+
+def test_the_ddtree_table_has_each_configurations_share_and_the_ratio():
+    shape = (1, 8, 257, 32768)
+    row = bench.with_mma_shares(ddtree_row(shape, 493.4, 625.0), 630.0)
+    assert row["pct_mma"] == pytest.approx(bench.mma_share(493.4, shape, 630.0))
+    assert row["compact_pct_mma"] == pytest.approx(bench.mma_share(625.0, shape, 630.0))
+    head, rule, line = bench.ddtree_table([row])
+    assert head == (
+        "| batch | H | N | prefix | ours (us) | ours, % of mma.sync | Triton (us) | speedup vs Triton |"
+        " compact (us) | compact, % of mma.sync | compact / ours |"
+    )
+    assert head.count(" |") == rule.count("|---") == line.count(" |")
+    assert line == "| 1 | 8 | 257 | 32768 | 493.4 | 47% | 6000 | 12.2x | 625.0 | 37% | 1.27x |"
+    # A GPU that runs compact itself (sm_120) times no second configuration: no compact columns.
+    head, _, line = bench.ddtree_table([bench.with_mma_shares(ddtree_row(shape, 600.0), 500.0)])
+    assert "compact" not in head and "compact_pct_mma" not in bench.with_mma_shares(
+        ddtree_row(shape, 600.0), 500.0
+    )
+    assert line == "| 1 | 8 | 257 | 32768 | 600.0 | 49% | 6000 | 10x |"
+
+
+@pytest.mark.parametrize("config", ["wide", "compact"])
+def test_ddtree_flag_times_the_ddtree_grid_with_compact_beside_wide(monkeypatch, tmp_path, capsys, config):
+    """--ddtree times every DDTree row, compact forced beside the device's configuration where that is wide, and
+    writes the DDTree table (shares of the run's mma.sync rate) and a record that names the grid."""
+    dev = dict(gpu="stand-in GPU (not a device)", sms=1, capability="sm_90", l2_bytes=0, config=config,
+               config_forced=False, archs=["sm_90"], date="2026-12-04", kdtree="0")  # fmt: skip
+    asked = []
+
+    def measure(shape, bw, mma, *, torch_sdpa, compact, l2_bytes):
+        asked.append((shape, torch_sdpa, compact))
+        return ddtree_row(shape, 100.0, 120.0 if compact else None)
+
+    monkeypatch.setattr(bench, "device_info", lambda: dev)
+    monkeypatch.setattr(bench, "_require_baseline", lambda: None)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4.2e12)
+    monkeypatch.setattr(kernel, "mma_peak_tflops", lambda: 630.0)
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main(["--ddtree", "--out", str(tmp_path)]) == 0
+    assert asked == [(s, False, config == "wide") for s in bench.DDTREE]
+    text = (tmp_path / "bench.md").read_text()
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["grid"] == "ddtree" and len(record["rows"]) == 48
+    assert record["rows"][0]["pct_mma"] == pytest.approx(bench.mma_share(100.0, bench.DDTREE[0], 630.0))
+    assert "DDTree grid; % of mma.sync: FLOPs 2*bs*H*N*P*(576 + 512)" in text
+    for line in bench.ddtree_table(record["rows"]):
+        assert line in text
+    assert ("compact / ours" in text) == (config == "wide")
+    assert "| 1 | 8 | 9 | 8192 | 100.0 |" in capsys.readouterr().out
+
+
+def test_bench_verify_ddtree_grid_is_the_users_one():
+    """bench_verify.py --ddtree times kdtree.bench.DDTREE and prints kdtree.bench.ddtree_table: one grid, one table."""
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "benchmarks"))
+    try:
+        import bench_verify
+    finally:
+        sys.path.pop(0)
+    for name in ("DDTREE", "ddtree_table", "with_mma_shares"):
+        assert getattr(bench_verify, name) is getattr(bench, name), name
+
+
+def test_device_run_has_the_ddtree_grid_target():
+    """device_run.sh ddtree-grid runs bench_verify.py --ddtree into $OUT (and names the target in its usage line)."""
+    script = (ROOT / "kernel_build" / "bench" / "device_run.sh").read_text()
+    usage = next(line for line in script.splitlines() if line.startswith("# usage:"))
+    assert "|ddtree-grid|" in usage
+    block = script.split('if [ "$what" = ddtree-grid ]; then', 1)[1].split("\nfi\n", 1)[0]
+    assert "bench_verify.py --ddtree" in block and '--out "$out/ddtree.md"' in block
+    assert '-m kdtree.bench --ddtree --out "$out/userbench-ddtree"' in block
+    r = subprocess.run(
+        ["bash", "-n", str(ROOT / "kernel_build" / "bench" / "device_run.sh")], capture_output=True
+    )
+    assert r.returncode == 0, r.stderr
 
 
 def test_input_sets_keep_the_published_rule_on_the_h200_and_grow_with_the_l2():
