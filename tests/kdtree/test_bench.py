@@ -399,3 +399,49 @@ def test_the_dflash_end_to_end_table_is_its_raw_record_rendered():
         1:
     ]:  # after the blank line its head ends with
         assert line in text, line
+
+
+def test_bench_verify_ddtree_writes_its_table_and_record_after_every_row(monkeypatch, tmp_path):
+    """bench_verify.py --ddtree (its GPU calls stood in for): after each row, ddtree.md holds the header (GPU, date,
+    commit, command) and the DDTree table of the rows so far, and ddtree.json the record with them; at the end all 48."""
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "benchmarks"))
+    try:
+        import bench_verify
+    finally:
+        sys.path.pop(0)
+
+    class Props:  # a stand-in for torch.cuda.get_device_properties' answer
+        name, multi_processor_count, L2_cache_size = "stand-in GPU (not a device)", 132, 50 * 2**20
+
+    out = tmp_path / "ddtree.md"
+    seen = []
+
+    def measure(shape, bw, mma, *, triton, torch_sdpa, compact, fp8, l2_bytes):
+        assert (triton, torch_sdpa, compact, fp8) == (True, False, True, None)
+        if out.exists():  # what the previous rows left
+            seen.append(len(json.loads(out.with_suffix(".json").read_text())["rows"]))
+        return ddtree_row(shape, 100.0, 125.0)
+
+    monkeypatch.setattr(bench_verify, "copy_bandwidth", lambda: 4.2e12)
+    monkeypatch.setattr(bench_verify.kernel, "mma_peak_tflops", lambda: 630.0)
+    monkeypatch.setattr(bench_verify, "cublas_tflops", lambda: 700.0)
+    monkeypatch.setattr(bench_verify, "flash_attention_tflops", lambda: ("FA2 stand-in", {128: 350.0}))
+    monkeypatch.setattr(bench_verify.torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(bench_verify, "device_info", lambda: dict(config="wide"))
+    monkeypatch.setattr(bench_verify, "checkout", lambda: "abc1234; sources 0123456789ab")
+    monkeypatch.setattr(bench_verify, "measure", measure)
+    monkeypatch.delenv("KDTREE_KERNEL_CONFIG", raising=False)
+    argv = ["bench_verify.py", "--ddtree", "--no-torch", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_verify.main()
+    assert seen == list(range(1, 48))
+    text = out.read_text()
+    assert text.startswith("GPU: stand-in GPU (not a device) (132 SMs), ")
+    assert "commit abc1234; sources 0123456789ab" in text and f"command: {' '.join(argv)}" in text
+    assert "DDTree grid: % of mma.sync = FLOPs 2*bs*H*N*P*(576 + 512)" in text
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["grid"] == "ddtree" and record["commit"] == "abc1234; sources 0123456789ab"
+    assert record["mma_tflops"] == 630.0 and len(record["rows"]) == 48
+    for line in bench.ddtree_table(record["rows"]):
+        assert line in text
+    assert "| 1 | 8 | 9 | 8192 | 100.0 | " in text and "| 125.0 | " in text and "| 1.25x |" in text
