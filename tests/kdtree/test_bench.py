@@ -240,13 +240,17 @@ def test_bench_verify_ddtree_grid_is_the_users_one():
 
 
 def test_device_run_has_the_ddtree_grid_target():
-    """device_run.sh ddtree-grid runs bench_verify.py --ddtree into $OUT (and names the target in its usage line)."""
+    """device_run.sh ddtree-grid runs bench_verify.py --ddtree into $OUT, the GPU tests at DDTree's sizes and the users'
+    command (and names the target in its usage line)."""
     script = (ROOT / "kernel_build" / "bench" / "device_run.sh").read_text()
     usage = next(line for line in script.splitlines() if line.startswith("# usage:"))
     assert "|ddtree-grid|" in usage
     block = script.split('if [ "$what" = ddtree-grid ]; then', 1)[1].split("\nfi\n", 1)[0]
     assert "bench_verify.py --ddtree" in block and '--out "$out/ddtree.md"' in block
     assert '-m kdtree.bench --ddtree --out "$out/userbench-ddtree"' in block
+    assert (
+        '-k "ddtree or short_prefix"' in block
+    )  # the GPU tests at DDTree's sizes (tests/gpu), in the same call
     r = subprocess.run(
         ["bash", "-n", str(ROOT / "kernel_build" / "bench" / "device_run.sh")], capture_output=True
     )
