@@ -354,9 +354,13 @@ def table(rows: list[dict]) -> list[str]:
 
 def ddtree_table(rows: list[dict]) -> list[str]:
     """The markdown table of a DDTree run (rows of with_mma_shares): kdtree's time and its share of the mma.sync rate,
-    Triton's, and, where the run timed compact beside the device's configuration, compact's and compact / ours."""
+    Triton's (and PyTorch's, where a row timed it), and, where the run timed compact beside the device's
+    configuration, compact's and compact / ours."""
     compact = any("compact_us" in r for r in rows)
+    torch_sdpa = any(not math.isnan(r["torch_us"]) for r in rows)
     head = "| batch | H | N | prefix | ours (us) | ours, % of mma.sync | Triton (us) | speedup vs Triton |"
+    if torch_sdpa:
+        head += " PyTorch (us) |"
     if compact:
         head += " compact (us) | compact, % of mma.sync | compact / ours |"
 
@@ -365,6 +369,8 @@ def ddtree_table(rows: list[dict]) -> list[str]:
             f"| {r['batch']} | {r['heads']} | {r['draft']} | {r['prefix']} | {r['ours_us']:.1f} | {r['pct_mma']:.0f}% | "
             f"{r['triton_us']:.0f} | {r['speedup']:.3g}x |"
         )
+        if torch_sdpa:
+            line += f" {r['torch_us']:.0f} |"
         if compact:
             line += (
                 f" {r['compact_us']:.1f} | {r['compact_pct_mma']:.0f}% | {r['compact_vs_ours']:.2f}x |"

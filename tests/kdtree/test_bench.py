@@ -196,6 +196,11 @@ def test_the_ddtree_table_has_each_configurations_share_and_the_ratio():
         ddtree_row(shape, 600.0), 500.0
     )
     assert line == "| 1 | 8 | 257 | 32768 | 600.0 | 49% | 6000 | 10x |"
+    # PyTorch SDPA (--torch) gets its column where a row timed it.
+    head, _, line = bench.ddtree_table(
+        [bench.with_mma_shares(ddtree_row(shape, 600.0) | {"torch_us": 3000.0}, 500.0)]
+    )
+    assert head.endswith("| speedup vs Triton | PyTorch (us) |") and line.endswith("| 10x | 3000 |")
 
 
 @pytest.mark.parametrize("config", ["wide", "compact"])
