@@ -46,6 +46,11 @@ QUICK = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768), (8, 8, 16, 13
 # the whole prefix and verify is bound by the tensor pipe; rows of one shape (bs, H, prefix) in order of N.
 DDTREE_N = (9, 17, 33, 65, 129, 257)
 DDTREE = [(bs, h, n, p) for bs in (1, 4) for h in (8, 16) for p in (8192, 32768) for n in DDTREE_N]
+# What a DDTree table's header says of its columns (kdtree.bench --ddtree and bench_verify.py --ddtree)
+DDTREE_NOTE = (
+    "% of mma.sync: FLOPs 2*bs*H*N*P*(576 + 512) per call (the prefix's work) over the mma.sync rate measured above; "
+    "Triton eager, by do_bench (about 60 ms of calls a row)"
+)
 # The input sets of one timed graph hold 3x the L2 where that takes at most 8 sets, sized for the H200's 50 MiB
 # L2 (the published tables); a larger L2 (RTX PRO 6000: 128 MB) gets proportionally more sets.
 L2_BYTES = 60e6
@@ -509,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         + (", gather + PyTorch SDPA" if torch_sdpa else " (PyTorch SDPA not timed: --torch)")
         + f"; {'full grid' if args.full else 'DDTree grid' if args.ddtree else 'quick grid (--full: all shapes)'}"
         + (
-            "; % of mma.sync: FLOPs 2*bs*H*N*P*(576 + 512) per call over the rate above"
+            f"; {DDTREE_NOTE}"
             + ("; compact forced in the compact columns" if dev["config"] == "wide" else "")
             if args.ddtree
             else ""

@@ -226,7 +226,7 @@ def test_ddtree_flag_times_the_ddtree_grid_with_compact_beside_wide(monkeypatch,
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["grid"] == "ddtree" and len(record["rows"]) == 48
     assert record["rows"][0]["pct_mma"] == pytest.approx(bench.mma_share(100.0, bench.DDTREE[0], 630.0))
-    assert "DDTree grid; % of mma.sync: FLOPs 2*bs*H*N*P*(576 + 512)" in text
+    assert f"DDTree grid; {bench.DDTREE_NOTE}" in text and "FLOPs 2*bs*H*N*P*(576 + 512) per call" in text
     for line in bench.ddtree_table(record["rows"]):
         assert line in text
     assert ("compact / ours" in text) == (config == "wide")
@@ -447,10 +447,31 @@ def test_bench_verify_ddtree_writes_its_table_and_record_after_every_row(monkeyp
     text = out.read_text()
     assert text.startswith("GPU: stand-in GPU (not a device) (132 SMs), ")
     assert "commit abc1234; sources 0123456789ab" in text and f"command: {' '.join(argv)}" in text
-    assert "DDTree grid: % of mma.sync = FLOPs 2*bs*H*N*P*(576 + 512)" in text
+    assert f"DDTree grid: {bench.DDTREE_NOTE}" in text
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["grid"] == "ddtree" and record["commit"] == "abc1234; sources 0123456789ab"
     assert record["mma_tflops"] == 630.0 and len(record["rows"]) == 48
     for line in bench.ddtree_table(record["rows"]):
         assert line in text
     assert "| 1 | 8 | 9 | 8192 | 100.0 | " in text and "| 125.0 | " in text and "| 1.25x |" in text
+
+
+def test_the_ddtree_tables_in_benchmarks_md_are_their_raw_records_rendered():
+    """Every DDTree record in results/ (bench_verify.py --ddtree's ddtree.json, grid "ddtree") has its table in
+    BENCHMARKS.md, line for line, with the GPU, date, commit and command its header names."""
+    records = [
+        json.loads(p.read_text())
+        for p in sorted((ROOT / "kernel_build" / "bench" / "results").glob("*.json"))
+    ]
+    # bench_verify.py's records (kdtree.bench's, e.g. a userbench run's, name no commit)
+    ddtree = [r for r in records if isinstance(r, dict) and r.get("grid") == "ddtree" and "commit" in r]
+    if not ddtree:
+        pytest.skip(
+            "no DDTree record in kernel_build/bench/results yet (device_run.sh ddtree-grid makes one)"
+        )
+    text = (ROOT / "kernel_build" / "BENCHMARKS.md").read_text()
+    for run in ddtree:
+        assert {(r["batch"], r["heads"], r["draft"], r["prefix"]) for r in run["rows"]} == set(bench.DDTREE)
+        assert run["commit"] in text and run["command"] in text
+        for line in bench.ddtree_table(run["rows"]):
+            assert line in text, line

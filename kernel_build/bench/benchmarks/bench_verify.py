@@ -136,11 +136,7 @@ def main() -> None:
         f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}"
         + ("; compact forced in the compact columns" if compact else "")
         + (f"; the fp8 columns on an fp8 {args.fp8} pool (scales 0.5)" if args.fp8 else "")
-        + (
-            "; DDTree grid: % of mma.sync = FLOPs 2*bs*H*N*P*(576 + 512) per call over the rate above"
-            if args.ddtree
-            else ""
-        )
+        + (f"; DDTree grid: {bench.DDTREE_NOTE}" if args.ddtree else "")
         + f"; command: {' '.join(sys.argv)}",
         "",
     ]
