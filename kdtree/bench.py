@@ -1,6 +1,6 @@
 """Benchmark kdtree's tree-verify kernel on this GPU against SGLang's own Triton kernel and the roofline.
 
-    python -m kdtree.bench [--quick | --full] [--torch | --no-torch] [--fp8 [e4m3 | e5m2]] [--out DIR]
+    python -m kdtree.bench [--quick | --full | --ddtree] [--torch | --no-torch] [--fp8 [e4m3 | e5m2]] [--out DIR]
 
 In the server image: `docker run --rm --gpus all --entrypoint python kdtree-server -m kdtree.bench`.
 
@@ -8,7 +8,10 @@ First line: the GPU, its SM count and compute capability, the tile configuration
 `compact`; KDTREE_KERNEL_CONFIG forces one), the library's architectures, the date and kdtree's version. Then the
 ceilings measured in the same run (device-to-device copy bandwidth; the mma.sync bf16 rate, measured by the
 kernel library), then one row per shape with the columns of kernel_build/BENCHMARKS.md. --quick (the default)
-times four shapes in about a minute on an H200; --full the whole grid of the published tables. Nothing is read
+times four shapes in about a minute on an H200; --full the whole grid of the published tables; --ddtree the grid of
+DDTree's tree sizes (N = 9 to 257 draft tokens, bs 1 and 4, 8 and 16 heads, prefixes 8k and 32k), where verify is
+bound by the tensor pipe: its table has the share of the measured mma.sync rate each call reaches and, where the GPU
+runs `wide`, `compact` (sm_120's configuration) forced on the same inputs beside it. Nothing is read
 from the network: the batches are random (kdtree.reference.make_batch). --fp8 adds, on every row, kdtree on an fp8
 KV pool of that dtype by each of its two paths (KDTREE_FP8_PATH: widen, the default, and mma) and SGLang's Triton
 kernel on the same pool: what decides which path an fp8 KV cache should take on this GPU.
@@ -39,6 +42,15 @@ NO_GPU = f"{PROG}: no CUDA GPU is visible (run the image with --gpus all)"
 # batch x heads x draft tokens x prefix: the grid of kernel_build/BENCHMARKS.md, and its quick subset
 GRID = [(bs, h, n, p) for bs in (1, 8, 32) for h in (8, 16) for n in (16, 64) for p in (4096, 32768, 131072)]
 QUICK = [(1, 8, 16, 32768), (32, 8, 16, 4096), (8, 16, 64, 32768), (8, 8, 16, 131072)]
+# DDTree's tree sizes (N = budget + 1: the root and a budget of 8 to 256 draft tokens), where each draft token attends to
+# the whole prefix and verify is bound by the tensor pipe; rows of one shape (bs, H, prefix) in order of N.
+DDTREE_N = (9, 17, 33, 65, 129, 257)
+DDTREE = [(bs, h, n, p) for bs in (1, 4) for h in (8, 16) for p in (8192, 32768) for n in DDTREE_N]
+# What a DDTree table's header says of its columns (kdtree.bench --ddtree and bench_verify.py --ddtree)
+DDTREE_NOTE = (
+    "% of mma.sync: FLOPs 2*bs*H*N*P*(576 + 512) per call (the prefix's work) over the mma.sync rate measured above; "
+    "Triton eager, by do_bench (about 60 ms of calls a row)"
+)
 # The input sets of one timed graph hold 3x the L2 where that takes at most 8 sets, sized for the H200's 50 MiB
 # L2 (the published tables); a larger L2 (RTX PRO 6000: 128 MB) gets proportionally more sets.
 L2_BYTES = 60e6
@@ -66,6 +78,22 @@ def shape_costs(bs: int, h: int, n: int, p: int, pool_bytes: int = 2) -> tuple[i
     kv_bytes = bs * (p * pool_bytes * KV_ROW_BYTES // 2 + n * KV_ROW_BYTES)
     io_bytes = kv_bytes + bs * n * h * 576 * 2 + bs * n * h * 512 * 2
     return kv_bytes, io_bytes, FLOP_PER_KEY_ROW * h * n * (p + n) * bs
+
+
+def mma_share(us: float, shape: tuple[int, int, int, int], mma_tflops: float) -> float:
+    """Percent of the mma.sync bf16 rate that a call of `us` reaches on `shape`, counting the prefix's work alone,
+    2*bs*H*N*P*(576 + 512) FLOPs (the draft keys' N x N block, about 3% more at N 257 / 8k, is left out)."""
+    bs, h, n, p = shape
+    return 100 * FLOP_PER_KEY_ROW * bs * h * n * p / (us * 1e-6) / (mma_tflops * 1e12)
+
+
+def with_mma_shares(row: dict, mma_tflops: float) -> dict:
+    """A row of measure() with the share of the mma.sync rate (the run's, `mma_tflops`) of each kdtree time it has."""
+    shape = (row["batch"], row["heads"], row["draft"], row["prefix"])
+    shares = {"pct_mma": mma_share(row["ours_us"], shape, mma_tflops)}
+    if "compact_us" in row:
+        shares["compact_pct_mma"] = mma_share(row["compact_us"], shape, mma_tflops)
+    return row | shares
 
 
 def copy_bandwidth() -> float:
@@ -329,6 +357,36 @@ def table(rows: list[dict]) -> list[str]:
     return [head, "|---" * head.count(" |") + "|"] + [cells(r) for r in rows]
 
 
+def ddtree_table(rows: list[dict]) -> list[str]:
+    """The markdown table of a DDTree run (rows of with_mma_shares): kdtree's time and its share of the mma.sync rate,
+    Triton's (and PyTorch's, where a row timed it), and, where the run timed compact beside the device's
+    configuration, compact's and compact / ours."""
+    compact = any("compact_us" in r for r in rows)
+    torch_sdpa = any(not math.isnan(r["torch_us"]) for r in rows)
+    head = "| batch | H | N | prefix | ours (us) | ours, % of mma.sync | Triton (us) | speedup vs Triton |"
+    if torch_sdpa:
+        head += " PyTorch (us) |"
+    if compact:
+        head += " compact (us) | compact, % of mma.sync | compact / ours |"
+
+    def cells(r: dict) -> str:
+        line = (
+            f"| {r['batch']} | {r['heads']} | {r['draft']} | {r['prefix']} | {r['ours_us']:.1f} | {r['pct_mma']:.0f}% | "
+            f"{r['triton_us']:.0f} | {r['speedup']:.3g}x |"
+        )
+        if torch_sdpa:
+            line += f" {r['torch_us']:.0f} |"
+        if compact:
+            line += (
+                f" {r['compact_us']:.1f} | {r['compact_pct_mma']:.0f}% | {r['compact_vs_ours']:.2f}x |"
+                if "compact_us" in r
+                else " - | - | - |"
+            )
+        return line
+
+    return [head, "|---" * head.count(" |") + "|"] + [cells(r) for r in rows]
+
+
 def _cuda_visible() -> bool:
     try:
         import torch
@@ -404,6 +462,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help=f"{len(QUICK)} shapes, about a minute (the default)"
     )
     grid.add_argument("--full", action="store_true", help=f"the whole grid of {len(GRID)} shapes")
+    grid.add_argument(
+        "--ddtree",
+        action="store_true",
+        help=f"DDTree's tree sizes: {len(DDTREE)} shapes (N {', '.join(map(str, DDTREE_N))}), with the share of the "
+        "mma.sync rate and, on a GPU that runs wide, compact beside it",
+    )
     ap.add_argument(
         "--torch",
         action=argparse.BooleanOptionalAction,
@@ -419,12 +483,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(KDTREE_FP8_PATH=widen, the default, and mma) and with SGLang's Triton kernel",
     )
     ap.add_argument("--out", type=Path, metavar="DIR", help="write bench.md and bench.json into this folder")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.ddtree and args.fp8:
+        ap.error("--ddtree times bf16 pools only: run --fp8 with --quick or --full")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shapes = GRID if args.full else QUICK
+    shapes = GRID if args.full else DDTREE if args.ddtree else QUICK
     torch_sdpa = args.full if args.torch is None else args.torch
     try:
         dev = device_info()
@@ -445,7 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     head.append(
         "Baselines: SGLang's Triton extend_attention_fwd"
         + (", gather + PyTorch SDPA" if torch_sdpa else " (PyTorch SDPA not timed: --torch)")
-        + f"; {'full grid' if args.full else 'quick grid (--full: all shapes)'}"
+        + f"; {'full grid' if args.full else 'DDTree grid' if args.ddtree else 'quick grid (--full: all shapes)'}"
+        + (
+            f"; {DDTREE_NOTE}"
+            + ("; compact forced in the compact columns" if dev["config"] == "wide" else "")
+            if args.ddtree
+            else ""
+        )
         + (
             f"; fp8 columns on an fp8 {args.fp8} pool (scales 0.5, the draft rows bf16): `fp8` the widen path "
             "(the default), `fp8 mma` KDTREE_FP8_PATH=mma"
@@ -456,15 +529,35 @@ def main(argv: list[str] | None = None) -> int:
     print(head[1], head[2], sep="\n", flush=True)
     rows = []
     for shape in shapes:
-        rows.append(measure(shape, bw, mma, torch_sdpa=torch_sdpa, fp8=args.fp8, l2_bytes=dev["l2_bytes"]))
+        if args.ddtree:
+            row = measure(
+                shape,
+                bw,
+                mma,
+                torch_sdpa=torch_sdpa,
+                compact=dev["config"] == "wide",
+                l2_bytes=dev["l2_bytes"],
+            )
+            rows.append(with_mma_shares(row, mma))
+        else:
+            rows.append(
+                measure(shape, bw, mma, torch_sdpa=torch_sdpa, fp8=args.fp8, l2_bytes=dev["l2_bytes"])
+            )
         print(progress(rows[-1]), flush=True)
-    text = "\n".join([*head, "", *table(rows)])
-    print("\n" + "\n".join(table(rows)))
+    lines = ddtree_table(rows) if args.ddtree else table(rows)
+    text = "\n".join([*head, "", *lines])
+    print("\n" + "\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.md").write_text(text + "\n")
         record = dict(
-            device=dev, copy_bw=bw, mma_tflops=mma, torch_sdpa=torch_sdpa, fp8_pool=args.fp8, rows=rows
+            device=dev,
+            copy_bw=bw,
+            mma_tflops=mma,
+            torch_sdpa=torch_sdpa,
+            fp8_pool=args.fp8,
+            grid="full" if args.full else "ddtree" if args.ddtree else "quick",
+            rows=rows,
         )
         (args.out / "bench.json").write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out / 'bench.md'} and {args.out / 'bench.json'}")

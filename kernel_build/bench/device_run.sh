@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|modes|profile|engine-tests|engine|engine-spec|engine-profile|fp8|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|engine-profile|fp8|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
@@ -18,6 +18,14 @@
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
+# 'ddtree-grid' (one call of under 8 minutes on an H200, build included: KDTREE_DDTREE_BUDGET_S, default 470, ends the
+# whole) times DDTree's grid (bench_verify.py --ddtree --no-torch: N 9 to 257, bs 1 and 4, 8 and 16 heads, prefixes 8k
+# and 32k; the device's configuration and, below sm_120, compact beside it and SGLang's Triton kernel, with each one's
+# share of the mma.sync rate measured in the same run): ddtree.md + ddtree.json, rewritten after every row, so a run
+# cut off keeps its rows; args after the mode go to bench_verify.py. Then the GPU tests at DDTree's sizes
+# (test_kernel_gpu.py and test_fp8_gpu.py -k "ddtree or short_prefix": ddtree-tests.xml + .log, the fp8 cases' errors
+# in ddtree-fp8-errors.jsonl) and, if what is left of the budget holds another grid's time, what users run,
+# python -m kdtree.bench --ddtree, into $OUT/userbench-ddtree.
 # 'modes' measures what live mode switching costs per verify call (bench_modes.py: modes.md + modes.json).
 # 'fp8' (one call of under 540 s on an H200, build included) runs the fp8 GPU tests (tests/gpu/test_fp8_gpu.py, both
 # fp8 paths, and the fp8 pool tests of test_hook_gpu.py) in the device's configuration, with compact forced and with
@@ -97,6 +105,27 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   # The mma.sync rate the roofline uses is measured in the same run, by the library just built.
   python3 kernel_build/bench/benchmarks/bench_verify.py --out "$out/bench.md" 2>&1 | tee "$out/bench.log"
   echo "bench: $((SECONDS - t0)) s"
+fi
+if [ "$what" = ddtree-grid ]; then
+  budget=${KDTREE_DDTREE_BUDGET_S:-470}
+  left() { local l=$((budget - (SECONDS - t0))); echo $((l > 1 ? l : 1)); }  # to the budget's end
+  t1=$SECONDS
+  timeout -s INT -k 10 "$(left)" python3 kernel_build/bench/benchmarks/bench_verify.py --ddtree --no-torch \
+    --out "$out/ddtree.md" "$@" 2>&1 | tee "$out/ddtree.log"
+  rc=${PIPESTATUS[0]}
+  grid_s=$((SECONDS - t1))
+  echo "ddtree grid: $((SECONDS - t0)) s (rc=$rc)"
+  # exactness at DDTree's sizes: bf16 and fp8 pools, both configurations, graphs captured short and replayed long
+  KDTREE_FP8_ERRORS=$out/ddtree-fp8-errors.jsonl timeout -s INT -k 10 "$(left)" python3 -m pytest -p no:cacheprovider \
+    -q -rs --junitxml="$out/ddtree-tests.xml" tests/gpu/test_kernel_gpu.py tests/gpu/test_fp8_gpu.py \
+    -k "ddtree or short_prefix" 2>&1 | tee "$out/ddtree-tests.log"
+  r=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$r
+  echo "ddtree tests: $((SECONDS - t0)) s (rc=$r)"
+  if [ "$(left)" -gt $((grid_s + 30)) ]; then  # another grid's time left: the users' command on the same grid
+    timeout -s INT -k 10 "$(left)" python3 -m kdtree.bench --ddtree --out "$out/userbench-ddtree" 2>&1 \
+      | tee "$out/userbench-ddtree.log"
+    echo "userbench --ddtree: $((SECONDS - t0)) s (rc=${PIPESTATUS[0]})"
+  fi
 fi
 if [ "$what" = userbench ]; then
   python3 -m kdtree.bench "$@" --out "$out/userbench" 2>&1 | tee "$out/userbench.log"; rc=${PIPESTATUS[0]}

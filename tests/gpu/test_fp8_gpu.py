@@ -18,11 +18,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_kernel_gpu import CASES, run_ours, run_triton  # noqa: E402
+from test_kernel_gpu import (  # noqa: E402
+    CASES,
+    DDTREE_CASES,
+    case_id,
+    replay_after_the_prefix_grew,
+    run_ours,
+    run_triton,
+)
 
 from kdtree import kernel  # noqa: E402
-from kdtree.bench import capture_graph  # noqa: E402
-from kdtree.reference import fp8_pool, kdtree_call, make_batch, reference, rel_l2  # noqa: E402
+from kdtree.reference import fp8_pool, make_batch, reference, rel_l2  # noqa: E402
 from kdtree.verify import FP8_PARITY_RTOL  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +43,8 @@ BOUND = 1e-2  # kdtree's relative L2 from fp64 on an fp8 pool: the bf16 suite's 
 BF16_ROUNDING = 2.0**-9
 # The mma path quantises as Triton does: its error may be at most this many times Triton's.
 MMA_VS_TRITON = 1.5
+# test_kernel_gpu's DDTree sizes, four of six (each runs 8 times here: dtypes x configurations x paths)
+FP8_DDTREE_CASES = [DDTREE_CASES[i] for i in (0, 2, 4, 5)]
 
 
 def within_bounds(err: float, tri_err: float, path: str) -> bool:
@@ -72,7 +80,7 @@ def assert_fp8_exact(b, config, path, label):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("config", list(kernel.CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_fp8_matches_fp64_and_triton(case, dtype, config, path):
     batch, heads, q_len, prefix, tree = case
     i = CASES.index(case)
@@ -80,6 +88,19 @@ def test_fp8_matches_fp64_and_triton(case, dtype, config, path):
     b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"fp8{case}{config}")))
     b = fp8_pool(b, DTYPES[dtype], k_scale, v_scale)
     assert_fp8_exact(b, config, path, f"{case} {dtype} scales {k_scale}/{v_scale}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", FP8_DDTREE_CASES, ids=case_id)
+def test_fp8_ddtree_sizes_match_fp64_and_triton(case, dtype, config, path):
+    """DDTree's tree sizes on fp8 pools, by both paths: N 9 and 257 at 32k, ragged N 33, the largest tree (1024)."""
+    batch, heads, q_len, prefix, tree = case
+    k_scale, v_scale = SCALES[1 + FP8_DDTREE_CASES.index(case) % (len(SCALES) - 1)]  # scales other than 1
+    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"fp8ddtree{case}{config}")))
+    b = fp8_pool(b, DTYPES[dtype], k_scale, v_scale)
+    assert_fp8_exact(b, config, path, f"ddtree {case} {dtype} scales {k_scale}/{v_scale}")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -111,31 +132,17 @@ def test_fp8_scales_and_dag_masks(scales, dtype, config, path):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", list(kernel.CONFIGS))
-def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(dtype, config, path):
+@pytest.mark.parametrize("n", [16, 129])
+def test_fp8_graph_captured_at_a_short_prefix_replays_at_a_long_one(n, dtype, config, path):
     """One CUDA graph captured while the batch's prefixes are short, replayed after they grew to 30k (indptr,
     indices and mask rewritten in place, as SGLang's graph runner does): the replay equals an eager call and the
-    fp64; the workspace depends on sizes only, never on the prefix."""
-    long = fp8_pool(make_batch(2, 8, 16, [30000, 12000], seed=61), DTYPES[dtype], 0.05, 2.5)
-    short = fp8_pool(make_batch(2, 8, 16, [100, 7], seed=62), DTYPES[dtype], 0.05, 2.5)
-    b = long  # the graph's buffers: the long batch's, with the short batch's values in them at capture
-    saved = {name: getattr(b, name).clone() for name in ("kv_indptr", "mask_indptr", "custom_mask")}
-    for name in ("kv_indptr", "mask_indptr"):
-        getattr(b, name).copy_(getattr(short, name))
-    b.custom_mask[: short.custom_mask.numel()].copy_(short.custom_mask)
-    T, H = b.q.shape[:2]
-    out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    with kernel.forced(config, path):
-        ws = torch.empty(kernel.workspace_bytes(2, H, 16, "cuda"), dtype=torch.uint8, device="cuda")
-        g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws))  # warmed up at the short prefix
-        for name, t in saved.items():
-            getattr(b, name).copy_(t)
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        eager = run_ours(b)
-    assert torch.equal(out.view_as(eager), eager)
-    tri_err = rel_l2(run_triton(b), reference(b))
-    assert within_bounds(rel_l2(eager, reference(b)), tri_err, path)
+    fp64; the workspace depends on sizes only, never on the prefix. At 16 draft tokens and at a DDTree size."""
+    long = fp8_pool(make_batch(2, 8, n, [30000, 12000], seed=61), DTYPES[dtype], 0.05, 2.5)
+    short = fp8_pool(make_batch(2, 8, n, [100, 7], seed=62), DTYPES[dtype], 0.05, 2.5)
+    replayed, eager = replay_after_the_prefix_grew(long, short, config, path)
+    assert torch.equal(replayed, eager)
+    tri_err = rel_l2(run_triton(long), reference(long))
+    assert within_bounds(rel_l2(eager, reference(long)), tri_err, path)
 
 
 @pytest.mark.parametrize("path", PATHS)

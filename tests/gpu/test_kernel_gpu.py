@@ -55,12 +55,36 @@ CASES = [
 ]
 
 
+# DDTree's tree sizes (N = budget + 1) at its prefixes: a request's H*N rows fill 64-row tiles, and N = 2^k + 1 leaves
+# the last one nearly empty (8 heads: 8 rows); up to the kernel's largest tree, MAX_Q_LEN = 1024 draft tokens.
+DDTREE_CASES = [
+    (1, 8, 9, 32768, True),
+    (1, 16, 65, 8192, True),
+    (4, 8, 33, [32768, 8192, 100, 3000], True),  # ragged, one request's prefix shorter than its tree
+    (2, 16, 129, [8192, 777], True),
+    (1, 8, 257, 32768, True),
+    (1, 8, 1024, 8192, True),
+]
+
+
+def case_id(c) -> str:
+    return "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c])
+
+
 @pytest.mark.parametrize("config", list(kernel.CONFIGS))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-h{}-n{}-p{}-{}".format(*[str(x)[:12] for x in c]))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_fp64_and_triton(case, config):
     batch, heads, q_len, prefix, tree = case
     b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"{case}{config}")))
     assert_matches_fp64_and_triton(b, config, f"{case} {config}")
+
+
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
+@pytest.mark.parametrize("case", DDTREE_CASES, ids=case_id)
+def test_ddtree_sizes_match_fp64_and_triton(case, config):
+    batch, heads, q_len, prefix, tree = case
+    b = make_batch(batch, heads, q_len, prefix, tree=tree, seed=sum(map(ord, f"ddtree{case}{config}")))
+    assert_matches_fp64_and_triton(b, config, f"ddtree {case} {config}")
 
 
 def assert_matches_fp64_and_triton(b, config, label):
@@ -184,6 +208,43 @@ def test_cuda_graph_replay_equals_eager():
         assert rel_l2(out.view_as(eager), reference(b)) < 1e-2
     torch.cuda.synchronize()
     assert counter.value() == 1 + 3  # the eager warm-up and three replays; capture itself runs nothing
+
+
+def replay_after_the_prefix_grew(long, short, config, path=None):
+    """One CUDA graph captured while the batch's prefixes are `short`'s, replayed after they grew to `long`'s (indptr
+    and mask rewritten in place, as SGLang's graph runner does; the workspace depends on sizes only): (the replay's
+    output, an eager call's on the long batch), both [T, H, 512]."""
+    b = long  # the graph's buffers: the long batch's, with the short batch's values in them at capture
+    saved = {name: getattr(b, name).clone() for name in ("kv_indptr", "mask_indptr", "custom_mask")}
+    for name in ("kv_indptr", "mask_indptr"):
+        getattr(b, name).copy_(getattr(short, name))
+    b.custom_mask[: short.custom_mask.numel()].copy_(short.custom_mask)
+    T, H = b.q.shape[:2]
+    out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with kernel.forced(config, path):
+        ws = torch.empty(
+            kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda"
+        )
+        g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws))  # warmed up at the short prefix
+        for name, t in saved.items():
+            getattr(b, name).copy_(t)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        eager = run_ours(b)
+    return out.view_as(eager), eager
+
+
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
+@pytest.mark.parametrize("n", [17, 257])
+def test_graph_captured_at_a_short_prefix_replays_at_a_long_one(n, config):
+    """DDTree's sizes under a graph captured at prefixes of 100 and 7, replayed at 32k and 12k: the replay equals an
+    eager call and the fp64 (the split plan follows the prefixes on the device, not the capture)."""
+    long = make_batch(2, 8, n, [32768, 12000], seed=63)
+    short = make_batch(2, 8, n, [100, 7], seed=64)
+    replayed, eager = replay_after_the_prefix_grew(long, short, config)
+    assert torch.equal(replayed, eager)
+    assert rel_l2(eager, reference(long)) < 1e-2
 
 
 def test_parity_stats_catch_a_wrong_output():

@@ -15,7 +15,7 @@ SCRIPT = ROOT / "kernel_build" / "bench" / "tuning" / "sm120_model.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import sm120_model as m  # noqa: E402
 
-from kdtree.bench import GRID, shape_costs  # noqa: E402
+from kdtree.bench import DDTREE, GRID, mma_share, shape_costs  # noqa: E402
 
 
 def test_it_runs_and_prints_one_row_per_shape_of_the_grid():
@@ -78,8 +78,76 @@ def test_fixed_cost_scales_with_the_clock_and_the_ramp_with_bandwidth():
     assert fixed_h200 < m.fixed_us(m.H200_COPY_TBPS, m.H200_CLOCK_GHZ) < fixed_h200 + 2
 
 
-def test_notes_carry_the_table_the_script_prints():
+@pytest.mark.parametrize("args", [[], ["--ddtree"]], ids=["grid", "ddtree"])
+def test_notes_carry_the_table_the_script_prints(args):
     notes = (ROOT / "kernel_build" / "NOTES.md").read_text()
-    r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60, check=True)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60, check=True
+    )
     for line in r.stdout.splitlines():
         assert line in notes, f"kernel_build/NOTES.md lacks this line of sm120_model.py's output:\n{line}"
+
+
+def test_ddtree_prints_one_row_per_shape_of_the_ddtree_grid():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--ddtree"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == len(DDTREE) == 48
+    assert [tuple(map(int, line.split("|")[1:5])) for line in rows] == DDTREE
+
+
+def test_row_padding_is_the_last_64_row_tiles_empty_share():
+    assert m.row_padding(8, 9) == pytest.approx(128 / 72)  # 72 rows in two tiles
+    assert m.row_padding(16, 9) == pytest.approx(192 / 144)
+    assert m.row_padding(8, 257) == pytest.approx(33 * 64 / 2056)
+    assert all(m.row_padding(h, n) == 1 for _, h, n, _ in GRID)  # the calibration grid: whole tiles
+
+
+def test_ddtree_rows_are_the_grids_model_with_the_padding_and_fp8_on_the_qmma_path():
+    eff, _ = m.compact_h200()
+    best = m.best_case_tflops(m.SM120_MMA_TFLOPS)
+    for row in m.ddtree_model():
+        shape = row["shape"]
+        _, h, n, _ = shape
+        _, io_bytes, flops = shape_costs(*shape)
+        assert row["memory_us"] == pytest.approx(io_bytes / 1.792e12 * 1e6)
+        assert row["compute_us"] == pytest.approx(flops / 503.8e12 * 1e6)
+        padded = row["compute_us"] * m.row_padding(h, n)
+        assert row["predicted_us"] == pytest.approx(max(row["memory_us"], padded / eff) + row["fixed_us"])
+        assert row["best_case_us"] == pytest.approx(
+            max(row["memory_us"], padded * m.SM120_MMA_TFLOPS / best) + row["fixed_us"]
+        )
+        fp8_memory = shape_costs(*shape, pool_bytes=1)[1] / 1.792e12 * 1e6
+        assert row["fp8_b_us"] == pytest.approx(
+            max(fp8_memory, padded * m.MMA8_COMPUTE_SHARE / eff) + row["fixed_us"]
+        )
+        # path (b) reads half the prefix bytes and runs QK^T at twice the rate: never slower than bf16
+        assert row["fp8_b_us"] <= row["predicted_us"]
+        assert row["predicted_pct_mma"] == pytest.approx(mma_share(row["predicted_us"], shape, 503.8))
+        # Under compact's H200 efficiency: the fixed cost and the padding only take from it.
+        assert row["predicted_pct_mma"] < 100 * eff
+    # At N 257 the padding is small and the fixed cost a sliver of a long call: near the steady state.
+    big = [r for r in m.ddtree_model() if r["shape"][2] == 257 and r["shape"][3] == 32768]
+    assert all(100 * eff - 3 < r["predicted_pct_mma"] < 100 * eff for r in big)
+
+
+def test_ddtree_model_at_the_grids_shared_shape_agrees_with_the_grids_model():
+    """A DDTree-style row on a shape of the calibration grid (H*N a multiple of 64: no padding) is model()'s row."""
+    by_shape = {r["shape"]: r for r in m.model()}
+    saved = m.DDTREE
+    try:
+        m.DDTREE = [(1, 8, 64, 32768), (8, 16, 16, 4096)]
+        for row in m.ddtree_model():
+            want = by_shape[row["shape"]]
+            for key in (
+                "memory_us",
+                "compute_us",
+                "bound",
+                "fixed_us",
+                "predicted_us",
+                "best_case_us",
+                "fp8_b_us",
+            ):
+                assert row[key] == pytest.approx(want[key]) if key != "bound" else row[key] == want[key], key
+    finally:
+        m.DDTREE = saved

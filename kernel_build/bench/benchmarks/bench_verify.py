@@ -2,6 +2,7 @@
 
 Run on a GPU with SGLang importable (see README, "GPU tests and benchmark"):
     python kernel_build/bench/benchmarks/bench_verify.py --out bench.md
+    python kernel_build/bench/benchmarks/bench_verify.py --ddtree --no-torch --out ddtree.md   # DDTree's grid
 
 The timing, the roofline and the table are kdtree.bench's (what `python -m kdtree.bench` runs in the server
 image); this script adds what the committed tables carry besides: cuBLAS bf16 and, for scale, what a mature
@@ -10,7 +11,9 @@ attention), the id of the sources that ran, the tuning switches (--ours-only, --
 runs `wide` and no --config is given, `compact` (the sm_120 configuration) forced on the same inputs beside it.
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and the mma.sync
 bf16 rate (the instruction this kernel uses; measured by the kernel library, kernel.mma_peak_tflops, unless
---mma-tflops gives it).
+--mma-tflops gives it). --ddtree times DDTree's grid instead (kdtree.bench.DDTREE: N = 9 to 257, where verify is bound
+by the tensor pipe) and prints its table (kdtree.bench.ddtree_table): each configuration's share of that mma.sync rate
+and compact / ours.
 Our times are CUDA-graph replays of R calls over R distinct input sets (more data than the L2 holds),
 divided by R, as SGLang runs verify under graphs. Baselines are eager calls timed by do_bench, which
 flushes the L2 before each call.
@@ -29,7 +32,18 @@ import triton.testing
 from source_id import checkout  # this script's folder is on sys.path
 
 from kdtree import bench, kernel
-from kdtree.bench import GRID, QUICK, copy_bandwidth, device_info, measure, progress, table
+from kdtree.bench import (
+    DDTREE,
+    GRID,
+    QUICK,
+    copy_bandwidth,
+    ddtree_table,
+    device_info,
+    measure,
+    progress,
+    table,
+    with_mma_shares,
+)
 
 
 def cublas_tflops() -> float:
@@ -71,7 +85,13 @@ def main() -> None:
         help="mma.sync bf16 rate for the roofline (default: measured now by the kernel library)",
     )
     ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    grid = ap.add_mutually_exclusive_group()
+    grid.add_argument("--quick", action="store_true", help="a few shapes only")
+    grid.add_argument(
+        "--ddtree",
+        action="store_true",
+        help="DDTree's grid (N 9 to 257), with the share of the mma.sync rate",
+    )
     ap.add_argument("--ours-only", action="store_true", help="skip the baselines (for tuning runs)")
     ap.add_argument(
         "--no-torch", action="store_true", help="skip the PyTorch SDPA baseline (Triton still timed)"
@@ -90,6 +110,8 @@ def main() -> None:
         "--calls", type=int, default=bench.CALLS_PER_ROUND, help="calls per timed round of graph replays"
     )
     args = ap.parse_args()
+    if args.ddtree and args.fp8:
+        ap.error("--ddtree times bf16 pools only: run --fp8 without it")
     bench.CALLS_PER_ROUND = args.calls
     if args.config:
         os.environ["KDTREE_KERNEL_CONFIG"] = args.config
@@ -101,22 +123,6 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 0)
     compact = not args.config and device_info()["config"] == "wide"
-    rows = []
-    for shape in QUICK if args.quick else GRID:
-        rows.append(
-            measure(
-                shape,
-                bw,
-                mma,
-                triton=not args.ours_only,
-                torch_sdpa=not (args.ours_only or args.no_torch),
-                compact=compact,
-                fp8=args.fp8,
-                l2_bytes=l2,
-            )
-        )
-        print(progress(rows[-1]), flush=True)
-
     commit = checkout()
     head = [
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {commit}",
@@ -130,26 +136,49 @@ def main() -> None:
         f"Tile configuration: {os.environ.get('KDTREE_KERNEL_CONFIG', 'auto')}"
         + ("; compact forced in the compact columns" if compact else "")
         + (f"; the fp8 columns on an fp8 {args.fp8} pool (scales 0.5)" if args.fp8 else "")
+        + (f"; DDTree grid: {bench.DDTREE_NOTE}" if args.ddtree else "")
         + f"; command: {' '.join(sys.argv)}",
         "",
     ]
-    text = "\n".join(head + table(rows))
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-        with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
-            json.dump(
-                dict(
-                    copy_bw=bw,
-                    mma_tflops=mma,
-                    cublas_tflops=cublas,
-                    flash_attention=dict(impl=fa_impl, tflops_by_head_dim=fa),
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
+    grid = "quick" if args.quick else "ddtree" if args.ddtree else "full"
+    record = dict(
+        gpu=props.name,
+        date=str(datetime.date.today()),
+        commit=commit,
+        command=" ".join(sys.argv),
+        grid=grid,
+        copy_bw=bw,
+        mma_tflops=mma,
+        cublas_tflops=cublas,
+        flash_attention=dict(impl=fa_impl, tflops_by_head_dim=fa),
+    )
+
+    def write(rows: list[dict]) -> str:
+        """The table and the raw record of the rows so far (after every row: a run cut short keeps what it timed)."""
+        text = "\n".join(head + (ddtree_table(rows) if args.ddtree else table(rows)))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+            with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
+                json.dump(record | dict(rows=rows), f, indent=1)
+        return text
+
+    rows = []
+    for shape in QUICK if args.quick else DDTREE if args.ddtree else GRID:
+        row = measure(
+            shape,
+            bw,
+            mma,
+            triton=not args.ours_only,
+            torch_sdpa=not (args.ours_only or args.no_torch),
+            compact=compact,
+            fp8=args.fp8,
+            l2_bytes=l2,
+        )
+        rows.append(with_mma_shares(row, mma) if args.ddtree else row)
+        print(progress(rows[-1]), flush=True)
+        write(rows)
+    print(write(rows))
 
 
 if __name__ == "__main__":

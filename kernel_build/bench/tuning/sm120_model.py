@@ -1,6 +1,6 @@
 """A performance model, on paper, of kdtree's `compact` configuration on the RTX PRO 6000 Blackwell (sm_120).
 
-    python3 kernel_build/bench/tuning/sm120_model.py [--copy-tbps X] [--mma-tflops Y] [--clock-ghz Z]
+    python3 kernel_build/bench/tuning/sm120_model.py [--ddtree] [--copy-tbps X] [--mma-tflops Y] [--clock-ghz Z]
 
 Prints the table of kernel_build/NOTES.md, "A performance model of the RTX PRO 6000 (sm_120)" (a test keeps the
 two equal). By default from the card's published numbers (below, each with its source); give the copy bandwidth
@@ -21,6 +21,11 @@ Per shape of the benchmark grid (kdtree.bench.GRID):
   of its instruction, which says nothing of sm_120's) runs QK^T as fp8 mma.sync (QMMA) at twice the bf16 rate
   and, in compact's 16-key tiles, PV as half-filled m16n8k32 (as many instructions as bf16): the compute part
   times MMA8_COMPUTE_SHARE, at bf16's efficiency (uncalibrated).
+--ddtree prints the model of DDTree's grid instead (kdtree.bench.DDTREE: N = 9 to 257 draft tokens, NOTES.md, "The
+model at DDTree's tree sizes"): the same steady state and fixed cost, with the row tiles' padding (one request's H*N
+rows in 64-row tiles: N = 2^k + 1 leaves a last tile part empty, whose mma the tensor pipe still runs), each time's
+share of the mma.sync bf16 rate (kdtree.bench.mma_share, as the measured grid reports it), and fp8 pools on path (b),
+the QMMA path; path (a) needs compact's fp8 cost measured on the H200 at the same shape, which no run has at these.
 Pure Python: no GPU, no torch.
 """
 
@@ -28,13 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[3])
 )  # the repository root: kdtree.bench's grid and costs
-from kdtree.bench import GRID, shape_costs  # noqa: E402  (stdlib only at import)
+from kdtree.bench import DDTREE, GRID, mma_share, shape_costs  # noqa: E402  (stdlib only at import)
 
 # ---- RTX PRO 6000 Blackwell (GB202, sm_120): published ----------------------------------------------------------
 # 188 of GB202's 192 SMs, 128 MB L2, 128 KB of L1/shared memory per SM at 128 B/clk, L2 ~8.7 TB/s:
@@ -123,6 +129,49 @@ def best_case_tflops(mma_tflops: float, clock_ghz: float = SM120_CLOCK_GHZ) -> f
 MMA8_COMPUTE_SHARE = (576 / 2 + 512) / (576 + 512)
 
 
+def row_padding(h: int, n: int) -> float:
+    """The tensor work a request's H*N rows cost in BM-row tiles, over their own: 1 on the calibration grid (H*N a
+    multiple of 64), up to 1.78 at H 8 / N 9 (72 rows in two tiles)."""
+    return math.ceil(h * n / BM) * BM / (h * n)
+
+
+def ddtree_model(
+    copy_tbps: float = SM120_COPY_TBPS,
+    mma_tflops: float = SM120_MMA_TFLOPS,
+    clock_ghz: float = SM120_CLOCK_GHZ,
+) -> list[dict]:
+    """compact on DDTree's grid: model()'s prediction and best case with the row tiles' padding in the compute part,
+    fp8 path (b) likewise, and each one's share of the bf16 mma.sync rate."""
+    eff, _ = compact_h200()
+    fixed, best = fixed_us(copy_tbps, clock_ghz), best_case_tflops(mma_tflops, clock_ghz)
+    rows = []
+    for shape in DDTREE:
+        _, h, n, _ = shape
+        _, io_bytes, flops = shape_costs(*shape)
+        memory = io_bytes / (copy_tbps * 1e12) * 1e6
+        memory_fp8 = shape_costs(*shape, pool_bytes=1)[1] / (copy_tbps * 1e12) * 1e6
+        compute = flops / (mma_tflops * 1e12) * 1e6
+        padded = compute * row_padding(h, n)
+        predicted = max(memory, padded / eff) + fixed
+        fp8_b = max(memory_fp8, padded * MMA8_COMPUTE_SHARE / eff) + fixed
+        rows.append(
+            dict(
+                shape=shape,
+                memory_us=memory,
+                compute_us=compute,
+                bound="memory" if memory > compute else "compute",
+                padding=row_padding(h, n),
+                fixed_us=fixed,
+                predicted_us=predicted,
+                predicted_pct_mma=mma_share(predicted, shape, mma_tflops),
+                best_case_us=max(memory, padded * mma_tflops / best) + fixed,
+                fp8_b_us=fp8_b,
+                fp8_b_pct_mma=mma_share(fp8_b, shape, mma_tflops),
+            )
+        )
+    return rows
+
+
 def model(
     copy_tbps: float = SM120_COPY_TBPS,
     mma_tflops: float = SM120_MMA_TFLOPS,
@@ -173,6 +222,23 @@ def markdown(rows: list[dict]) -> list[str]:
     return out
 
 
+def ddtree_markdown(rows: list[dict]) -> list[str]:
+    out = [
+        "| batch | H | N | prefix | memory roofline (us) | compute roofline (us) | bound at the rooflines "
+        "| row tiles' padding | fixed (us) | predicted compact (us) | predicted, % of mma.sync | best case (us) "
+        "| fp8 pool, path (b) (us) | path (b), % of bf16 mma.sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bs, h, n, p = r["shape"]
+        out.append(
+            f"| {bs} | {h} | {n} | {p} | {r['memory_us']:.1f} | {r['compute_us']:.1f} | {r['bound']} "
+            f"| {r['padding']:.2f}x | {r['fixed_us']:.1f} | {r['predicted_us']:.0f} | {r['predicted_pct_mma']:.0f}% "
+            f"| {r['best_case_us']:.0f} | {r['fp8_b_us']:.0f} | {r['fp8_b_pct_mma']:.0f}% |"
+        )
+    return out
+
+
 def summary(copy_tbps: float, mma_tflops: float, clock_ghz: float) -> list[str]:
     eff, fixed_h200 = compact_h200()
     best = best_case_tflops(mma_tflops, clock_ghz)
@@ -190,12 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copy-tbps", type=float, default=SM120_COPY_TBPS, help="copy bandwidth, TB/s")
     ap.add_argument("--mma-tflops", type=float, default=SM120_MMA_TFLOPS, help="mma.sync bf16 rate, TFLOP/s")
     ap.add_argument("--clock-ghz", type=float, default=SM120_CLOCK_GHZ, help="SM clock under load, GHz")
+    ap.add_argument("--ddtree", action="store_true", help="DDTree's grid (N 9 to 257), fp8 pools on path (b)")
     a = ap.parse_args(argv)
-    lines = [
-        *summary(a.copy_tbps, a.mma_tflops, a.clock_ghz),
-        "",
-        *markdown(model(a.copy_tbps, a.mma_tflops, a.clock_ghz)),
-    ]
+    ceilings = (a.copy_tbps, a.mma_tflops, a.clock_ghz)
+    table = ddtree_markdown(ddtree_model(*ceilings)) if a.ddtree else markdown(model(*ceilings))
+    lines = [*summary(*ceilings), "", *table]
     print("\n".join(lines))
 
 
