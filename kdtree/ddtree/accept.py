@@ -80,3 +80,10 @@ def window_permutation(out: AcceptBuffers) -> torch.Tensor:
     o.key.scatter_reduce_(1, o.path, big, reduce="amin")  # each path node's depth on the path
     torch.where(o.key <= L, o.key, o.node_index + (L + 1), out=o.key)
     return torch.argsort(o.key, dim=1, stable=True)
+
+
+def path_rows(out: AcceptBuffers) -> torch.Tensor:
+    """[bs, L + 1]: the verify's logits row (b * N + node) of each token the step emits, in emitted order (the
+    path's nodes; the bonus comes from the last one): SGLang's compute_spec_logprobs reads these (accept_index)."""
+    bs, N, L = out.shape
+    return out.path + torch.arange(bs, device=out.path.device)[:, None] * N

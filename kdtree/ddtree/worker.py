@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import (
@@ -42,7 +43,7 @@ from sglang.srt.speculative.draft_worker_common import (
 )
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
-from kdtree.ddtree.accept import AcceptBuffers, follow_tree, window_permutation
+from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
 from kdtree.ddtree.tree import TreeBuffers, build_tree
 
 
@@ -85,21 +86,26 @@ class TreeDraftSampler:
             self.eager = TreeOutputs(bs, self.budget + 1, self.captured.input_ids.device)
         return self.eager
 
-    def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
-        """hidden_states [bs * B, H] of the draft block, input_ids [bs * B] its tokens (the root first)."""
-        bs = hidden_states.shape[0] // self.B
-        hs = hidden_states.view(bs, self.B, -1)[:, 1:, :].reshape(bs * self.L, -1)
+    def candidates(self, hs: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per drafted depth the top-K tokens of the target head and their log-probs, each depth sorted
+        descending: (lp float32 [bs, L, K], ids int64 [bs, L, K]) from the drafter's hidden states [bs * L, H]."""
+        bs = root.shape[0]
         if hs.dtype != self.lm_head.weight.dtype:
             hs = hs.to(self.lm_head.weight.dtype)
         ids, vals, lse = candidate_topk(hs, self.lm_head, self.K, with_partition=True)
         lp = (vals.float() - lse[:, None]).view(bs, self.L, self.K)
-        lp, order = torch.sort(
-            lp, dim=-1, descending=True, stable=True
-        )  # the builder needs each depth sorted
-        ids = torch.gather(ids.view(bs, self.L, self.K), 2, order)
+        lp, order = torch.sort(lp, dim=-1, descending=True, stable=True)
+        return lp, torch.gather(ids.view(bs, self.L, self.K), 2, order)
+
+    def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """hidden_states [bs * B, H] of the draft block, input_ids [bs * B] its tokens (the root first)."""
+        bs = hidden_states.shape[0] // self.B
+        hs = hidden_states.view(bs, self.B, -1)[:, 1:, :].reshape(bs * self.L, -1)
+        root = input_ids.view(bs, self.B)[:, 0].to(torch.int64)
+        lp, ids = self.candidates(hs, root)
         if bs not in self.trees:  # an eager batch of a size no graph was captured for (never under capture)
             self.trees[bs] = TreeBuffers(bs, self.L, self.K, self.budget, hs.device)
-        t = build_tree(lp, ids, input_ids.view(bs, self.B)[:, 0], self.budget, out=self.trees[bs])
+        t = build_tree(lp, ids, root, self.budget, out=self.trees[bs])
         o = self.outputs(bs)
         for mine, theirs in (
             (o.input_ids, t.input_ids),
@@ -296,6 +302,8 @@ class DDTreeWorker(DFlashWorkerV2):
         if acc is None:
             acc = self._accept[bs] = AcceptBuffers(bs, N, L, device)
         follow_tree(parents, cands, target, L, acc)
+        if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
+            compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=path_rows(acc))
         commit_lens = (acc.accepted + 1).to(torch.int32)
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         if on_publish is not None:

@@ -9,6 +9,13 @@ import sys
 
 import sglang_stubs  # noqa: F401
 
+if os.environ.get(
+    "DDTREE_ORACLE_RANKS"
+):  # the DDTREE oracle servers (kernel_build/bench/harness/ddtree_oracle.py)
+    import ddtree_oracle
+
+    ddtree_oracle.install_after_import()
+
 
 def _run_next_sitecustomize():
     here = os.path.dirname(os.path.abspath(__file__))

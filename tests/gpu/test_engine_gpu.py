@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ddtree_oracle import continuation, expected_accepted
 from real_server import CAPTURED_BS, RealServer, ServerSpec, divergence, unavailable
 from tiny_model import prompt_of, write_model
 
@@ -84,6 +85,11 @@ SPECS = {
         ServerSpec("ddtree-b8-validate", "DDTREE-B8", Mode.VALIDATE),
         ServerSpec("ddtree-b8-on", "DDTREE-B8", Mode.ON),
         ServerSpec("ddtree-b8-standby", "DDTREE-B8", Mode.STANDBY),
+        # the oracle (kernel_build/bench/harness/ddtree_oracle.py): a bigram target, scripted draft ranks
+        ServerSpec("ddtree-b8-oracle-on", "DDTREE-B8", Mode.ON, env={"DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0"}),
+        ServerSpec(
+            "ddtree-b8-oracle-off", "DDTREE-B8", Mode.OFF, env={"DDTREE_ORACLE_RANKS": "0,0,1,0,0,2,0"}
+        ),
     )
 }
 ALGOS = [
@@ -93,7 +99,8 @@ ALGOS = [
     "dflash-b16",
     "ddtree-b8",
 ]  # the bf16 servers' algorithms, as their names spell them
-BF16 = [n for n, s in SPECS.items() if s.kv_cache_dtype == "auto"]
+# the bf16 servers with a reference (the oracle's target is a different model)
+BF16 = [n for n, s in SPECS.items() if s.kv_cache_dtype == "auto" and "oracle" not in n]
 PROMPTS = [prompt_of(n, seed) for seed, n in enumerate((12, 40, 97, 180, 333, 64, 250, 21))]
 CAPTURE_BEGIN = re.compile(r"Capture target verify CUDA graph begin")
 
@@ -227,6 +234,33 @@ def test_ddtree_greedy_outputs_equal_dflash_chain(fleet, servers):
         assert_same_tokens(
             ddtree.token_ids(batch, 32), reference.token_ids(batch, 32), batch, ddtree, reference, 32
         )
+
+
+@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",), ("ddtree-b8-oracle-off",)])
+def test_ddtree_oracle_accepts_what_the_reference_walk_predicts_and_emits_the_targets_greedy_tokens(
+    fleet, servers
+):
+    """The oracle: a bigram target (the greedy token after x is perm(x)) and a drafter whose top-K holds the true
+    token at scripted ranks. Every step builds the same tree; the reference heap and walk say how many drafted
+    tokens a step accepts; the outputs must be the bigram's continuation exactly (lossless), at captured and eager
+    batch sizes, with kdtree's verify (on) and Triton's (off). It measures the system, not a drafter; the zeroed
+    attention output means the KV cache's contents do not reach these outputs."""
+    server = fleet[servers[0]]
+    ranks = [int(r) for r in server.spec.env["DDTREE_ORACLE_RANKS"].split(",")]
+    accepted = expected_accepted(ranks, K=16, budget=16)
+    assert accepted >= 4  # the scripts reach deep: a step accepts several drafted tokens
+    prompts = [[11, 22, 100 + 37 * i] for i in range(8)]
+    max_tokens = 33
+    for batch in (prompts[:1], prompts[:3], prompts):  # captured (1, 3), then eager (8)
+        streams, accept = server.stream(batch, max_tokens)
+        for prompt, got in zip(batch, streams, strict=True):
+            assert got.token_ids == continuation(prompt[-1], max_tokens, 8192), (prompt, got.token_ids)
+        # SGLang's accept length over the request: at most accepted + 1 a step, less only where the last step
+        # was cut at max_tokens
+        assert all(accepted + 1 - 1.5 <= a <= accepted + 1 + 1e-6 for a in accept), (accepted, accept)
+    if server.spec.mode is Mode.ON:
+        served, _, original, fallbacks = verify_counts(server)
+        assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
 
 
 # ---- an fp8 KV cache ---------------------------------------------------------------------------------------------

@@ -73,3 +73,43 @@ def test_a_target_that_leaves_at_the_root_accepts_nothing_and_gives_its_bonus():
     assert out.bonus.tolist() == [-5, -5]
     assert out.out_tokens[:, 0].tolist() == [-5, -5]
     assert window_permutation(out).tolist() == [list(range(9))] * 2
+
+
+def test_the_logprobs_sglang_computes_from_the_path_rows_are_those_of_the_emitted_tokens():
+    """SGLang's compute_spec_logprobs (its real function; the batch is a stand-in with the four fields it reads)
+    with accept_index = path_rows: the logprob of emitted token j of request b is the target's at the node it came
+    from, the j-th node of the accepted path."""
+    pytest.importorskip("sglang", reason="sglang==0.5.23 is not installed (the server extra)")
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+    from kdtree.ddtree.accept import path_rows
+
+    bs, L, K, budget, V = 3, 4, 3, 9, 50
+    tree = random_trees(11, bs, L, K, budget)
+    N = budget + 1
+    logits = torch.randn(bs * N, V, generator=torch.Generator().manual_seed(3))
+    target = torch.argmax(logits, -1).view(bs, N)
+    for b in range(bs):  # make the target follow the tree for a step or two
+        kids = [i for i in range(1, N) if tree.parents[b, i] == 0 and tree.candidates[b, i] >= 0]
+        logits[b * N, tree.candidates[b, kids[0]]] = 100.0
+        target[b, 0] = tree.candidates[b, kids[0]]
+    out = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L))
+    batch = SimpleNamespace(
+        seq_lens=torch.zeros(bs),
+        sampling_info=SimpleNamespace(is_all_greedy=True),
+        top_logprobs_nums=None,
+        token_ids_logprobs=None,
+    )
+    logits_output = SimpleNamespace(next_token_logits=logits)
+    compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=path_rows(out))
+    got = logits_output.next_token_logprobs
+    assert got.shape == (bs, L + 1)
+    for b in range(bs):
+        a = out.accepted[b].item()
+        assert a >= 1
+        for j in range(a + 1):
+            row = b * N + out.path[b, j].item()
+            want = torch.log_softmax(logits[row], -1)[out.out_tokens[b, j]]
+            assert torch.isclose(got[b, j], want), (b, j)
