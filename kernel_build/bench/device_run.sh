@@ -10,9 +10,10 @@
 # records a few decode steps of the real server with SGLang's profiler (profile_engine.py: where a step's GPU time
 # goes, off against on; engine-profile.md + .json).
 # 'engine-spec' (one call of under 560 s on an H200, build included: KDTREE_SPEC_TESTS_S and KDTREE_SPEC_BUDGET_S
-# end the tests and the whole) runs the real-server tests of SGLang's DFLASH
-# worker (test_engine_gpu.py -k dflash: block 8 and 16, off / validate / on / standby; 'engine-tests' leaves them
-# out), then, in what is left of the call, the end-to-end benchmark's DFLASH rows (engine-spec.md + .json: 8 layers,
+# end the tests and the whole) runs the real-server tests of SGLang's DFLASH worker and kdtree's DDTREE
+# (test_engine_gpu.py -k "dflash or ddtree": off / validate / on / standby, DDTREE's oracle; 'engine-tests' leaves
+# them out), then, in what is left of the call, the end-to-end benchmark's DFLASH and DDTREE rows (block 16 first:
+# DDTREE's tree of 32 beside DFlash's chain of 16; engine-spec.md + .json: 8 layers,
 # prompts 2048 and 32768, batch 1, 2 rounds; args after the mode go to the tests). The tail of each server's log goes
 # to $OUT/spec-logs.
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
@@ -76,7 +77,7 @@ if [ "$what" = engine-spec ]; then
   left=$((${KDTREE_SPEC_BUDGET_S:-560} - (SECONDS - t0)))
   if [ "$left" -gt 90 ] && grep -q " passed" "$out/engine-spec-tests.log"; then  # no benchmark of servers that cannot start
     timeout -s INT -k 10 "$left" python3 kernel_build/bench/benchmarks/bench_engine.py --out "$out/engine-spec.md" \
-      --root /tmp/engine-spec-bench --algorithms DFLASH-B8,DFLASH-B16 --layers 8 --prompts 2048,32768 --batches 1 \
+      --root /tmp/engine-spec-bench --algorithms DFLASH-B16,DDTREE-B16,DFLASH-B8,DDTREE-B8 --layers 8 --prompts 2048,32768 --batches 1 \
       --repeats 2 --max-tokens 64 --time-budget-s $((left - 60)) 2>&1 | tee "$out/engine-spec-bench.log"
     echo "engine-spec benchmark: $((SECONDS - t0)) s (rc=${PIPESTATUS[0]})"
   fi

@@ -17,8 +17,9 @@ both servers' top-2 logprobs there.
     python3 kernel_build/bench/benchmarks/bench_engine.py --out engine.md      # the table; engine.json beside it
     bash kernel_build/bench/device_run.sh engine                     # the same on the GPU machine, into $OUT
 
---algorithms takes the keys of kernel_build/bench/harness/real_server.py's SPECULATIVE: NGRAM, NEXTN, and DFLASH-B8 / DFLASH-B16
-(SGLang's DFlash worker, block 8 / 16, with a one-layer drafter of dummy weights: device_run.sh engine-spec).
+--algorithms takes the keys of kernel_build/bench/harness/real_server.py's SPECULATIVE: NGRAM, NEXTN, DFLASH-B8 / DFLASH-B16
+(SGLang's DFlash worker, block 8 / 16, with a one-layer drafter of dummy weights) and DDTREE-B8 / DDTREE-B16 (kdtree's
+DDTREE on the same drafter, trees of 16 / 32 nodes): device_run.sh engine-spec.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ def main() -> int:
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA kv_lora_rank {cfg['kv_lora_rank']} + rope "
         f"{cfg['qk_rope_head_dim']}, dense MLP {cfg['intermediate_size']}; one MTP layer (MoE) for NEXTN; "
         + (
-            "a one-layer DFlash drafter (dummy weights) for DFLASH; "
-            if any(a.startswith("DFLASH") for a in algos)
+            "a one-layer DFlash drafter (dummy weights) for DFLASH and DDTREE; "
+            if any(a.startswith(("DFLASH", "DDTREE")) for a in algos)
             else ""
         )
         + ("bf16 KV" if args.kv_cache_dtype == "auto" else f"KV cache {args.kv_cache_dtype} (scales 1.0)"),

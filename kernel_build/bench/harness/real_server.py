@@ -73,16 +73,20 @@ SPECULATIVE = {
         )
         for b in (8, 16)
     },
-    # kdtree's DDTREE (kdtree.ddtree): the same drafter's block of 8, a best-first tree of 16 nodes verified as 17
-    # tokens with the ancestor mask; v1 runs synchronously at page size 1
-    "DDTREE-B8": (
-        "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17",
-        "--speculative-dflash-block-size", "8", "--speculative-draft-load-format", "dummy",
-        "--speculative-draft-attention-backend", "triton", "--disable-overlap-schedule", "--page-size", "1",
-    ),
+    # kdtree's DDTREE (kdtree.ddtree): the same drafter's block, a best-first tree of N - 1 nodes verified as N
+    # tokens with the ancestor mask (block 8: 16 nodes; block 16: 32, the issue's budget); v1 runs synchronously
+    # at page size 1
+    **{
+        f"DDTREE-B{b}": (
+            "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(n),
+            "--speculative-dflash-block-size", str(b), "--speculative-draft-load-format", "dummy",
+            "--speculative-draft-attention-backend", "triton", "--disable-overlap-schedule", "--page-size", "1",
+        )
+        for b, n in ((8, 17), (16, 33))
+    },
 }  # fmt: skip
 # the algorithms above that need a DFlash drafter, and its block
-DFLASH_BLOCK = {"DFLASH-B8": 8, "DFLASH-B16": 16, "DDTREE-B8": 8}
+DFLASH_BLOCK = {"DFLASH-B8": 8, "DFLASH-B16": 16, "DDTREE-B8": 8, "DDTREE-B16": 16}
 CAPTURED_BS = (1, 2, 3, 4)  # verify graphs captured per server; larger batches run eagerly
 INSTALL_LINE = re.compile(
     r"\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=([\w?]+), via=([\w-]+)\)"
@@ -146,7 +150,7 @@ class ServerSpec:
     """One server: speculative algorithm, the mode it starts in, how kdtree is installed, the model's depth."""
 
     name: str
-    algorithm: str  # a key of SPECULATIVE: NGRAM | NEXTN | DFLASH-B8 | DFLASH-B16
+    algorithm: str  # a key of SPECULATIVE: NGRAM | NEXTN | DFLASH-B8 | DFLASH-B16 | DDTREE-B8 | DDTREE-B16
     mode: Mode
     install: str = "plugin"  # plugin | sitecustomize
     layers: int = 8
