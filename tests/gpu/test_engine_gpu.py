@@ -86,7 +86,12 @@ SPECS = {
         ServerSpec("ddtree-b8-on", "DDTREE-B8", Mode.ON),
         ServerSpec("ddtree-b8-standby", "DDTREE-B8", Mode.STANDBY),
         # the oracle (kernel_build/bench/harness/ddtree_oracle.py): a bigram target, scripted draft ranks
-        ServerSpec("ddtree-b8-oracle-on", "DDTREE-B8", Mode.ON, env={"DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0"}),
+        ServerSpec(
+            "ddtree-b8-oracle-on",
+            "DDTREE-B8",
+            Mode.ON,
+            env={"DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0", "DDTREE_SYNC_REPORT": "sync-report.json"},
+        ),
         ServerSpec(
             "ddtree-b8-oracle-off", "DDTREE-B8", Mode.OFF, env={"DDTREE_ORACLE_RANKS": "0,0,1,0,0,2,0"}
         ),
@@ -261,6 +266,20 @@ def test_ddtree_oracle_accepts_what_the_reference_walk_predicts_and_emits_the_ta
     if server.spec.mode is Mode.ON:
         served, _, original, fallbacks = verify_counts(server)
         assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
+
+
+@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",)])
+def test_a_ddtree_decode_step_does_not_synchronise_with_the_host(fleet, servers):
+    """Every decode step of DDTreeWorker (draft graph, tree, verify, walk, commit) under
+    torch.cuda.set_sync_debug_mode("warn"), in the server process (kernel_build/bench/harness/ddtree_oracle.py
+    keeps what torch reported): no host synchronisation, at captured and eager batch sizes."""
+    server = fleet[servers[0]]
+    prompts = [[11, 22, 500 + 37 * i] for i in range(8)]
+    for batch in (prompts[:1], prompts[:3], prompts):
+        server.token_ids(batch, 24)
+    report = json.loads((server.root / "sync-report.json").read_text())
+    assert report["decode_steps"] > 10
+    assert report["syncs"] == [], report["syncs"][:10]
 
 
 # ---- an fp8 KV cache ---------------------------------------------------------------------------------------------

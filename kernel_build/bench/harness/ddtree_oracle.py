@@ -16,6 +16,10 @@ reach the outputs, so the KV cache's contents are not what this checks.
 
 Enabled in a server process by DDTREE_ORACLE_RANKS (comma-separated ranks, one a drafted depth): the engine site's
 sitecustomize calls `install_after_import()`, which patches kdtree.ddtree.worker as it is imported.
+
+Apart from the oracle, DDTREE_SYNC_REPORT=<file> (any DDTREE server) runs every decode step of DDTreeWorker under
+torch.cuda.set_sync_debug_mode("warn") and keeps in that file (JSON) the steps seen and each host synchronisation
+torch reported, with the line of kdtree's or SGLang's code that asked for it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 A, C = 7, 13  # perm(x) = (A x + C) mod V: a permutation when A is prime to V (V = 8192 in the tests' model)
 STEEP = 1.0
 ENV = "DDTREE_ORACLE_RANKS"
+SYNC_ENV = "DDTREE_SYNC_REPORT"
 
 
 def perm(x: int, vocab: int) -> int:
@@ -84,9 +89,46 @@ def _make_bigram(model, vocab: int) -> None:
         head[(A * x + C) % vocab] = embed[:vocab].to(head.dtype)
 
 
+def install_sync_report(worker_module, path: str) -> None:
+    import json
+    import warnings
+
+    import torch
+
+    worker_cls = worker_module.DDTreeWorker
+    step = worker_cls.forward_batch_generation
+    report = {"decode_steps": 0, "syncs": []}
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            return step(self, batch, *args, **kwargs)
+        torch.cuda.synchronize()  # the step's own work only
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return step(self, batch, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                report["decode_steps"] += 1
+                for w in seen:
+                    if "synchroniz" in str(w.message):
+                        report["syncs"].append(
+                            {"message": str(w.message)[:200], "at": f"{w.filename}:{w.lineno}"}
+                        )
+                with open(path, "w") as f:
+                    json.dump(report, f)
+
+    worker_cls.forward_batch_generation = forward_batch_generation
+
+
 def install(worker_module) -> None:
     import torch
 
+    if os.environ.get(SYNC_ENV):
+        install_sync_report(worker_module, os.environ[SYNC_ENV])
+    if not os.environ.get(ENV):
+        return
     ranks = [int(r) for r in os.environ[ENV].split(",")]
     sampler_cls, worker_cls = worker_module.TreeDraftSampler, worker_module.DDTreeWorker
 
@@ -146,5 +188,5 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install_after_import() -> None:
-    if os.environ.get(ENV):
+    if os.environ.get(ENV) or os.environ.get(SYNC_ENV):
         sys.meta_path.insert(0, _AfterImport())
