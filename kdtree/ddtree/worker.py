@@ -41,6 +41,7 @@ from sglang.srt.speculative.draft_worker_common import (
     build_block_pos_offsets,
     make_draft_block_spec_info,
 )
+from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
 from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
@@ -297,7 +298,12 @@ class DDTreeWorker(DFlashWorkerV2):
             )
 
         # 3. the target's token at every node, the walk
-        target = self._target_tokens(logits, sampling_info, bs, N)
+        target = target_tokens(logits, sampling_info, bs, N, draft_input)
+        greedy = sampling_info is None or sampling_info.is_all_greedy
+        # every rank walks the same tree with rank 0's tokens (a sample draws from each rank's own RNG)
+        self._tp_sync.sync(
+            SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, target
+        )
         acc = self._accept.get(bs)
         if acc is None:
             acc = self._accept[bs] = AcceptBuffers(bs, N, L, device)
@@ -369,14 +375,21 @@ class DDTreeWorker(DFlashWorkerV2):
         buf.view(torch.uint8).view(-1)[idx.reshape(-1)] = mask.reshape(-1).to(torch.uint8)
         return buf
 
-    def _target_tokens(self, logits: torch.Tensor, sampling_info, bs: int, N: int) -> torch.Tensor:
-        """[bs, N]: the target's argmax at every node, or one sample per node of SGLang's verify distribution
-        (temperature, top-k, top-p, min-p as the request asks)."""
-        if sampling_info is None or sampling_info.is_all_greedy:
-            return torch.argmax(logits, dim=-1).view(bs, N)
-        probs = build_speculative_verify_target_probs(
-            next_token_logits=logits, sampling_info=sampling_info, draft_token_num=N, bs=bs
-        ).view(bs * N, -1)
-        # a categorical sample without a host round trip: argmax of p / Exp(1)
-        noise = torch.empty_like(probs).exponential_()
-        return torch.argmax(probs / noise, dim=-1).view(bs, N)
+
+def target_tokens(logits: torch.Tensor, sampling_info, bs: int, N: int, draft_input=None) -> torch.Tensor:
+    """[bs, N]: the target's token at every node: its argmax, or one sample per node of SGLang's verify
+    distribution (temperature, top-k, top-p as each request asks; build_speculative_verify_target_probs, with the
+    scheduler's host-side top-k bounds so that it reads nothing back from the device)."""
+    if sampling_info is None or sampling_info.is_all_greedy:
+        return torch.argmax(logits, dim=-1).view(bs, N)
+    probs = build_speculative_verify_target_probs(
+        next_token_logits=logits,
+        sampling_info=sampling_info,
+        draft_token_num=N,
+        bs=bs,
+        max_top_k=getattr(draft_input, "max_top_k", None),
+        uniform_top_k_value=getattr(draft_input, "uniform_top_k_value", None),
+    ).view(bs * N, -1)
+    # a categorical sample without a host round trip: the argmax of p / Exp(1)
+    noise = torch.empty_like(probs).exponential_()
+    return torch.argmax(probs / noise, dim=-1).view(bs, N)

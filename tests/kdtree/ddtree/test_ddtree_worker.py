@@ -1,0 +1,59 @@
+"""DDTreeWorker's pieces that run on the CPU (kdtree.ddtree.worker imports SGLang's DFlash worker; the worker itself
+runs in the real server: tests/gpu/test_engine_gpu.py): the target's token at every node, greedy and sampled
+through SGLang's own verify distribution (build_speculative_verify_target_probs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the worker needs torch (the server extra)")
+pytest.importorskip("sglang", reason="sglang==0.5.23 is not installed (the server extra)")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+def sampling(bs, temperature, top_k=None):
+    """A stand-in for SGLang's SamplingBatchInfo with the fields its verify distribution reads."""
+    return SimpleNamespace(
+        is_all_greedy=False,
+        temperatures=torch.full((bs, 1), temperature),
+        top_ks=torch.full((bs,), top_k or 0, dtype=torch.int32),
+        top_ps=torch.ones(bs),
+        need_top_k_sampling=top_k is not None,
+        need_top_p_sampling=False,
+        need_min_p_sampling=False,
+    )
+
+
+def test_greedy_is_the_argmax_at_every_node():
+    from kdtree.ddtree.worker import target_tokens
+
+    logits = torch.randn(2 * 5, 30, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(target_tokens(logits, None, 2, 5), logits.argmax(-1).view(2, 5))
+    assert torch.equal(
+        target_tokens(logits, SimpleNamespace(is_all_greedy=True), 2, 5), logits.argmax(-1).view(2, 5)
+    )
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.5, None), (1.0, 3)])
+def test_a_sampled_node_draws_from_the_targets_distribution(temperature, top_k):
+    """One independent draw per node: over many nodes with the same logits, the frequencies are the target's
+    probabilities (temperature, then top-k renormalised), within a few standard errors."""
+    from kdtree.ddtree.worker import target_tokens
+
+    torch.manual_seed(1)
+    V, bs, N = 6, 4, 5000
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    want = torch.softmax(row / temperature, -1)
+    if top_k is not None:
+        want = torch.where(torch.arange(V) < top_k, want, 0.0)
+        want = want / want.sum()
+    logits = row.expand(bs * N, V).clone()
+    got = target_tokens(
+        logits, sampling(bs, temperature, top_k), bs, N, SimpleNamespace(max_top_k=top_k or 1)
+    )
+    freq = torch.bincount(got.reshape(-1), minlength=V).float() / (bs * N)
+    stderr = (want * (1 - want) / (bs * N)).sqrt()
+    assert torch.all((freq - want).abs() <= 5 * stderr + 1e-4), (freq, want)
