@@ -22,9 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
 GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
 ONE_GPU = REPO / "compose" / "one-gpu.yaml"
+KIMI_DDTREE = REPO / "compose" / "kimi-ddtree.yaml"
 DEMO = REPO / "compose" / "demo.yaml"
 DOCKER_OVERRIDE = REPO / "compose" / "docker.yaml"
-COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DEMO, DOCKER_OVERRIDE)
+COMPOSE_FILES = (COMPOSE, GPUS, ONE_GPU, DEMO, DOCKER_OVERRIDE, KIMI_DDTREE)
 ENV_EXAMPLE = REPO / ".env.example"
 
 
@@ -130,6 +131,45 @@ def test_one_gpu_file_reserves_one_gpu_for_deepseek_v2_lite_with_ngram(compose, 
         "--context-length",
         "4096",
     ]
+
+
+def test_kimi_ddtree_file_runs_ddtree_on_kimi_k25_with_its_dflash_drafter(compose, tmp_path):
+    """compose/kimi-ddtree.yaml as compose renders it over the eight GPUs: Kimi-K2.5 and its DFlash drafter, DDTREE
+    with a tree of 32 nodes (33 verify tokens) on the drafter's block of 8, and what DDTREE v1 asks; otherwise
+    compose.yaml's command as it is with those values in .env; SGLang's own check of the arguments (the one a
+    launch runs: kdtree/ddtree/spec.py) passes them."""
+    services = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, KIMI_DDTREE)
+    server = services["server"]
+    assert [g["count"] for g in gpu_reservations(server)] == [8]
+    argv = command(server)
+    assert arg(argv, "--tp-size") == "8" and arg(argv, "--model-path") == "/models/Kimi-K2.5"
+    assert arg(argv, "--speculative-algorithm") == "DDTREE"
+    assert arg(argv, "--speculative-draft-model-path") == "/models/Kimi-K2.5-DFlash"
+    assert (arg(argv, "--speculative-num-draft-tokens"), arg(argv, "--speculative-dflash-block-size")) == (
+        "33",
+        "8",
+    )
+    values = {
+        "KDTREE_MODEL": "Kimi-K2.5",
+        "KDTREE_SPECULATIVE_ARGS": " ".join(argv[argv.index("--speculative-algorithm") :]),
+    }
+    assert command(rendered(compose, env_file(tmp_path), COMPOSE, environ=values)["server"]) == argv
+    sglang = pytest.importorskip("sglang.srt.server_args", reason="SGLang's check needs the server extra")
+    from sglang.srt.arg_groups.overrides import record_foreign_defaults
+
+    from kdtree.ddtree.spec import validate_server_args
+
+    flags = {"page_size": int(arg(argv, "--page-size")), "grammar_backend": arg(argv, "--grammar-backend")}
+    args = sglang.ServerArgs(
+        model_path="unused",
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path="unused",
+        speculative_num_draft_tokens=int(arg(argv, "--speculative-num-draft-tokens")),
+        speculative_dflash_block_size=int(arg(argv, "--speculative-dflash-block-size")),
+        disable_overlap_schedule="--disable-overlap-schedule" in argv,
+        **flags,
+    )
+    record_foreign_defaults(args, "test", validate_server_args)  # raises on what DDTREE v1 refuses
 
 
 def command(service: dict) -> list[str]:

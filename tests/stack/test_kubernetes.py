@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy" / "kubernetes"
 COMPOSE = REPO / "compose.yaml"
 ONE_GPU = REPO / "compose" / "one-gpu.yaml"  # the one-GPU overlay's counterpart
+KIMI_DDTREE = REPO / "compose" / "kimi-ddtree.yaml"  # the kimi-ddtree overlay's counterpart
+COMPOSE_OF_OVERLAY = {"one-gpu": ONE_GPU, "kimi-ddtree": KIMI_DDTREE}
 DOCKERFILE = REPO / "Dockerfile"
 
 # The oldest Kubernetes the manifests promise, and the newest the pinned kubernetes-validate knows.
@@ -50,6 +52,7 @@ TARGETS = {
     "default+hostpath": ("", ("components/models-hostpath",)),
     "one-gpu+hostpath": ("overlays/one-gpu", ("components/models-hostpath",)),
     "default+gpu-node": ("", ("components/gpu-node",)),
+    "kimi-ddtree": ("overlays/kimi-ddtree", ()),
 }
 # compose's sidecar names its server container for the Docker API (compose/docker.yaml); in Kubernetes it
 # signals the process.
@@ -177,14 +180,15 @@ def expand(value, env: dict[str, str]) -> str:
 
 def compose_for(target: str) -> tuple[dict, dict[str, str]]:
     """compose.yaml's services for the render `target`, and the .env it is read with (none: the defaults). For
-    the one-GPU overlay, with compose/one-gpu.yaml over them as compose merges its keys: the server's command
+    an overlay with a compose file of its own (one-gpu, kimi-ddtree), that file over them as compose merges its keys: the server's command
     replaced whole, environment entries by name (tests/stack/test_compose_files.py renders it with compose itself)."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    if target.startswith("one-gpu"):
-        for name, override in yaml.safe_load(ONE_GPU.read_text())["services"].items():
+    overlay = COMPOSE_OF_OVERLAY.get(target.split("+")[0])
+    if overlay is not None:
+        for name, override in yaml.safe_load(overlay.read_text())["services"].items():
             environment = {**services[name].get("environment", {}), **override.pop("environment", {})}
             services[name].update(override, environment=environment)
-        assert "--tp-size 1" in services["server"]["command"]
+        assert "--tp-size 1" in services["server"]["command"] or overlay != ONE_GPU
     return services, {}
 
 
