@@ -159,17 +159,53 @@ def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsy
     assert "KDTREE_VERIFY=off" in line
 
 
+GROUP = [
+    "--dist-init-addr",
+    "kdtree-0.kdtree.default:20000",
+]  # as LeaderWorkerSet's $(LWS_LEADER_ADDRESS):20000
+
+
 @pytest.mark.parametrize("mode", ["validate", "off"])
-@pytest.mark.parametrize("nodes", [["--nnodes", "2"], ["--nnodes=4"]])
-def test_several_nodes_are_refused_in_every_mode(model, monkeypatch, capsys, nodes, mode):
-    # The other nodes' ranks write their records into their own node's volume: the sidecar never sees them.
+@pytest.mark.parametrize("node", ["0", "1"])
+def test_a_node_of_a_multi_node_group_starts_with_its_share_of_the_ranks(
+    model, monkeypatch, capsys, node, mode
+):
+    # LeaderWorkerSet's server command: --nnodes $(LWS_GROUP_SIZE) --node-rank $(LWS_WORKER_INDEX) ...
     monkeypatch.setenv("KDTREE_VERIFY", mode)
-    assert run(args(model, "--tp-size", "16", *nodes), n_gpus=8)[0] == EXIT_CONFIG
-    line = error_line(capsys)
-    n = nodes[-1].split("=")[-1]
-    assert f"--nnodes {n}: the sidecar reads rank records only from its own node's state volume" in line
-    assert "; fix: serve on one node: --nnodes 1" in line
+    argv = args(model, "--tp-size", "16", "--nnodes", "2", "--node-rank", node, *GROUP)
+    rc, call = run(argv, n_gpus=8)
+    assert rc == 0 and call[1][-len(argv) :] == argv  # SGLang gets the arguments as they came
+    first = int(node) * 8
+    assert f"tp=16 pp=1 dp=1 nnodes=2 node_rank={node} ranks={first}..{first + 7} " in capsys.readouterr().err
     assert run(args(model, "--tp-size", "8", "--nnodes", "1"), n_gpus=8)[0] == 0
+
+
+@pytest.mark.parametrize(
+    "extra, n_gpus, problem, fix",
+    [
+        (["--tp-size", "12", "--nnodes", "8", *GROUP], 8, "--tp-size 12 is not divisible by --nnodes 8",
+         "set --tp-size to a multiple of 8"),
+        (["--tp-size", "16", "--nnodes", "2", "--node-rank", "2", *GROUP], 8, "--node-rank 2 is outside 0 .. 1",
+         "$(LWS_WORKER_INDEX)"),
+        (["--tp-size", "16", "--nnodes=2", "--node-rank", "-1", *GROUP], 8, "--node-rank -1 is outside", "index"),
+        (["--tp-size", "16", "--nnodes", "2"], 8, "--nnodes 2 without --dist-init-addr",
+         "--dist-init-addr $(LWS_LEADER_ADDRESS):20000"),
+        (["--tp-size", "16", "--nnodes", "2", "--dist-init-addr", "leader"], 8, "is not HOST:PORT", "20000"),
+        (["--tp-size", "16", "--nnodes", "2", *GROUP], 4, "--tp-size 16 over --nnodes 2 needs 8 GPUs on this node, "
+         "4 visible", "reserve that many GPUs"),
+        (["--tp-size", "16", "--nnodes", "2", *GROUP], 16, "16 GPUs are visible and --tp-size 16 over --nnodes 2 uses "
+         "8 on this node", "reserve 8"),
+        (["--tp-size", "8", "--node-rank", "1"], 8, "--node-rank 1 with --nnodes 1", "drop --node-rank"),
+        (["--tp-size", "16", "--nnodes", "2", "--pp-size", "2", *GROUP], 8, "kdtree spreads tensor parallelism only",
+         "--pp-size 1 --dp-size 1"),
+    ],
+)  # fmt: skip
+def test_multi_node_arguments_are_refused_naming_the_problem_and_the_fix(
+    model, capsys, extra, n_gpus, problem, fix
+):
+    assert run(args(model, *extra), n_gpus=n_gpus)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert problem in line and fix in line.split("; fix: ", 1)[1], line
 
 
 def test_attention_dp_keeps_one_scheduler_per_tp_rank(model):
