@@ -260,16 +260,20 @@ class GroupClient:
 
     async def _report(self, client: httpx.AsyncClient, node: int) -> NodeReport | str:
         url = self.nodes[node]
+        body = bytearray()
         try:
-            r = await client.get(f"{url}/status")
+            async with client.stream("GET", f"{url}/status") as r:
+                async for chunk in r.aiter_bytes():  # bounded as it arrives: a report is a node's records
+                    body += chunk
+                    if len(body) > REPORT_MAX:
+                        return f"node {node}'s sidecar ({url}) sent a report larger than {REPORT_MAX} bytes"
         except httpx.HTTPError as e:
             return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {e or 'no detail'}"
         if r.status_code != 200:
-            return f"node {node}'s sidecar ({url}) answered {r.status_code}: {r.text[:300]}"
-        if len(r.content) > REPORT_MAX:
-            return f"node {node}'s sidecar ({url}) sent a report larger than {REPORT_MAX} bytes"
+            text = body[:300].decode(errors="replace")
+            return f"node {node}'s sidecar ({url}) answered {r.status_code}: {text}"
         try:
-            report = NodeReport.model_validate_json(r.content)
+            report = NodeReport.model_validate_json(bytes(body))
         except ValidationError as e:
             return f"node {node}'s sidecar ({url}) sent an unreadable report: {e.errors()[0]['msg']}"
         if report.node_rank != node:
@@ -320,15 +324,16 @@ class GroupClient:
     async def unreachable(self) -> dict[int, str]:
         return {n: r for n, r in (await self.read()).items() if isinstance(r, str)}
 
-    async def write_mode(self, mode: Mode, *, owe: bool) -> dict[int, str]:
+    async def write_mode(self, mode: Mode, *, owe: bool, restart: bool) -> dict[int, str]:
         """Write `mode` into every worker's mode file; returns the nodes that did not take it (why). owe (the kill
-        switch): those nodes are owed the mode, and a restart, until their sidecar answers."""
+        switch, a rollback): those nodes are owed the mode, and a restart when `restart`, until their sidecar
+        answers."""
         async with self._client(self.timeout) as client:
             results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
         failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
         for n in self.nodes:
             if n in failed and owe:
-                self.owed[n] = (mode, True)
+                self.owed[n] = (mode, restart)
             elif n not in failed:
                 self.owed.pop(n, None)  # the latest mode written replaces what was owed
         return failed

@@ -115,9 +115,12 @@ def check_ranks(
         view, name, node = by_rank.get(rank), settings.rank_name(rank), settings.node_of(rank)
         after = node_after.get(node) if node_after is not None and node in node_after else started_after
         if view is None:
-            where = (unreachable or {}).get(node)
-            problems.append(f"{name}: " + (f"unread: {where}" if where else f"no record in {settings.state_dir}"
-                                           if node == settings.node_rank else "no record on its node"))  # fmt: skip
+            if unreachable and node in unreachable:
+                problems.append(f"{name}: unread: {unreachable[node]}")
+            elif node == settings.node_rank:
+                problems.append(f"{name}: no record in {settings.state_dir}")
+            else:
+                problems.append(f"{name}: no record on its node")
             continue
         rec = view.record
         if view.stale:

@@ -73,7 +73,7 @@ class Relay:
 class Group:
     """Two stand-in nodes, the worker's sidecar behind a relay, and the settings of the leader's sidecar."""
 
-    def __init__(self, tmp_path, mode: Mode = Mode.VALIDATE):
+    def __init__(self, tmp_path, mode: Mode = Mode.VALIDATE, worker_args=()):
         self.dirs = [tmp_path / "node0", tmp_path / "node1"]
         for d in self.dirs:
             d.mkdir()
@@ -84,7 +84,14 @@ class Group:
             SupervisedStandin(
                 self.ports[1],
                 str(self.dirs[1]),
-                [*ENGINE, "--node-rank", "1", "--leader-url", f"http://127.0.0.1:{self.ports[0]}"],
+                [
+                    *ENGINE,
+                    "--node-rank",
+                    "1",
+                    "--leader-url",
+                    f"http://127.0.0.1:{self.ports[0]}",
+                    *worker_args,
+                ],
             ),
         ]
         self.worker_settings = group_settings(self.dirs[1], self.ports[1], "worker", node_rank=1)
@@ -108,8 +115,8 @@ def group_settings(state_dir, port, role, **overrides) -> SidecarSettings:
 
 
 @pytest.fixture
-def group(tmp_path):
-    g = Group(tmp_path)
+def group(tmp_path, request):
+    g = Group(tmp_path, worker_args=getattr(request, "param", ()))
     for n in g.nodes:
         n.start()
     try:
@@ -295,6 +302,24 @@ async def test_a_worker_restarting_alone(group):
         await wait_ready(c, timeout=30)
         assert group.nodes[1].starts == 2 and group.nodes[0].starts == 1
         assert set(modes_of_ranks(group).values()) == {"validate"}
+
+
+# ---- the gate ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [("--parity-calls", "0", "--layers", "1")], indirect=True)
+async def test_the_gate_reads_every_rank_of_every_node(group):
+    """Node 1's ranks compared too few calls (node 0's 5000 and more): the gate to on fails on their evidence."""
+    async with sidecar(group.leader_settings(gate_min_calls=4000)) as c:
+        await wait_ready(c)
+        r = await c.post("/mode", json={"mode": "on", "dry_run": True}, headers=AUTH)
+        body = r.json()
+        assert r.status_code == 200 and body["allowed"] is False, body
+        (failed,) = [x for x in body["criteria"] if not x["passed"]]
+        assert failed["name"] == "min_calls_compared" and failed["value"] < 4000, failed
+        assert [x["value"] for x in body["criteria"] if x["name"] == "ranks_in_validate"] == [TP]
+        r = await c.post("/mode", json={"mode": "on"}, headers=AUTH)
+        assert r.status_code == 412 and read_desired_mode(group.dirs[1]) == Mode.VALIDATE
 
 
 # ---- flips -----------------------------------------------------------------------------------------------
