@@ -222,6 +222,23 @@ async def test_a_worker_answers_its_leader_only(group):
         assert r.json()["node_rank"] == 1
 
 
+async def test_the_workers_readiness_probe_sends_the_token(group, monkeypatch, capsys, tmp_path):
+    """The LeaderWorkerSet worker's readinessProbe: `python -m sidecar.healthcheck /ready` with the pod's token file."""
+    from sidecar import healthcheck
+
+    async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
+        await until(lambda: _ok(w.get("/ready", headers=AUTH)))
+    for var in ("KDTREE_ADMIN_TOKEN", "KDTREE_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KDTREE_SIDECAR_PORT", group.worker_url.rsplit(":", 1)[1])
+    assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 1
+    assert "GET /ready answered 401" in capsys.readouterr().out
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    monkeypatch.setenv("KDTREE_ADMIN_TOKEN_FILE", str(tmp_path / "token"))
+    assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 0
+    assert await asyncio.to_thread(healthcheck.main, ["/live"]) == 0
+
+
 async def _ok(request):
     r = await request
     return r if r.status_code == 200 else None
