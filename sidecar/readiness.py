@@ -257,12 +257,10 @@ class Readiness:
         self.metrics.phase.state(phase)
         ready = not reasons
         condition, evidence = self._condition(ready, server, current, state_problems)
-        if (
-            self.group is not None and not ready
-        ):  # what the other nodes lack, first: the leader's view says less
-            evidence = [r for r in reasons if r.startswith("node ") and not r.startswith("node 0 ")][
-                :4
-            ] + evidence
+        if self.group is not None and not ready:
+            # What the other nodes lack comes first: the leader's own view says less about them.
+            others = [r for r in reasons if r.startswith("node ") and not r.startswith("node 0 ")]
+            evidence = others[:4] + evidence
         # The latest assessment is the sidecar's verdict, whoever asked for it (/ready, /status, a transition).
         self.metrics.ready.set(1 if ready else 0)
         self.metrics.condition.state(condition)
