@@ -58,9 +58,14 @@ class LauncherSettings(SupervisorSettings):
     fixes: ClassVar[dict[str, str]] = {
         **SupervisorSettings.fixes,
         "KDTREE_ALLOW_OTHER_BACKEND": "set it to 1 or 0",
+        "KDTREE_RESTART_IN_PLACE": "set it to 1 or 0",
     }
 
     allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
+    # A restart request from the sidecar restarts SGLang in this container (a new start, the mode file read again)
+    # instead of ending the container: under LeaderWorkerSet, whose RecreateGroupOnPodRestart recreates the whole
+    # group (and its emptyDir state volumes) on any container restart, the sidecars restart the group themselves.
+    restart_in_place: bool = False
     # SGLang's --api-key, passed on by the launcher: the one place the key is set, which the sidecar reads too.
     server_api_key: SecretStr | None = None
 
@@ -471,22 +476,35 @@ def main(
     except LaunchError as e:  # nowhere to record it: this line is all
         print(f"kdtree launcher: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    # Recorded before the mode file is read: see entrypoint.supervise.
-    sup = Supervisor(state_dir, log_max_bytes).begin()
-    try:
+    in_place = getattr(recorded, "restart_in_place", False)
+    while True:
+        # Recorded before the mode file is read: see entrypoint.supervise.
+        sup = Supervisor(state_dir, log_max_bytes).begin()
         try:
-            p = plan(argv, **probes)
-        except (LaunchError, ConfigError) as e:
-            line = f"kdtree launcher: error: {e}"
-            print(line, file=sys.stderr, flush=True)
-            sup.log_line(line)
-            return sup.finish(EXIT_CONFIG)
-        print(p.summary, file=sys.stderr, flush=True)
-        sup.log_line(p.summary)
-        env = {k: v for k, v in environ.items() if k != "KDTREE_SERVER_API_KEY"}  # SGLang has it as --api-key
-        return serve(sup, p.argv, {**env, "KDTREE_VERIFY": p.mode.value})
-    except StopRequested as e:
-        return sup.stopped(e)
+            try:
+                p = plan(argv, **probes)
+            except (LaunchError, ConfigError) as e:
+                line = f"kdtree launcher: error: {e}"
+                print(line, file=sys.stderr, flush=True)
+                sup.log_line(line)
+                return sup.finish(EXIT_CONFIG)
+            print(p.summary, file=sys.stderr, flush=True)
+            sup.log_line(p.summary)
+            env = {
+                k: v for k, v in environ.items() if k != "KDTREE_SERVER_API_KEY"
+            }  # SGLang has it as --api-key
+            rc = serve(sup, p.argv, {**env, "KDTREE_VERIFY": p.mode.value})
+        except StopRequested as e:
+            return sup.stopped(e)
+        if not (in_place and sup.record.restart_request):
+            return rc
+        # KDTREE_RESTART_IN_PLACE: the server stopped for the sidecar's restart request; start it again here, as
+        # a new start (the sidecar waits for one) in the mode the sidecar wrote.
+        print(
+            "kdtree launcher: restarting the server in place (KDTREE_RESTART_IN_PLACE)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

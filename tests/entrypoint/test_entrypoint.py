@@ -6,7 +6,9 @@ import pytest
 
 from entrypoint import launch
 from entrypoint.launch import EXIT_CONFIG, Gpu, LaunchError, LauncherSettings, main
+from kdtree.config import Mode
 from kdtree.state.mode_file import write_desired_mode
+from kdtree.state.process_record import read_process_record
 
 H200 = Gpu(0, "NVIDIA H200", (9, 0))
 RTX_PRO = Gpu(0, "NVIDIA RTX PRO 6000 Blackwell", (12, 0))
@@ -206,6 +208,31 @@ def test_multi_node_arguments_are_refused_naming_the_problem_and_the_fix(
     assert run(args(model, *extra), n_gpus=n_gpus)[0] == EXIT_CONFIG
     line = error_line(capsys)
     assert problem in line and fix in line.split("; fix: ", 1)[1], line
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_restart_request_ends_the_container_or_restarts_in_place(model, env, monkeypatch, capsys, in_place):
+    """KDTREE_RESTART_IN_PLACE (a group under LeaderWorkerSet): the server that stopped for the sidecar's restart
+    request starts again in this process, as a new start in the mode file's mode; without it the launcher exits."""
+    if in_place:
+        monkeypatch.setenv("KDTREE_RESTART_IN_PLACE", "1")
+    starts = []
+
+    def serve(sup, argv, environ):
+        starts.append((sup.record.starts, environ["KDTREE_VERIFY"]))
+        if len(starts) == 1:
+            write_desired_mode(env, Mode.OFF)  # the sidecar writes the mode file, then asks for the restart
+            sup.record.restart_request = "r1"  # what the watcher records when it acts on the request
+            return sup.finish(143)
+        return sup.finish(0)
+
+    rc = launch.main(args(model), environ={"PATH": "/usr/bin"}, serve=serve, gpus=gpus(1), archs=lambda: [90])
+    if in_place:
+        assert rc == 0 and starts == [(1, "validate"), (2, "off")]
+        assert "restarting the server in place" in capsys.readouterr().err
+    else:
+        assert rc == 143 and starts == [(1, "validate")]
+    assert read_process_record(env).starts == len(starts)
 
 
 def test_attention_dp_keeps_one_scheduler_per_tp_rank(model):
@@ -470,3 +497,66 @@ def test_no_torch_is_one_line(model, capsys, monkeypatch):
 
     with pytest.raises(LaunchError, match="torch does not import here.*run the launcher in the server image"):
         visible_gpus()
+
+
+# The launcher as a process, its checks' GPU probes doubled and SGLang replaced by the command after the model path
+# (a sleeper): what runs in a LeaderWorkerSet server container, minus the GPU.
+LAUNCHER_WITH_A_SLEEPER = """
+import sys
+from entrypoint import launch
+from entrypoint.launch import Gpu
+from entrypoint.supervise import Supervisor
+model, command = sys.argv[1], sys.argv[2:]
+serve = lambda sup, argv, env: Supervisor.run(sup, command, env)
+argv = ["--model-path", model, "--attention-backend", "triton", "--speculative-algorithm", "NGRAM"]
+sys.exit(launch.main(argv, serve=serve, gpus=lambda: [Gpu(0, "NVIDIA H200", (9, 0))], archs=lambda: [90]))
+"""
+
+
+def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(model, env, tmp_path):
+    """KDTREE_RESTART_IN_PLACE with the sidecar's real process control: the restart completes (a new start in the
+    mode file's mode) while the launcher, the container's process, keeps running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from sidecar.server_control.process import ServerProcess
+
+    repo = Path(__file__).resolve().parents[2]
+    environ = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "KDTREE_RESTART_IN_PLACE": "1",
+        "KDTREE_STATE_DIR": str(env),
+    }
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_WITH_A_SLEEPER, str(model), *sleeper], env=environ, cwd=tmp_path
+    )
+    try:
+        control = ServerProcess(env, restart_wait_s=20, poll_s=0.05)
+
+        def until_serving(start: int) -> None:
+            deadline = time.monotonic() + 20
+            while True:
+                rec = read_process_record(env) if (env / "server-process.json").exists() else None
+                if rec is not None and rec.starts == start and rec.server_pid is not None:
+                    return
+                assert time.monotonic() < deadline and proc.poll() is None, f"start {start} did not serve"
+                time.sleep(0.05)
+
+        until_serving(1)
+        write_desired_mode(env, Mode.OFF)
+        control.restart(2)  # returns once the new start is recorded
+        until_serving(2)
+        rec = read_process_record(env)
+        assert rec.pid == proc.pid and proc.poll() is None  # the same process: the container did not end
+        first, second = (env / "server.log").read_text().split("server start #2")
+        assert "mode=validate (from KDTREE_VERIFY)" in first and "restart request" in first
+        assert "mode=off (from" in second
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM

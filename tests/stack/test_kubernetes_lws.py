@@ -170,6 +170,8 @@ def test_the_server_command_is_leaderworkersets(objects, which):
     gpus = pod_container(objects, which, "server")["resources"]["limits"]["nvidia.com/gpu"]
     assert parsed.tp_size // parsed.nnodes == int(gpus) and parsed.tp_size % parsed.nnodes == 0
     assert parsed.nnodes == lws_of(objects)["spec"]["leaderWorkerTemplate"]["size"]
+    # A restart flip must not restart a container: LeaderWorkerSet would recreate the group, state volumes and all.
+    assert env_values(pod_container(objects, which, "server"))["KDTREE_RESTART_IN_PLACE"] == "true"
 
 
 @pytest.mark.parametrize("which, index", [("leaderTemplate", "0"), ("workerTemplate", "1")])
