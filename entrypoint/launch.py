@@ -58,9 +58,14 @@ class LauncherSettings(SupervisorSettings):
     fixes: ClassVar[dict[str, str]] = {
         **SupervisorSettings.fixes,
         "KDTREE_ALLOW_OTHER_BACKEND": "set it to 1 or 0",
+        "KDTREE_RESTART_IN_PLACE": "set it to 1 or 0",
     }
 
     allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
+    # A restart request from the sidecar restarts SGLang in this container (a new start, the mode file read again)
+    # instead of ending the container: under LeaderWorkerSet, whose RecreateGroupOnPodRestart recreates the whole
+    # group (and its emptyDir state volumes) on any container restart, the sidecars restart the group themselves.
+    restart_in_place: bool = False
     # SGLang's --api-key, passed on by the launcher: the one place the key is set, which the sidecar reads too.
     server_api_key: SecretStr | None = None
 
@@ -135,6 +140,8 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
     p.add_argument("--enable-dp-attention", action="store_true")  # deprecated: --dp-size N is attention DP
     p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", "--nccl-init-addr")
     p.add_argument("--attention-backend")
     p.add_argument("--prefill-attention-backend")
     p.add_argument("--decode-attention-backend")
@@ -265,6 +272,50 @@ def check_state_dir(state_dir: str, named: bool) -> None:
         )
 
 
+def _check_nodes(args: argparse.Namespace) -> str:
+    """A tensor-parallel group over several nodes (LeaderWorkerSet passes --nnodes $(LWS_GROUP_SIZE) --node-rank
+    $(LWS_WORKER_INDEX) --dist-init-addr $(LWS_LEADER_ADDRESS):20000): SGLang runs the global tp ranks
+    node_rank*tp/nnodes .. +tp/nnodes-1 here, and they write their records into this node's state volume, which this
+    node's sidecar reads (KDTREE_GROUP_ROLE, docs/operations.md). Returns the summary's text for it."""
+    n, rank = args.nnodes, args.node_rank
+    if n == 1:
+        if rank != 0:
+            raise LaunchError(
+                f"--node-rank {rank} with --nnodes 1", "drop --node-rank, or set --nnodes to the group's size"
+            )
+        return ""
+    if not 0 <= rank < n:
+        raise LaunchError(
+            f"--node-rank {rank} is outside 0 .. {n - 1} (--nnodes {n})",
+            "pass this node's index in the group (LeaderWorkerSet: --node-rank $(LWS_WORKER_INDEX))",
+        )
+    if args.tp_size % n:
+        raise LaunchError(
+            f"--tp-size {args.tp_size} is not divisible by --nnodes {n}: every node runs the same number of ranks",
+            f"set --tp-size to a multiple of {n} (KDTREE_EXPECTED_TP_SIZE on every sidecar to the same value)",
+        )
+    if args.pp_size > 1 or (args.dp_size > 1 and not args.enable_dp_attention):
+        raise LaunchError(
+            f"--nnodes {n} with --pp-size {args.pp_size} --dp-size {args.dp_size}: kdtree spreads tensor "
+            "parallelism only over nodes, and its sidecars expect tp/nnodes ranks on each",
+            "serve with --pp-size 1 --dp-size 1 across nodes (attention DP: --attn-dp-size)",
+        )
+    addr = args.dist_init_addr
+    if not addr:
+        raise LaunchError(
+            f"--nnodes {n} without --dist-init-addr: the nodes have nowhere to meet",
+            "pass --dist-init-addr HOST:PORT of node 0 on every node (LeaderWorkerSet: "
+            "--dist-init-addr $(LWS_LEADER_ADDRESS):20000)",
+        )
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise LaunchError(
+            f"--dist-init-addr {addr!r} is not HOST:PORT",
+            "pass node 0's address and a free port, e.g. --dist-init-addr $(LWS_LEADER_ADDRESS):20000",
+        )
+    return f" node_rank={rank} ranks={rank * args.tp_size // n}..{(rank + 1) * args.tp_size // n - 1} dist_init={addr}"
+
+
 def plan(
     argv: Sequence[str],
     *,
@@ -341,14 +392,7 @@ def plan(
         raise LaunchError(
             "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1", "fix the value in the server command"
         )
-    # In every mode: the ranks of the other nodes write their records into their own node's state volume,
-    # which this node's sidecar never reads, so /ready, the gate and the bake would wait for them forever.
-    if args.nnodes > 1:
-        raise LaunchError(
-            f"--nnodes {args.nnodes}: the sidecar reads rank records only from its own node's state volume, "
-            "so a server spread over several nodes would never become ready",
-            "serve on one node: --nnodes 1 with --tp-size at most the GPUs of this node (multi-node is not supported yet)",
-        )
+    group = _check_nodes(args)
     # Data-parallel replicas (not attention DP, which runs inside the TP group) each bring tp x pp GPUs.
     replicas = 1 if args.enable_dp_attention else args.dp_size
     if mode is not Mode.OFF and (replicas > 1 or args.pp_size > 1):
@@ -359,7 +403,7 @@ def plan(
             "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size), "
             "or set KDTREE_VERIFY=off",
         )
-    per_node = replicas * args.tp_size * args.pp_size  # one node (above)
+    per_node = replicas * (args.tp_size // args.nnodes) * args.pp_size  # this node's share
     found = gpus()
     if not found:
         raise LaunchError(
@@ -373,13 +417,16 @@ def plan(
             f"--tp-size {args.tp_size}"
             + (f" x --pp-size {args.pp_size}" if args.pp_size > 1 else "")
             + (f" x --dp-size {replicas}" if replicas > 1 else "")
+            + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" needs {per_node} GPUs on this node, {len(found)} visible",
             "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose.override.yaml) "
             "or lower --tp-size (KDTREE_TP_SIZE) to match",
         )
     if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
         raise LaunchError(
-            f"{len(found)} GPUs are visible and --tp-size {args.tp_size} uses {per_node}",
+            f"{len(found)} GPUs are visible and --tp-size {args.tp_size}"
+            + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
+            + f" uses {per_node} on this node",
             f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
             f"in compose.override.yaml or compose/one-gpu.yaml; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
         )
@@ -404,7 +451,7 @@ def plan(
     gpu_text = ", ".join(sorted({f"{g.name} sm_{g.sm}" for g in found[:per_node]})) or "none"
     summary = (
         f"kdtree launcher: mode={mode.value} (from {mode_source}); model={args.model_path}; "
-        f"tp={args.tp_size} pp={args.pp_size} dp={args.dp_size} nnodes={args.nnodes}; "
+        f"tp={args.tp_size} pp={args.pp_size} dp={args.dp_size} nnodes={args.nnodes}{group}; "
         f"gpus={len(found)} visible [{gpu_text}]; "
         f"kernel archs={','.join(f'sm_{a}' for a in have) or 'none'}; "
         f"attention={'/'.join(f'{k}={v}' for k, v in backends.items()) or 'SGLang default'}; "
@@ -436,22 +483,35 @@ def main(
     except LaunchError as e:  # nowhere to record it: this line is all
         print(f"kdtree launcher: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    # Recorded before the mode file is read: see entrypoint.supervise.
-    sup = Supervisor(state_dir, log_max_bytes).begin()
-    try:
+    in_place = getattr(recorded, "restart_in_place", False)
+    while True:
+        # Recorded before the mode file is read: see entrypoint.supervise.
+        sup = Supervisor(state_dir, log_max_bytes).begin()
         try:
-            p = plan(argv, **probes)
-        except (LaunchError, ConfigError) as e:
-            line = f"kdtree launcher: error: {e}"
-            print(line, file=sys.stderr, flush=True)
-            sup.log_line(line)
-            return sup.finish(EXIT_CONFIG)
-        print(p.summary, file=sys.stderr, flush=True)
-        sup.log_line(p.summary)
-        env = {k: v for k, v in environ.items() if k != "KDTREE_SERVER_API_KEY"}  # SGLang has it as --api-key
-        return serve(sup, p.argv, {**env, "KDTREE_VERIFY": p.mode.value})
-    except StopRequested as e:
-        return sup.stopped(e)
+            try:
+                p = plan(argv, **probes)
+            except (LaunchError, ConfigError) as e:
+                line = f"kdtree launcher: error: {e}"
+                print(line, file=sys.stderr, flush=True)
+                sup.log_line(line)
+                return sup.finish(EXIT_CONFIG)
+            print(p.summary, file=sys.stderr, flush=True)
+            sup.log_line(p.summary)
+            env = {
+                k: v for k, v in environ.items() if k != "KDTREE_SERVER_API_KEY"
+            }  # SGLang has it as --api-key
+            rc = serve(sup, p.argv, {**env, "KDTREE_VERIFY": p.mode.value})
+        except StopRequested as e:
+            return sup.stopped(e)
+        if not (in_place and sup.record.restart_request):
+            return rc
+        # KDTREE_RESTART_IN_PLACE: the server stopped for the sidecar's restart request; start it again here, as
+        # a new start (the sidecar waits for one) in the mode the sidecar wrote.
+        print(
+            "kdtree launcher: restarting the server in place (KDTREE_RESTART_IN_PLACE)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

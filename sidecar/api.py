@@ -162,3 +162,6 @@ class StatusDocument(BaseModel):
     expected_tp_size: int
     active_transition: Transition | None
     transitions: list[Transition]
+    group: list[dict[str, Any]] | None = (
+        None  # a group's leader: each node, its ranks and problems (sidecar/group.py)
+    )

@@ -19,6 +19,7 @@ from kdtree.state.atomic import json_safe
 
 from .admission import ModeRequest
 from .controller import Controller
+from .group import GroupClient, GroupCollector, GroupServerControl, create_worker_app
 from .metrics import Metrics
 from .server_control import ServerControl
 from .server_control.docker import ServerContainer
@@ -50,8 +51,17 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
     settings = settings or SidecarSettings.load()
     if server is None:
         server = server_control(settings)
+    if settings.group_role == "worker":
+        return create_worker_app(
+            settings, server
+        )  # its node's ranks, for the group's leader (sidecar/group.py)
     metrics = Metrics(settings.expected_tp_size)
-    controller = Controller(settings, server, metrics)
+    group = None
+    if settings.group_role == "leader":
+        group = GroupClient(settings)
+        server = GroupServerControl(server, group) if server is not None else None
+        metrics.registry.register(GroupCollector(group))
+    controller = Controller(settings, server, metrics, group)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -25,6 +25,7 @@ from kdtree.state.rank_records import RankView
 
 from .admission import Admission, ModeRequest
 from .api import ModeAnswer, StatusDocument
+from .group import GroupClient
 from .metrics import Metrics
 from .readiness import Assessment, Readiness
 from .server_control import ServerControl
@@ -39,15 +40,22 @@ log = logging.getLogger("kdtree.sidecar")
 
 
 class Controller:
-    def __init__(self, settings: SidecarSettings, server: ServerControl | None, metrics: Metrics):
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        server: ServerControl | None,
+        metrics: Metrics,
+        group: GroupClient | None = None,
+    ):
         self.settings = settings
+        self.group = group  # a group's leader: the workers' sidecars (sidecar/group.py)
         self.server = server
         self.metrics = metrics
         # Reads give up a little before the deadline, like the probe, so /ready still has their verdict.
         self.volume = StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
         self.store = Store(settings.state_dir, settings.history_limit, self.volume)
         self.state: SidecarState = self.store.load(read_desired_mode(settings.state_dir) or settings.verify)
-        self.readiness = Readiness(settings, server, metrics, self.volume, self.store, self.state)
+        self.readiness = Readiness(settings, server, metrics, self.volume, self.store, self.state, group)
         self.admission = Admission(settings, server, metrics, self.store, self.state, self.readiness)
         self.runner = TransitionRunner(settings, server, metrics, self.store, self.state, self.readiness)
         self.report = StatusReport(self.readiness, self.state)
@@ -132,6 +140,18 @@ class Controller:
 
     async def request_mode(self, req: ModeRequest) -> tuple[int, ModeAnswer]:
         """Evaluate and, when allowed, start a transition. Returns (HTTP status, body)."""
+        if self.group is not None and req.mode != Mode.OFF:
+            # Every node's mode file and ranks take part in a flip: with one unread, only the kill switch runs.
+            down = await self.group.unreachable()
+            if down:
+                return 503, ModeAnswer(
+                    from_mode=self.state.current_mode,
+                    to_mode=req.mode,
+                    error="a flip needs every node of the group, and "
+                    + "; ".join(down.values())
+                    + ": nothing changed; bring the node back (or POST /mode off, the kill switch, which reaches "
+                    "it when it answers again)",
+                )
         if req.dry_run:
             status, body, _ = await self.admission.evaluate(req)
             return status, body

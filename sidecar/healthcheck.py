@@ -1,6 +1,8 @@
 """`python -m sidecar.healthcheck [PATH]`: the container's healthcheck. Exit 0 when the sidecar answers 200 on PATH
 (default /live); else exit 1, printing why: the configuration the sidecar refused (python -m sidecar
 --on-config-error hold), or the answer it gave. What it prints is the container's health output (docker inspect).
+It sends the admin token when the container has one (KDTREE_ADMIN_TOKEN_FILE or KDTREE_ADMIN_TOKEN): a group's
+worker answers nothing but /live without it (the LeaderWorkerSet worker's readinessProbe runs this on /ready).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .settings import SidecarSettings
+from .settings import SidecarSettings, read_secret_file
 
 # Where a holding sidecar leaves its refusal: the container's own temporary folder, readable by its user only.
 REFUSAL = Path(tempfile.gettempdir()) / "kdtree-sidecar-refusal"
@@ -36,8 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError:
         pass
     port = os.environ.get("KDTREE_SIDECAR_PORT") or SidecarSettings.model_fields["sidecar_port"].default
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path[0]}")
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path[0]}", timeout=5) as r:
+        token_file = os.environ.get("KDTREE_ADMIN_TOKEN_FILE")
+        token = read_secret_file(Path(token_file), "KDTREE_ADMIN_TOKEN_FILE") if token_file else None
+    except ValueError as e:
+        print(e)
+        return 1
+    token = token or os.environ.get("KDTREE_ADMIN_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as r:
             return 0 if r.status == 200 else 1
     except urllib.error.HTTPError as e:
         print(f"GET {path[0]} answered {e.code}: {e.read(2000).decode(errors='replace')}")

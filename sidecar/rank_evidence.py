@@ -28,6 +28,12 @@ class VolumeReading(BaseModel):
     views: list[RankView]
     mode_file: Mode | None = None  # None: no mode file
     mode_file_error: str | None = None
+    # A group's leader (sidecar/group.py) adds what its workers' sidecars reported, by node: why a node's ranks are
+    # unread, when each node's server started, what each node's mode file says, and what is wrong with a node.
+    unreachable: dict[int, str] = {}
+    node_started_at: dict[int, float | None] = {}
+    node_mode_files: dict[int, str | None] = {}
+    node_problems: list[str] = []
 
 
 def read_rank_views(settings: SidecarSettings) -> list[RankView]:
@@ -72,37 +78,59 @@ def mode_file_problems(snap: VolumeReading | None, expected: Mode) -> list[str]:
     return []
 
 
+def node_mode_file_problems(snap: VolumeReading | None, expected: Mode) -> list[str]:
+    """A group's worker whose mode file disagrees with the group's mode (no transition running)."""
+    if snap is None:
+        return []
+    return [
+        f"node {node}: its mode file says {says or 'nothing'} and the group's mode is {expected}: its ranks follow "
+        f"their file; POST /mode {expected} (or off) to the leader rewrites every node's"
+        for node, says in sorted(snap.node_mode_files.items())
+        if says != expected.value
+    ]
+
+
 def check_ranks(
     settings: SidecarSettings,
     views: list[RankView],
     modes: Mode | Iterable[Mode],
     started_after: float | None = None,
+    *,
+    ranks: range | None = None,
+    unreachable: dict[int, str] | None = None,
+    node_after: dict[int, float | None] | None = None,
 ) -> RankCheck:
     """Every expected rank has a live record in one of `modes`, with the hook installed unless it is off.
 
     `modes` is one mode, or both ends of a live switch while the ranks make it (each rank switches on its own).
     started_after: records written by processes started before this time (the previous server) do not count.
+    A group (sidecar/group.py): `ranks` a worker's own node's; on the leader, `unreachable` the nodes whose sidecar
+    did not answer (why), `node_after` each node's own started_after (its server starts apart from the leader's).
     """
     modes = {modes} if isinstance(modes, Mode) else set(modes)
     expected = " or ".join(sorted(m.value for m in modes))
     by_rank = {v.record.tp_rank: v for v in views}
     problems = []
-    for rank in range(settings.expected_tp_size):
-        view = by_rank.get(rank)
+    for rank in ranks if ranks is not None else range(settings.expected_tp_size):
+        view, name, node = by_rank.get(rank), settings.rank_name(rank), settings.node_of(rank)
+        after = node_after.get(node) if node_after is not None and node in node_after else started_after
         if view is None:
-            problems.append(f"rank {rank}: no record in {settings.state_dir}")
+            if unreachable and node in unreachable:
+                problems.append(f"{name}: unread: {unreachable[node]}")
+            elif node == settings.node_rank:
+                problems.append(f"{name}: no record in {settings.state_dir}")
+            else:
+                problems.append(f"{name}: no record on its node")
             continue
         rec = view.record
         if view.stale:
-            problems.append(f"rank {rank}: record is stale ({view.stale_reason})")
-        elif started_after is not None and rec.started_at < started_after:
-            problems.append(f"rank {rank}: record is from a server started before the restart")
+            problems.append(f"{name}: record is stale ({view.stale_reason})")
+        elif after is not None and rec.started_at < after:
+            problems.append(f"{name}: record is from a server started before the restart")
         elif rec.mode not in {m.value for m in modes}:
-            problems.append(f"rank {rank}: reports mode {rec.mode}, expected {expected}")
+            problems.append(f"{name}: reports mode {rec.mode}, expected {expected}")
         elif rec.mode != Mode.OFF and not rec.installed:
-            problems.append(
-                f"rank {rank}: kdtree hook not installed ({rec.last_error or 'no error recorded'})"
-            )
+            problems.append(f"{name}: kdtree hook not installed ({rec.last_error or 'no error recorded'})")
     return RankCheck(ok=not problems, problems=problems, ranks=views)
 
 

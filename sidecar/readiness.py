@@ -23,6 +23,7 @@ from kdtree.config import Mode
 from kdtree.state.rank_records import RankRecord, RankView
 
 from .api import ServerView
+from .group import GroupClient
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
 from .rank_evidence import (
@@ -32,6 +33,7 @@ from .rank_evidence import (
     live_records,
     mode_file_problems,
     mode_file_text,
+    node_mode_file_problems,
     read_volume,
 )
 from .server_control import ServerControl, ServerControlError, ServerMissing, ServerState
@@ -74,8 +76,10 @@ class Readiness:
         volume: StateVolume,
         store: Store,
         state: SidecarState,
+        group: GroupClient | None = None,
     ):
         self.settings = settings
+        self.group = group  # a group's leader: every worker's ranks join the reading (sidecar/group.py)
         self.server = server
         self.metrics = metrics
         self.volume = volume
@@ -107,8 +111,12 @@ class Readiness:
             await asyncio.wait([self._monitor_task], timeout=0.5)
 
     async def read_volume(self) -> VolumeReading | None:
-        """The rank records and the mode file; None when the volume did not answer within the deadline."""
-        return await self.volume.read("volume", lambda: read_volume(self.settings))
+        """The rank records and the mode file; None when the volume did not answer within the deadline. A group's
+        leader: with every worker's ranks and facts (GroupClient.merge)."""
+        snap = await self.volume.read("volume", lambda: read_volume(self.settings))
+        if snap is not None and self.group is not None:
+            snap = await self.group.merge(snap)
+        return snap
 
     async def rank_views(self) -> list[RankView]:
         snap = await self.read_volume()
@@ -187,6 +195,7 @@ class Readiness:
         # What came before the server's latest start (a crash and the restart policy, a restart by hand) is the
         # previous server's: neither its last probe nor its ranks' records speak for this one.
         begun = server.state.started_at if server.state else None
+        requested_after = started_after  # a worker's server starts apart from this one: its own start counts
         if begun is not None:
             started_after = max(started_after or begun, begun)
         stale_probe = probe is not None and begun is not None and probe.at < begun
@@ -197,7 +206,12 @@ class Readiness:
             )
             ranks = RankCheck(ok=False, problems=[unread], ranks=[])
         elif s.expected_tp_size:
-            ranks = check_ranks(s, snap.views, modes, started_after)
+            node_after = {0: started_after} | {
+                n: max((x for x in (requested_after, at) if x is not None), default=None)
+                for n, at in snap.node_started_at.items()
+            }
+            ranks = check_ranks(s, snap.views, modes, started_after, unreachable=snap.unreachable,
+                                node_after=node_after if self.group else None)  # fmt: skip
         else:
             ranks = RankCheck(ok=True, problems=[], ranks=[])
         reasons, notes = [], []
@@ -220,11 +234,12 @@ class Readiness:
                 f"server container is {server.state.status} (exit code {server.state.exit_code}, "
                 f"OOMKilled {server.state.oom_killed})"
             )
-        reasons += ranks.problems
+        reasons += ranks.problems + (snap.node_problems if snap else [])
         server_ready = not reasons
         state_problems = [self.volume.problem.reason] if self.volume.problem else []
         if self.state.active is None:  # a transition rewrites the mode file
             state_problems += mode_file_problems(snap, self.state.current_mode)
+            state_problems += node_mode_file_problems(snap, self.state.current_mode)
         reasons += state_problems
         if self.draining_until is not None:
             left = max(0.0, self.draining_until - time.monotonic())
@@ -242,6 +257,10 @@ class Readiness:
         self.metrics.phase.state(phase)
         ready = not reasons
         condition, evidence = self._condition(ready, server, current, state_problems)
+        if self.group is not None and not ready:
+            # What the other nodes lack comes first: the leader's own view says less about them.
+            others = [r for r in reasons if r.startswith("node ") and not r.startswith("node 0 ")]
+            evidence = others[:4] + evidence
         # The latest assessment is the sidecar's verdict, whoever asked for it (/ready, /status, a transition).
         self.metrics.ready.set(1 if ready else 0)
         self.metrics.condition.state(condition)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from kdtree.config import Mode, StateDirSettings
+
+GROUP_MAX_NODES = 64
 
 
 class SidecarSettings(StateDirSettings):
@@ -120,6 +124,102 @@ class SidecarSettings(StateDirSettings):
     history_limit: int = Field(
         50, ge=1, description="transitions kept in the state file (the audit log keeps all)"
     )
+
+    # A tensor-parallel group over several nodes (LeaderWorkerSet: one pod per node, a sidecar in each). The
+    # leader's sidecar speaks for the group; a worker's reports its own node's ranks to the leader only.
+    group_role: Literal["single", "leader", "worker"] = "single"
+    group_workers: Annotated[list[str], NoDecode] = Field(
+        [],
+        description="leader only: the workers' sidecar base URLs, comma-separated, node 1 first (at most 64)",
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        le=GROUP_MAX_NODES,
+        description="nodes in the group (= the server's --nnodes; LeaderWorkerSet's LWS_GROUP_SIZE)",
+        validation_alias=AliasChoices("KDTREE_NNODES", "LWS_GROUP_SIZE"),
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        description="this node's index in the group (= the server's --node-rank; LWS_WORKER_INDEX)",
+        validation_alias=AliasChoices("KDTREE_NODE_RANK", "LWS_WORKER_INDEX"),
+    )
+
+    @field_validator("group_workers", mode="before")
+    @classmethod
+    def _worker_urls(cls, v):
+        if isinstance(v, str):
+            v = [u.strip() for u in v.split(",") if u.strip()]
+        if len(v) > GROUP_MAX_NODES - 1:
+            raise ValueError(
+                f"at most {GROUP_MAX_NODES - 1} worker URLs (a group of {GROUP_MAX_NODES} nodes)"
+            )
+        for url in v:
+            parts = urlsplit(url) if isinstance(url, str) else None
+            if (
+                parts is None
+                or parts.scheme not in ("http", "https")
+                or not parts.hostname
+                or len(url) > 2048
+            ):
+                raise ValueError(
+                    f"{str(url)[:100]!r} is not an http(s) URL: list each worker's sidecar as "
+                    "http://HOST:8080, comma-separated"
+                )
+        return [u.rstrip("/") for u in v]
+
+    @model_validator(mode="after")
+    def _group_is_consistent(self) -> SidecarSettings:
+        role, n, workers = self.group_role, self.nnodes, self.group_workers
+        if role != "leader" and workers:
+            raise ValueError(
+                f"KDTREE_GROUP_WORKERS is set on a sidecar whose KDTREE_GROUP_ROLE is {role}: only the leader's "
+                "sidecar reads the workers; unset it, or set KDTREE_GROUP_ROLE=leader"
+            )
+        if role == "single" and (n != 1 or self.node_rank != 0):
+            raise ValueError(
+                f"KDTREE_NNODES={n} KDTREE_NODE_RANK={self.node_rank} with KDTREE_GROUP_ROLE=single: a server "
+                "spread over several nodes needs KDTREE_GROUP_ROLE=leader on node 0 and worker on the others"
+            )
+        if role == "leader" and (self.node_rank != 0 or len(workers) != n - 1 or n < 2):
+            raise ValueError(
+                f"KDTREE_GROUP_ROLE=leader with KDTREE_NODE_RANK={self.node_rank}, KDTREE_NNODES={n} and "
+                f"{len(workers)} KDTREE_GROUP_WORKERS: the leader is node 0 of at least 2, and lists one sidecar URL "
+                "for each other node"
+            )
+        if role == "worker" and not (n >= 2 and 1 <= self.node_rank < n):
+            raise ValueError(
+                f"KDTREE_GROUP_ROLE=worker with KDTREE_NODE_RANK={self.node_rank} of KDTREE_NNODES={n}: a worker is "
+                "node 1 .. nnodes-1 of a group of at least 2 (LeaderWorkerSet sets LWS_WORKER_INDEX, LWS_GROUP_SIZE)"
+            )
+        if role != "single" and not (self.admin_token or self.admin_token_file):
+            raise ValueError(
+                f"KDTREE_GROUP_ROLE={role} without an admin token: the leader's sidecar and its workers' authenticate "
+                "each other with it; set KDTREE_ADMIN_TOKEN (or KDTREE_ADMIN_TOKEN_FILE) to the same secret in "
+                "every pod of the group"
+            )
+        if self.expected_tp_size % n:
+            raise ValueError(
+                f"KDTREE_EXPECTED_TP_SIZE={self.expected_tp_size} is not divisible by KDTREE_NNODES={n}: set it to "
+                "the server's --tp-size, which spreads evenly over the nodes"
+            )
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.expected_tp_size // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        """The node a (global) tensor-parallel rank runs on: SGLang gives node n ranks n*per_node .. +per_node-1."""
+        return rank // self.ranks_per_node if self.ranks_per_node else 0
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def rank_name(self, rank: int) -> str:
+        """How a problem names a rank: "rank 3", or "node 1 rank 3" in a group."""
+        return f"node {self.node_of(rank)} rank {rank}" if self.nnodes > 1 else f"rank {rank}"
 
     @field_validator("server_control", mode="before")
     @classmethod

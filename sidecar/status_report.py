@@ -71,4 +71,7 @@ class StatusReport:
             expected_tp_size=self.settings.expected_tp_size,
             active_transition=self.state.active.model_copy() if self.state.active else None,
             transitions=[t.model_copy() for t in self.state.history[-10:]],
+            group=self.readiness.group.node_status(a.ranks.ranks, a.reasons)
+            if self.readiness.group
+            else None,
         )

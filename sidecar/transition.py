@@ -111,14 +111,28 @@ class TransitionRunner:
         if forward and self.volume.problem is not None:  # the audit entry was not appended
             raise StepFailed(self.volume.problem.reason)
 
-    def _write_mode(self, mode: Mode) -> None:
+    async def _write_mode(self, mode: Mode, *, restart: bool, rollback: bool = False) -> None:
+        """This node's mode file; a group's leader then every worker's (sidecar/group.py). A worker that does not
+        take it ends a forward flip (StepFailed), except the kill switch's and a rollback's: that node is owed the
+        mode (and a restart, for a restart flip), given when its sidecar answers again; the ranks' confirmation
+        waits for it."""
         d = self.settings.state_dir
         self.volume.write("writing the mode file", mode_path(d), lambda: write_desired_mode(d, mode))
+        group = self.readiness.group
+        if group is None:
+            return
+        owe = rollback or mode == Mode.OFF
+        failed = await group.write_mode(mode, owe=owe, restart=restart)
+        if failed and not owe:
+            raise StepFailed(f"the mode file of every node must say {mode}: " + "; ".join(failed.values()))
+        if failed:
+            self.store.audit("group_mode_owed", None, logging.WARNING, mode=mode, nodes=sorted(failed),
+                             detail="; ".join(failed.values()))  # fmt: skip
 
     async def _restore_mode_file(self, t: Transition) -> str | None:
         """Put the mode file back at t.from_mode: None when it says that afterwards, else why it does not."""
         try:
-            self._write_mode(t.from_mode)
+            await self._write_mode(t.from_mode, restart=t.method == Method.RESTART, rollback=True)
             return None
         except VolumeWriteFailed as e:
             failed = str(e)
@@ -135,7 +149,7 @@ class TransitionRunner:
 
     async def _forward(self, t: Transition) -> None:
         self._step(t, Step.WRITING_MODE)
-        self._write_mode(t.to_mode)
+        await self._write_mode(t.to_mode, restart=t.method == Method.RESTART)
         if t.method == Method.LIVE:
             self._step(t, Step.AWAITING_RANKS, timeout_s=self.settings.live_flip_timeout_s)
             await self._await_ranks(t, t.to_mode)

@@ -42,6 +42,11 @@ each but crash-on-start also switches at run time, through the test hook below):
   stuck-rank       rank 1 keeps its mode: it never follows the mode file (never confirms a live switch)
   diverge          completions in mode on differ from position --diverge-at on (a wrong kdtree result: the other
                    modes serve the original)
+  wedged-ranks     the ranks stop writing their records (a wedged scheduler) while HTTP answers as before
+With --nnodes N --node-rank R (R > 0) it stands in for a node other than 0 of a multi-node group: its ranks are the
+global tp ranks R*per_node .. +per_node-1, it takes the verify steps of the node 0 stand-in at --leader-url, and its
+HTTP server is SGLang's dummy health server (200 on /health, /health_generate and /ping whatever the ranks do), with
+the test hook POST /_standin/fault beside it.
 
 Run: python standins/standin_engine.py --port P [--load-seconds S] [--warm-seconds S] [--fault F] [--tp-size N]
 Test hooks: GET /_standin/stats (request counts), POST /_standin/fault {"fault": F} (switch at run time; 400 naming
@@ -90,6 +95,7 @@ FAULTS = (
     "fallback",
     "stuck-rank",
     "diverge",
+    "wedged-ranks",
 )
 RUN_TIME_FAULTS = tuple(f for f in FAULTS if f != "crash-on-start")
 GOOD = (
@@ -101,6 +107,7 @@ GOOD = (
     "fallback",
     "stuck-rank",
     "diverge",
+    "wedged-ranks",
 )  # still answer 200
 
 
@@ -147,11 +154,16 @@ class Engine:
         self.warm_until = 0.0
         self.stats = {"completions": 0, "good_completions": 0, "models": 0, "health": 0, "server_info": 0}
         self.lock = threading.Lock()
-        self.holders = [ModeHolder(self.started_mode) for _ in range(args.tp_size)]
+        # With --nnodes N this process stands in for one node: its ranks are the global tp ranks
+        # node_rank*per_node .. +per_node-1 of a group of --tp-size, as SGLang assigns them (_calculate_rank_ranges).
+        self.per_node = args.tp_size // args.nnodes
+        self.first_rank = args.node_rank * self.per_node
+        self.holders = [ModeHolder(self.started_mode) for _ in range(self.per_node)]
         self.ranks = [
             {"served_kdtree": 0, "served_original": 0, "fallbacks": {}, "compared": 0}
-            for _ in range(args.tp_size)
+            for _ in range(self.per_node)
         ]
+        self.stats["verify_steps"] = 0
         self.fault = args.fault
 
     def _mode(self) -> Mode:
@@ -181,18 +193,20 @@ class Engine:
                 a.state_dir,
                 snapshot=lambda rank=rank: self.snapshot(rank),
                 installed=lambda: self.started_mode != Mode.OFF and not a.not_installed,
-                rank_source=lambda rank=rank: (rank, a.tp_size),
+                rank_source=lambda rank=rank: (self.first_rank + rank, a.tp_size),
                 follow=lambda desired, rank=rank, holder=holder: self.follow(rank, holder, desired),
             )
             evidence.start(a.heartbeat_s)
 
     def follow(self, rank: int, holder: ModeHolder, desired: Mode | None) -> bool:
         """A rank follows the mode file as kdtree's does, but rank 1 not while stuck-rank is on."""
-        if rank == 1 and self.active_fault() == "stuck-rank":
+        if self.first_rank + rank == 1 and self.active_fault() == "stuck-rank":
             return False
         return holder.follow(desired)
 
     def snapshot(self, rank: int) -> dict:
+        if self.active_fault() == "wedged-ranks":
+            raise RuntimeError("stand-in: the rank is wedged")  # Heartbeat.beat writes no record
         a, holder = self.args, self.holders[rank]
         with self.lock:
             counts = dict(self.ranks[rank])
@@ -225,6 +239,7 @@ class Engine:
             return
         calls = steps * self.args.layers
         with self.lock:
+            self.stats["verify_steps"] += steps
             for holder, c in zip(self.holders, self.ranks, strict=True):
                 if fault == "fallback" and holder.mode in (Mode.ON, Mode.VALIDATE):
                     c["fallbacks"] = {**c["fallbacks"], "kv_dtype": c["fallbacks"].get("kv_dtype", 0) + calls}
@@ -472,6 +487,56 @@ def make_handler(engine: Engine):
     return Handler
 
 
+def make_dummy_health_handler(engine: Engine):
+    """A node other than 0, as SGLang 0.5.23 runs it (utils/common.py launch_dummy_health_check_server): 200 with
+    no body on /health, /health_generate and /ping whatever its ranks do, 404 on everything else; and the test
+    hook POST /_standin/fault {"fault": "wedged-ranks" | "none"}."""
+
+    class DummyHealth(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):
+            pass
+
+        def _empty(self, code: int) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self):
+            self._empty(200 if self.path in ("/health", "/health_generate", "/ping") else 404)
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path != "/_standin/fault":
+                return self._empty(404)
+            fault = json.loads(raw).get("fault")
+            if fault not in ("none", "wedged-ranks"):
+                return self._empty(400)
+            engine.fault = fault
+            return self._empty(200)
+
+    return DummyHealth
+
+
+def follow_leader(engine: Engine, url: str) -> None:
+    """This node's ranks take the verify steps node 0's scheduler runs (read from its /_standin/stats)."""
+    import urllib.request
+
+    seen = None
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_standin/stats", timeout=2) as r:
+                steps = json.loads(r.read())["verify_steps"]
+        except (OSError, ValueError, KeyError):
+            steps = None
+        if steps is not None:
+            if seen is not None and steps > seen:
+                engine.count_verify(steps - seen)
+            seen = steps
+        time.sleep(0.1)
+
+
 class StandinProcess:
     """The stand-in as a child process, with the sidecar's ServerControl methods (inspect, logs, restart).
 
@@ -589,7 +654,16 @@ def parse_args(argv=None):
         "--no-speculation", action="store_true", help="serve without speculative decoding (no verify calls)"
     )
     p.add_argument("--diverge-at", type=int, default=5, help="token position the diverge fault changes from")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the group (--tp-size spreads over them)")
+    p.add_argument("--node-rank", type=int, default=0, help="the node this process stands in for")
+    p.add_argument(
+        "--leader-url",
+        help="a node other than 0: the leader stand-in, whose verify steps this node's ranks take too (tensor "
+        "parallelism: every rank runs every step)",
+    )
     args = p.parse_args(argv)
+    if args.tp_size % args.nnodes or not 0 <= args.node_rank < args.nnodes:
+        p.error("--tp-size must be divisible by --nnodes, and --node-rank within 0 .. nnodes-1")
     if args.tp_size and not args.state_dir:
         p.error("--tp-size needs --state-dir or KDTREE_STATE_DIR")
     return args
@@ -602,7 +676,10 @@ def main(argv=None) -> int:
     engine.load()
     if args.tp_size:
         engine.start_ranks()
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine))
+    handler = make_handler(engine) if args.node_rank == 0 else make_dummy_health_handler(engine)
+    if args.leader_url:
+        threading.Thread(target=follow_leader, args=(engine, args.leader_url), daemon=True).start()
+    server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     engine.warm_until = time.time() + args.warm_seconds
     log(f"Uvicorn running on http://{args.host}:{args.port} (stand-in)")

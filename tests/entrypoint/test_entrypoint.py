@@ -6,7 +6,9 @@ import pytest
 
 from entrypoint import launch
 from entrypoint.launch import EXIT_CONFIG, Gpu, LaunchError, LauncherSettings, main
+from kdtree.config import Mode
 from kdtree.state.mode_file import write_desired_mode
+from kdtree.state.process_record import read_process_record
 
 H200 = Gpu(0, "NVIDIA H200", (9, 0))
 RTX_PRO = Gpu(0, "NVIDIA RTX PRO 6000 Blackwell", (12, 0))
@@ -159,17 +161,78 @@ def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsy
     assert "KDTREE_VERIFY=off" in line
 
 
+GROUP = [
+    "--dist-init-addr",
+    "kdtree-0.kdtree.default:20000",
+]  # as LeaderWorkerSet's $(LWS_LEADER_ADDRESS):20000
+
+
 @pytest.mark.parametrize("mode", ["validate", "off"])
-@pytest.mark.parametrize("nodes", [["--nnodes", "2"], ["--nnodes=4"]])
-def test_several_nodes_are_refused_in_every_mode(model, monkeypatch, capsys, nodes, mode):
-    # The other nodes' ranks write their records into their own node's volume: the sidecar never sees them.
+@pytest.mark.parametrize("node", ["0", "1"])
+def test_a_node_of_a_multi_node_group_starts_with_its_share_of_the_ranks(
+    model, monkeypatch, capsys, node, mode
+):
+    # LeaderWorkerSet's server command: --nnodes $(LWS_GROUP_SIZE) --node-rank $(LWS_WORKER_INDEX) ...
     monkeypatch.setenv("KDTREE_VERIFY", mode)
-    assert run(args(model, "--tp-size", "16", *nodes), n_gpus=8)[0] == EXIT_CONFIG
-    line = error_line(capsys)
-    n = nodes[-1].split("=")[-1]
-    assert f"--nnodes {n}: the sidecar reads rank records only from its own node's state volume" in line
-    assert "; fix: serve on one node: --nnodes 1" in line
+    argv = args(model, "--tp-size", "16", "--nnodes", "2", "--node-rank", node, *GROUP)
+    rc, call = run(argv, n_gpus=8)
+    assert rc == 0 and call[1][-len(argv) :] == argv  # SGLang gets the arguments as they came
+    first = int(node) * 8
+    assert f"tp=16 pp=1 dp=1 nnodes=2 node_rank={node} ranks={first}..{first + 7} " in capsys.readouterr().err
     assert run(args(model, "--tp-size", "8", "--nnodes", "1"), n_gpus=8)[0] == 0
+
+
+@pytest.mark.parametrize(
+    "extra, n_gpus, problem, fix",
+    [
+        (["--tp-size", "12", "--nnodes", "8", *GROUP], 8, "--tp-size 12 is not divisible by --nnodes 8",
+         "set --tp-size to a multiple of 8"),
+        (["--tp-size", "16", "--nnodes", "2", "--node-rank", "2", *GROUP], 8, "--node-rank 2 is outside 0 .. 1",
+         "$(LWS_WORKER_INDEX)"),
+        (["--tp-size", "16", "--nnodes=2", "--node-rank", "-1", *GROUP], 8, "--node-rank -1 is outside", "index"),
+        (["--tp-size", "16", "--nnodes", "2"], 8, "--nnodes 2 without --dist-init-addr",
+         "--dist-init-addr $(LWS_LEADER_ADDRESS):20000"),
+        (["--tp-size", "16", "--nnodes", "2", "--dist-init-addr", "leader"], 8, "is not HOST:PORT", "20000"),
+        (["--tp-size", "16", "--nnodes", "2", *GROUP], 4, "--tp-size 16 over --nnodes 2 needs 8 GPUs on this node, "
+         "4 visible", "reserve that many GPUs"),
+        (["--tp-size", "16", "--nnodes", "2", *GROUP], 16, "16 GPUs are visible and --tp-size 16 over --nnodes 2 uses "
+         "8 on this node", "reserve 8"),
+        (["--tp-size", "8", "--node-rank", "1"], 8, "--node-rank 1 with --nnodes 1", "drop --node-rank"),
+        (["--tp-size", "16", "--nnodes", "2", "--pp-size", "2", *GROUP], 8, "kdtree spreads tensor parallelism only",
+         "--pp-size 1 --dp-size 1"),
+    ],
+)  # fmt: skip
+def test_multi_node_arguments_are_refused_naming_the_problem_and_the_fix(
+    model, capsys, extra, n_gpus, problem, fix
+):
+    assert run(args(model, *extra), n_gpus=n_gpus)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert problem in line and fix in line.split("; fix: ", 1)[1], line
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_restart_request_ends_the_container_or_restarts_in_place(model, env, monkeypatch, capsys, in_place):
+    """KDTREE_RESTART_IN_PLACE (a group under LeaderWorkerSet): the server that stopped for the sidecar's restart
+    request starts again in this process, as a new start in the mode file's mode; without it the launcher exits."""
+    if in_place:
+        monkeypatch.setenv("KDTREE_RESTART_IN_PLACE", "1")
+    starts = []
+
+    def serve(sup, argv, environ):
+        starts.append((sup.record.starts, environ["KDTREE_VERIFY"]))
+        if len(starts) == 1:
+            write_desired_mode(env, Mode.OFF)  # the sidecar writes the mode file, then asks for the restart
+            sup.record.restart_request = "r1"  # what the watcher records when it acts on the request
+            return sup.finish(143)
+        return sup.finish(0)
+
+    rc = launch.main(args(model), environ={"PATH": "/usr/bin"}, serve=serve, gpus=gpus(1), archs=lambda: [90])
+    if in_place:
+        assert rc == 0 and starts == [(1, "validate"), (2, "off")]
+        assert "restarting the server in place" in capsys.readouterr().err
+    else:
+        assert rc == 143 and starts == [(1, "validate")]
+    assert read_process_record(env).starts == len(starts)
 
 
 def test_attention_dp_keeps_one_scheduler_per_tp_rank(model):
@@ -446,3 +509,66 @@ def test_no_torch_is_one_line(model, capsys, monkeypatch):
 
     with pytest.raises(LaunchError, match="torch does not import here.*run the launcher in the server image"):
         visible_gpus()
+
+
+# The launcher as a process, its checks' GPU probes doubled and SGLang replaced by the command after the model path
+# (a sleeper): what runs in a LeaderWorkerSet server container, minus the GPU.
+LAUNCHER_WITH_A_SLEEPER = """
+import sys
+from entrypoint import launch
+from entrypoint.launch import Gpu
+from entrypoint.supervise import Supervisor
+model, command = sys.argv[1], sys.argv[2:]
+serve = lambda sup, argv, env: Supervisor.run(sup, command, env)
+argv = ["--model-path", model, "--attention-backend", "triton", "--speculative-algorithm", "NGRAM"]
+sys.exit(launch.main(argv, serve=serve, gpus=lambda: [Gpu(0, "NVIDIA H200", (9, 0))], archs=lambda: [90]))
+"""
+
+
+def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(model, env, tmp_path):
+    """KDTREE_RESTART_IN_PLACE with the sidecar's real process control: the restart completes (a new start in the
+    mode file's mode) while the launcher, the container's process, keeps running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from sidecar.server_control.process import ServerProcess
+
+    repo = Path(__file__).resolve().parents[2]
+    environ = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "KDTREE_RESTART_IN_PLACE": "1",
+        "KDTREE_STATE_DIR": str(env),
+    }
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_WITH_A_SLEEPER, str(model), *sleeper], env=environ, cwd=tmp_path
+    )
+    try:
+        control = ServerProcess(env, restart_wait_s=20, poll_s=0.05)
+
+        def until_serving(start: int) -> None:
+            deadline = time.monotonic() + 20
+            while True:
+                rec = read_process_record(env) if (env / "server-process.json").exists() else None
+                if rec is not None and rec.starts == start and rec.server_pid is not None:
+                    return
+                assert time.monotonic() < deadline and proc.poll() is None, f"start {start} did not serve"
+                time.sleep(0.05)
+
+        until_serving(1)
+        write_desired_mode(env, Mode.OFF)
+        control.restart(2)  # returns once the new start is recorded
+        until_serving(2)
+        rec = read_process_record(env)
+        assert rec.pid == proc.pid and proc.poll() is None  # the same process: the container did not end
+        first, second = (env / "server.log").read_text().split("server start #2")
+        assert "mode=validate (from KDTREE_VERIFY)" in first and "restart request" in first
+        assert "mode=off (from" in second
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM

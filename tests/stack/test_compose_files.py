@@ -313,6 +313,11 @@ NOT_IN_COMPOSE = {
     "KDTREE_SERVER_CONTAINER",
     "KDTREE_ADMIN_TOKEN_FILE",
     "KDTREE_KERNEL_LIB",
+    # a group over several nodes: compose's stack is one node (Kubernetes: overlays/leaderworkerset)
+    "KDTREE_GROUP_ROLE",
+    "KDTREE_GROUP_WORKERS",
+    "KDTREE_NNODES",
+    "KDTREE_NODE_RANK",
 }
 
 

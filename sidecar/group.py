@@ -1,0 +1,458 @@
+"""A tensor-parallel group over several nodes (LeaderWorkerSet: one pod per node, a sidecar in each pod).
+
+SGLang spreads --tp-size over --nnodes: node n runs the global ranks n*per_node .. (n+1)*per_node-1, and each rank
+writes its record into its own node's state volume. Only node 0 serves HTTP; the other nodes run SGLang's dummy
+health server, which answers 200 whatever their ranks do. So:
+
+- A worker's sidecar (KDTREE_GROUP_ROLE=worker) reads its own node's ranks and answers for them (GET /status, a
+  NodeReport, and GET /ready: 200 only when every rank of its node is live, in its mode file's mode, with the hook
+  installed unless off, and its server process runs). It writes its mode file and restarts its server when the
+  leader's sidecar asks (POST /group/mode, POST /group/restart); POST /mode is the leader's. Every endpoint but
+  /live wants the admin token (the same Secret in every pod), checked before a body is read.
+- The leader's sidecar (KDTREE_GROUP_ROLE=leader) reads every worker's NodeReport along with its own volume
+  (GroupClient.merge): readiness, the gate, the live flip's confirmation and the bake see every rank of every node
+  through the one VolumeReading they already read. A flip writes every node's mode file (GroupClient.write_mode)
+  and a restart restarts the workers' servers first, then its own (GroupServerControl): SGLang's node 0 holds the
+  group's rendezvous (--dist-init-addr), and workers wait there for it. The drain is the leader's (/ready).
+
+Faults, and what the leader does (tests/sidecar/test_group.py):
+- a worker's sidecar that does not answer (node lost, a partition): its ranks are named unread, /ready is 503; a
+  flip other than to `off` is refused (503) naming the node; `off` (the kill switch) is accepted: the leader and
+  every node that answers go to off, and a node that does not is owed off (mode file and restart), given as soon
+  as its sidecar answers again; the flip succeeds once every rank reports off within KDTREE_READY_TIMEOUT_S.
+- a worker's server that restarts alone: its ranks are named until they report again in the group's mode.
+- the leader's sidecar restarted: it reads the workers again at its first assessment (nothing is kept).
+"""
+
+# No `from __future__ import annotations`: FastAPI resolves the dependency annotations at run time (as in app.py).
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+import httpx
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ValidationError
+
+from kdtree.config import Mode
+from kdtree.state.atomic import json_safe
+from kdtree.state.mode_file import mode_path, write_desired_mode
+from kdtree.state.rank_records import RankView
+
+from .api import ServerView
+from .metrics import Metrics
+from .rank_evidence import VolumeReading, check_ranks, read_volume
+from .server_control import ServerControl, ServerControlError, ServerMissing, ServerState
+from .settings import SidecarSettings
+from .volume import StateVolume, VolumeWriteFailed
+
+log = logging.getLogger("kdtree.sidecar")
+
+GROUP_BODY_MAX = 256  # bytes: POST /group/mode carries one field
+REPORT_MAX = (
+    4 * 1024 * 1024
+)  # bytes: a worker's NodeReport the leader reads (records of at most a node's ranks)
+
+
+class NodeReport(BaseModel):
+    """A worker's GET /status: its node's ranks and what its sidecar makes of them."""
+
+    node_rank: int
+    ready: bool
+    reasons: list[str]
+    ranks: list[RankView]
+    mode_file: str | None  # the mode its ranks follow; "unreadable: ..." when it cannot be read
+    server: ServerView
+    at: float
+
+
+class GroupModeRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+    mode: Mode
+
+
+class _Json(JSONResponse):
+    def render(self, content) -> bytes:
+        return super().render(json_safe(content))
+
+
+def _bearer_check(settings: SidecarSettings):
+    bearer = HTTPBearer(auto_error=False)
+
+    def require_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if creds is None:
+            raise HTTPException(
+                401,
+                "a worker's sidecar answers its group's leader only: send 'Authorization: Bearer <KDTREE_ADMIN_TOKEN>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not hmac.compare_digest(creds.credentials.encode(), str(settings.admin_token).encode()):
+            raise HTTPException(403, "the bearer token does not match KDTREE_ADMIN_TOKEN")
+
+    return require_token
+
+
+# ---- the worker's sidecar ---------------------------------------------------------------------------------
+
+
+class WorkerNode:
+    """A worker's own node: its ranks, its mode file and its server."""
+
+    def __init__(self, settings: SidecarSettings, server: ServerControl | None):
+        self.settings = settings
+        self.server = server
+        self.volume = StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
+        self.restarting = asyncio.Lock()
+
+    async def inspect(self) -> ServerView:
+        if self.server is None:
+            return ServerView(error="no server control configured")
+        try:
+            return ServerView(state=await asyncio.to_thread(self.server.inspect))
+        except ServerControlError as e:
+            return ServerView(error=str(e), missing=isinstance(e, ServerMissing))
+
+    async def report(self) -> NodeReport:
+        s = self.settings
+        snap, server = await asyncio.gather(
+            self.volume.read("volume", lambda: read_volume(s)), self.inspect()
+        )
+        reasons: list[str] = []
+        if snap is None:
+            reasons.append(f"node {s.node_rank}: the state volume ({s.state_dir}) did not answer")
+            views, mode_file = [], "unread: the state volume did not answer"
+        else:
+            views = [v for v in snap.views if v.record.tp_rank in s.node_ranks(s.node_rank)]
+            mode_file = snap.mode_file.value if snap.mode_file else None
+            if snap.mode_file_error:
+                mode_file = f"unreadable: {snap.mode_file_error}"
+                reasons.append(f"node {s.node_rank}: the mode file is unreadable ({snap.mode_file_error})")
+            mode = snap.mode_file or s.verify
+            started = server.state.started_at if server.state else None
+            reasons += check_ranks(s, views, mode, started, ranks=s.node_ranks(s.node_rank)).problems
+        c = server.state
+        if c is not None and c.crashed:
+            reasons.append(f"node {s.node_rank}: the server process is {c.status} (exit code {c.exit_code})")
+        elif c is None:
+            reasons.append(f"node {s.node_rank}: the server is not known: {server.error}")
+        return NodeReport(
+            node_rank=s.node_rank,
+            ready=not reasons,
+            reasons=reasons,
+            ranks=views,
+            mode_file=mode_file,
+            server=server,
+            at=time.time(),
+        )
+
+    def write_mode(self, mode: Mode) -> None:
+        d = self.settings.state_dir
+        self.volume.write("writing the mode file", mode_path(d), lambda: write_desired_mode(d, mode))
+
+
+def create_worker_app(settings: SidecarSettings, server: ServerControl | None) -> FastAPI:
+    node = WorkerNode(settings, server)
+    metrics = Metrics(settings.expected_tp_size)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        node.volume.close()
+
+    app = FastAPI(title="kdtree sidecar (group worker)", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    app.state.node = node
+    authorized = [Depends(_bearer_check(settings))]
+
+    @app.get("/live")
+    async def live() -> dict:
+        return {"live": True, "node_rank": settings.node_rank}
+
+    @app.get("/ready", dependencies=authorized)
+    async def ready() -> _Json:
+        r = await node.report()
+        metrics.ready.set(1 if r.ready else 0)
+        body = {"ready": r.ready, "node_rank": r.node_rank, "reasons": r.reasons, "mode_file": r.mode_file}
+        return _Json(body, status_code=200 if r.ready else 503)
+
+    @app.get("/status", dependencies=authorized)
+    async def status() -> _Json:
+        return _Json((await node.report()).model_dump())
+
+    @app.get("/metrics", dependencies=authorized)
+    async def metrics_endpoint() -> Response:
+        metrics.rank_views = (await node.report()).ranks
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/group/mode", dependencies=authorized)
+    async def group_mode(request: Request) -> _Json:
+        req = await _bounded_body(request, GroupModeRequest)
+        try:
+            node.write_mode(req.mode)
+        except VolumeWriteFailed as e:
+            raise HTTPException(507, f"node {settings.node_rank}: {e}") from None
+        log.info("node %d: mode file set to %s by the group's leader", settings.node_rank, req.mode)
+        return _Json({"node_rank": settings.node_rank, "mode": req.mode.value})
+
+    @app.post("/group/restart", dependencies=authorized)
+    async def group_restart() -> _Json:
+        if server is None:
+            raise HTTPException(503, f"node {settings.node_rank}: the sidecar has no server control")
+        async with node.restarting:  # one restart at a time; a second waits for the first
+            try:
+                await asyncio.to_thread(server.restart, settings.restart_stop_timeout_s)
+            except ServerControlError as e:
+                raise HTTPException(502, f"node {settings.node_rank}: restart failed: {e}") from None
+        log.info("node %d: server restarted by the group's leader", settings.node_rank)
+        return _Json({"node_rank": settings.node_rank, "restarted": True})
+
+    @app.post("/mode", dependencies=authorized)
+    async def mode() -> _Json:
+        return _Json(
+            {"error": f"node {settings.node_rank} is a worker of a group: its mode is set by the group's leader; "
+                      "POST /mode to the leader's sidecar (node 0)"},
+            status_code=409,
+        )  # fmt: skip
+
+    return app
+
+
+async def _bounded_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`, at most GROUP_BODY_MAX bytes (413), read after authentication (the route's dependency)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > GROUP_BODY_MAX:
+            raise HTTPException(413, f"the body is larger than {GROUP_BODY_MAX} bytes")
+    try:
+        return model.model_validate_json(bytes(raw))
+    except ValidationError as e:
+        raise HTTPException(422, [{"loc": list(x["loc"]), "msg": x["msg"]} for x in e.errors()]) from None
+
+
+# ---- the leader's sidecar ---------------------------------------------------------------------------------
+
+
+class GroupClient:
+    """The leader's side: the workers' reports, their mode files and their restarts, over authenticated HTTP.
+
+    `owed`: nodes whose mode file the kill switch could not write (their sidecar did not answer), with the mode and
+    whether a restart is owed too; given when the node's sidecar answers again (merge)."""
+
+    def __init__(self, settings: SidecarSettings):
+        self.settings = settings
+        self.nodes = {i + 1: url for i, url in enumerate(settings.group_workers)}
+        self.headers = {"Authorization": f"Bearer {settings.admin_token}"}
+        self.timeout = settings.probe_deadline_s * 0.8
+        self.owed: dict[int, tuple[Mode, bool]] = {}
+        self.latest: dict[int, NodeReport | str] = {}
+        self._paying: asyncio.Task | None = None
+
+    def _client(self, timeout: float) -> httpx.AsyncClient:
+        return httpx.AsyncClient(headers=self.headers, timeout=timeout, follow_redirects=False)
+
+    async def _report(self, client: httpx.AsyncClient, node: int) -> NodeReport | str:
+        url = self.nodes[node]
+        body = bytearray()
+        try:
+            async with client.stream("GET", f"{url}/status") as r:
+                async for chunk in r.aiter_bytes():  # bounded as it arrives: a report is a node's records
+                    body += chunk
+                    if len(body) > REPORT_MAX:
+                        return f"node {node}'s sidecar ({url}) sent a report larger than {REPORT_MAX} bytes"
+        except httpx.HTTPError as e:
+            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {e or 'no detail'}"
+        if r.status_code != 200:
+            text = body[:300].decode(errors="replace")
+            return f"node {node}'s sidecar ({url}) answered {r.status_code}: {text}"
+        try:
+            report = NodeReport.model_validate_json(bytes(body))
+        except ValidationError as e:
+            return f"node {node}'s sidecar ({url}) sent an unreadable report: {e.errors()[0]['msg']}"
+        if report.node_rank != node:
+            return (
+                f"{url} reports node {report.node_rank}, listed as node {node}: KDTREE_GROUP_WORKERS lists the "
+                "workers in node order (node 1 first)"
+            )
+        return report
+
+    async def read(self) -> dict[int, NodeReport | str]:
+        """Every worker's report, or why there is none, at once (bounded by the probe deadline)."""
+        async with self._client(self.timeout) as client:
+            found = await asyncio.gather(*(self._report(client, n) for n in self.nodes))
+        self.latest = dict(zip(self.nodes, found, strict=True))
+        if self.owed and (self._paying is None or self._paying.done()):
+            answering = [n for n in self.owed if isinstance(self.latest.get(n), NodeReport)]
+            if answering:
+                self._paying = asyncio.create_task(self._pay(answering))
+        return self.latest
+
+    async def merge(self, snap: VolumeReading) -> VolumeReading:
+        """The leader's own reading, with every worker's ranks and facts added."""
+        reports = await self.read()
+        s = self.settings
+        views = [v for v in snap.views if s.node_of(v.record.tp_rank) == 0]
+        merged = snap.model_copy(update={"views": views})
+        merged.unreachable, merged.node_started_at, merged.node_mode_files, merged.node_problems = (
+            {},
+            {},
+            {},
+            [],
+        )
+        for node, r in reports.items():
+            if isinstance(r, str):
+                merged.unreachable[node] = r
+                continue
+            merged.views += [v for v in r.ranks if s.node_of(v.record.tp_rank) == node]
+            merged.node_started_at[node] = r.server.state.started_at if r.server.state else None
+            merged.node_mode_files[node] = r.mode_file
+            c = r.server.state
+            if c is not None and c.crashed:
+                merged.node_problems.append(
+                    f"node {node}: the server process is {c.status} (exit code {c.exit_code})"
+                )
+        merged.views.sort(key=lambda v: v.record.tp_rank)
+        return merged
+
+    async def unreachable(self) -> dict[int, str]:
+        return {n: r for n, r in (await self.read()).items() if isinstance(r, str)}
+
+    async def write_mode(self, mode: Mode, *, owe: bool, restart: bool) -> dict[int, str]:
+        """Write `mode` into every worker's mode file; returns the nodes that did not take it (why). owe (the kill
+        switch, a rollback): those nodes are owed the mode, and a restart when `restart`, until their sidecar
+        answers."""
+        async with self._client(self.timeout) as client:
+            results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
+        failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
+        for n in self.nodes:
+            if n in failed and owe:
+                self.owed[n] = (mode, restart)
+            elif n not in failed:
+                self.owed.pop(n, None)  # the latest mode written replaces what was owed
+        return failed
+
+    async def _post_mode(self, client: httpx.AsyncClient, node: int, mode: Mode) -> str | None:
+        url = self.nodes[node]
+        try:
+            r = await client.post(f"{url}/group/mode", json={"mode": mode.value})
+        except httpx.HTTPError as e:
+            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {e or 'no detail'}"
+        return (
+            None
+            if r.status_code == 200
+            else f"node {node}'s sidecar answered {r.status_code}: {r.text[:300]}"
+        )
+
+    def restart_workers(self, stop_timeout_s: int) -> None:
+        """Restart every worker's server, node 1 first (blocking: the server control's thread). A node owed the kill
+        switch is skipped (it restarts when it answers again); any other failure is a ServerControlError."""
+        s = self.settings
+        timeout = stop_timeout_s + s.restart_wait_s + 30
+        with httpx.Client(headers=self.headers, timeout=timeout, follow_redirects=False) as client:
+            for node, url in self.nodes.items():
+                if node in self.owed:
+                    continue
+                try:
+                    r = client.post(f"{url}/group/restart")
+                except httpx.HTTPError as e:
+                    raise ServerControlError(
+                        f"node {node}'s sidecar ({url}) did not restart its server: {type(e).__name__}: {e}"
+                    ) from None
+                if r.status_code != 200:
+                    raise ServerControlError(
+                        f"node {node}'s sidecar ({url}) did not restart its server: {r.status_code} {r.text[:300]}"
+                    )
+
+    async def _pay(self, nodes: list[int]) -> None:
+        """Give the nodes that answer again what the kill switch owes them: the mode file, then the restart."""
+        for node in nodes:
+            mode, restart = self.owed[node]
+            async with self._client(self.timeout) as client:
+                if await self._post_mode(client, node, mode):
+                    continue
+            log.warning(
+                "node %d answers again: its mode file is now %s (owed by the kill switch)", node, mode
+            )
+            if restart:
+                try:
+                    await asyncio.to_thread(self._restart_one, node)
+                except (ServerControlError, httpx.HTTPError) as e:
+                    log.error("node %d: the owed restart failed: %s", node, e)
+                    continue
+            self.owed.pop(node, None)
+
+    def _restart_one(self, node: int) -> None:
+        s = self.settings
+        timeout = s.restart_stop_timeout_s + s.restart_wait_s + 30
+        with httpx.Client(headers=self.headers, timeout=timeout) as client:
+            r = client.post(f"{self.nodes[node]}/group/restart")
+        if r.status_code != 200:
+            raise ServerControlError(f"node {node}: {r.status_code} {r.text[:300]}")
+
+    def node_status(self, views: list[RankView], problems: list[str]) -> list[dict]:
+        """/status's `group`: each node, its ranks with a record, and the problems that name it."""
+        s = self.settings
+        out = []
+        for node in range(s.nnodes):
+            latest = self.latest.get(node)
+            out.append(
+                {
+                    "node": node,
+                    "sidecar": self.nodes.get(node, "this sidecar"),
+                    "reachable": not isinstance(latest, str),
+                    "error": latest if isinstance(latest, str) else None,
+                    "ranks": list(s.node_ranks(node)),
+                    "ranks_reporting": [
+                        v.record.tp_rank for v in views if s.node_of(v.record.tp_rank) == node
+                    ],
+                    "mode_file": latest.mode_file if isinstance(latest, NodeReport) else None,
+                    "owed": self.owed[node][0].value if node in self.owed else None,
+                    "problems": [p for p in problems if p.startswith(f"node {node} ")],
+                }
+            )
+        return out
+
+
+class GroupServerControl:
+    """The leader's server control: inspect and logs are its own server's; a restart restarts the workers' servers
+    (node 1 first), then its own."""
+
+    def __init__(self, local: ServerControl, group: GroupClient):
+        self.local, self.group = local, group
+
+    def inspect(self) -> ServerState:
+        return self.local.inspect()
+
+    def logs(self, tail: int, since: float | None = None) -> str:
+        return self.local.logs(tail, since)
+
+    def restart(self, stop_timeout_s: int) -> None:
+        self.group.restart_workers(stop_timeout_s)
+        self.local.restart(stop_timeout_s)
+
+
+class GroupCollector(Collector):
+    """The leader's /metrics: which node each rank runs on, and whether each node's sidecar answered."""
+
+    def __init__(self, group: GroupClient):
+        self.group = group
+
+    def collect(self):
+        s = self.group.settings
+        up = GaugeMetricFamily("kdtree_group_node_up", "1 when the node's sidecar answered the leader's latest read",
+                               labels=["node"])  # fmt: skip
+        where = GaugeMetricFamily("kdtree_group_rank_node", "the node each tensor-parallel rank runs on (always 1)",
+                                  labels=["rank", "node"])  # fmt: skip
+        up.add_metric(["0"], 1)
+        for node in self.group.nodes:
+            up.add_metric([str(node)], 0 if isinstance(self.group.latest.get(node), str) else 1)
+        for rank in range(s.expected_tp_size):
+            where.add_metric([str(rank), str(s.node_of(rank))], 1)
+        yield from (up, where)

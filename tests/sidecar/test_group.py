@@ -1,0 +1,395 @@
+"""A tensor-parallel group over two nodes (sidecar/group.py), simulated as processes: no Docker, no cluster.
+
+Each node is standins/standin_engine.py (NOT SGLang) under the server entrypoint's real supervisor and a stand-in
+orchestrator (standins/process_harness.py), with its own state directory, four ranks spread two per node: node 0
+serves the HTTP API, node 1 runs SGLang's dummy health server (200 on /health whatever its ranks do) and takes the
+verify steps node 0 runs. Node 1's sidecar (KDTREE_GROUP_ROLE=worker) runs under uvicorn; node 0's (leader) reads
+it through a TCP relay the test cuts to make a partition between the two sidecars.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from contextlib import suppress
+
+import httpx
+import pytest
+from process_harness import SupervisedStandin
+from sidecar_harness import AUTH, TOKEN, make_settings, serve, settle, sidecar, wait_ready
+from standin_engine import free_port
+
+from kdtree.config import ConfigError, Mode
+from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.rank_records import read_records
+from sidecar.settings import SidecarSettings
+
+pytestmark = pytest.mark.anyio
+TP, NODES = 4, 2
+ENGINE = ("--tp-size", str(TP), "--nnodes", str(NODES), "--heartbeat-s", "0.2", "--parity-calls", "5000")
+
+
+class Relay:
+    """A TCP relay to the worker's sidecar that a test can cut (a partition: connections are closed at once)."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.open = True
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            if not self.open:
+                conn.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+            except OSError:
+                conn.close()
+                continue
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst):
+        with suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self):
+        self.server.close()
+
+
+class Group:
+    """Two stand-in nodes, the worker's sidecar behind a relay, and the settings of the leader's sidecar."""
+
+    def __init__(self, tmp_path, mode: Mode = Mode.VALIDATE, worker_args=()):
+        self.dirs = [tmp_path / "node0", tmp_path / "node1"]
+        for d in self.dirs:
+            d.mkdir()
+            write_desired_mode(d, mode)
+        self.ports = [free_port(), free_port()]
+        self.nodes = [
+            SupervisedStandin(self.ports[0], str(self.dirs[0]), [*ENGINE, "--node-rank", "0"]),
+            SupervisedStandin(
+                self.ports[1],
+                str(self.dirs[1]),
+                [
+                    *ENGINE,
+                    "--node-rank",
+                    "1",
+                    "--leader-url",
+                    f"http://127.0.0.1:{self.ports[0]}",
+                    *worker_args,
+                ],
+            ),
+        ]
+        self.worker_settings = group_settings(self.dirs[1], self.ports[1], "worker", node_rank=1)
+        self.relay: Relay | None = None
+        self.worker_url: str | None = None
+
+    def leader_settings(self, **overrides) -> SidecarSettings:
+        return group_settings(
+            self.dirs[0], self.ports[0], "leader", group_workers=[self.relay_url], **overrides
+        )
+
+    @property
+    def relay_url(self) -> str:
+        return f"http://127.0.0.1:{self.relay.port}"
+
+
+def group_settings(state_dir, port, role, **overrides) -> SidecarSettings:
+    return make_settings(
+        state_dir, port, expected_tp_size=TP, nnodes=NODES, group_role=role, verify=Mode.VALIDATE, **overrides
+    )
+
+
+@pytest.fixture
+def group(tmp_path, request):
+    g = Group(tmp_path, worker_args=getattr(request, "param", ()))
+    for n in g.nodes:
+        n.start()
+    try:
+        for n in g.nodes:
+            n.wait_port()
+        with serve(g.worker_settings, g.nodes[1]) as url:
+            g.worker_url = url
+            g.relay = Relay(int(url.rsplit(":", 1)[1]))
+            yield g
+            g.relay.close()
+    finally:
+        for n in g.nodes:
+            n.stop()
+
+
+async def ready_reasons(c: httpx.AsyncClient) -> list[str]:
+    r = await c.get("/ready")
+    return [] if r.status_code == 200 else r.json()["reasons"]
+
+
+async def until(what, timeout: float = 20.0, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout:g}s"
+        await asyncio.sleep(every)
+
+
+async def not_ready_naming(c, text: str, timeout: float = 20.0) -> list[str]:
+    async def check():
+        reasons = await ready_reasons(c)
+        return reasons if any(text in r for r in reasons) else None
+
+    return await until(check, timeout)
+
+
+def modes_of_ranks(g: Group) -> dict[int, str]:
+    views = [v for d in g.dirs for v in read_records(d, max_age_s=3.0) if not v.stale]
+    return {v.record.tp_rank: v.record.mode for v in views}
+
+
+# ---- settings -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, names",
+    [
+        (dict(group_role="worker", nnodes=2, node_rank=1, group_workers="http://a:8080"), "only the leader"),
+        (dict(group_role="leader", nnodes=2, group_workers="ftp://a"), "not an http\\(s\\) URL"),
+        (dict(group_role="leader", nnodes=2, group_workers=",".join(["http://a:1"] * 64)), "at most 63"),
+        (
+            dict(group_role="leader", nnodes=3, group_workers="http://a:8080"),
+            "one sidecar URL for each other",
+        ),
+        (dict(group_role="worker", nnodes=2, node_rank=2), "node 1 .. nnodes-1"),
+        (dict(group_role="single", nnodes=2), "KDTREE_GROUP_ROLE=leader on node 0"),
+        (dict(group_role="leader", nnodes=2, group_workers="http://a", expected_tp_size=3), "not divisible"),
+        (
+            dict(group_role="worker", nnodes=2, node_rank=1, admin_token=None, allow_open_admin=True),
+            "same secret",
+        ),
+    ],
+)
+def test_group_settings_are_refused_with_the_fix(fields, names, tmp_path):
+    base = dict(state_dir=str(tmp_path), admin_token=TOKEN, expected_tp_size=4)
+    with pytest.raises(ConfigError, match=names):
+        SidecarSettings.load(**{**base, **fields})
+
+
+def test_group_settings_from_leaderworkerset_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv("LWS_WORKER_INDEX", "1")
+    monkeypatch.setenv("KDTREE_GROUP_ROLE", "worker")
+    s = SidecarSettings.load(state_dir=str(tmp_path), admin_token=TOKEN, expected_tp_size=8)
+    assert (s.nnodes, s.node_rank, list(s.node_ranks(1)), s.rank_name(5)) == (
+        2,
+        1,
+        [4, 5, 6, 7],
+        "node 1 rank 5",
+    )
+
+
+# ---- the worker's sidecar --------------------------------------------------------------------------------
+
+
+async def test_a_worker_answers_its_leader_only(group):
+    async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
+        assert (await w.get("/live")).status_code == 200
+        for method, path in [("GET", "/ready"), ("GET", "/status"), ("GET", "/metrics"),
+                             ("POST", "/group/mode"), ("POST", "/group/restart"), ("POST", "/mode")]:  # fmt: skip
+            r = await w.request(method, path, content=b"x" * 100_000)  # refused before the body is read
+            assert r.status_code == 401, (path, r.status_code)
+            r = await w.request(method, path, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 403, path
+        assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE and group.nodes[1].starts == 1
+        r = await w.post("/group/mode", content=b"{" * 1000, headers=AUTH)
+        assert r.status_code == 413
+        r = await w.post("/mode", json={"mode": "on"}, headers=AUTH)
+        assert r.status_code == 409 and "POST /mode to the leader's sidecar" in r.json()["error"]
+        r = await until(lambda: _ok(w.get("/ready", headers=AUTH)))
+        assert r.json()["node_rank"] == 1
+
+
+async def test_the_workers_readiness_probe_sends_the_token(group, monkeypatch, capsys, tmp_path):
+    """The LeaderWorkerSet worker's readinessProbe: `python -m sidecar.healthcheck /ready` with the pod's token file."""
+    from sidecar import healthcheck
+
+    async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
+        await until(lambda: _ok(w.get("/ready", headers=AUTH)))
+    for var in ("KDTREE_ADMIN_TOKEN", "KDTREE_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KDTREE_SIDECAR_PORT", group.worker_url.rsplit(":", 1)[1])
+    assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 1
+    assert "GET /ready answered 401" in capsys.readouterr().out
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    monkeypatch.setenv("KDTREE_ADMIN_TOKEN_FILE", str(tmp_path / "token"))
+    assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 0
+    assert await asyncio.to_thread(healthcheck.main, ["/live"]) == 0
+
+
+async def _ok(request):
+    r = await request
+    return r if r.status_code == 200 else None
+
+
+# ---- readiness -------------------------------------------------------------------------------------------
+
+
+async def test_ready_only_with_every_rank_of_every_node(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        st = (await c.get("/status")).json()
+        assert sorted(v["record"]["tp_rank"] for v in st["ranks"]) == [0, 1, 2, 3]
+        assert [(n["node"], n["ranks_reporting"], n["reachable"]) for n in st["group"]] == [
+            (0, [0, 1], True),
+            (1, [2, 3], True),
+        ]
+        text = (await c.get("/metrics")).text
+        assert 'kdtree_group_rank_node{node="1",rank="3"} 1.0' in text
+        assert 'kdtree_group_node_up{node="1"} 1.0' in text and 'kdtree_rank_up{rank="3"} 1.0' in text
+
+        # Node 1's ranks wedge; its HTTP server, SGLang's dummy, still answers 200.
+        async with httpx.AsyncClient(timeout=5) as h:
+            await h.post(f"http://127.0.0.1:{group.ports[1]}/_standin/fault", json={"fault": "wedged-ranks"})
+            reasons = await not_ready_naming(c, "node 1 rank 2: record is stale")
+            assert any("node 1 rank 3" in r for r in reasons)
+            assert not any("node 0" in r for r in reasons)
+            assert (await h.get(f"http://127.0.0.1:{group.ports[1]}/health")).status_code == 200
+            async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
+                r = await w.get("/ready", headers=AUTH)
+                assert r.status_code == 503 and "node 1 rank 2: record is stale" in r.json()["reasons"][0]
+            await h.post(f"http://127.0.0.1:{group.ports[1]}/_standin/fault", json={"fault": "none"})
+        await wait_ready(c)
+
+
+async def test_a_worker_killed_and_back(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        group.nodes[1].proc.kill()  # the node's server dies; the orchestrator starts it again after a while
+        reasons = await not_ready_naming(c, "node 1 rank 2")
+        assert not any(r.startswith("node 0") for r in reasons)
+        await wait_ready(c, timeout=30)
+        assert group.nodes[1].starts == 2
+
+
+async def test_a_partition_between_the_sidecars(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        group.relay.open = False
+        reasons = await not_ready_naming(c, "node 1 rank 2: unread: node 1's sidecar")
+        st = (await c.get("/status")).json()
+        assert st["group"][1]["reachable"] is False and st["group"][1]["error"]
+        assert 'kdtree_group_node_up{node="1"} 0.0' in (await c.get("/metrics")).text
+        # The worker itself is fine: its own readiness says so to whoever reaches it.
+        async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
+            assert (await w.get("/ready", headers=AUTH)).status_code == 200
+        # A flip other than the kill switch is refused while a node is unread, naming it; nothing changes.
+        r = await c.post("/mode", json={"mode": "on"}, headers=AUTH)
+        assert r.status_code == 503 and "node 1's sidecar" in r.json()["error"], r.json()
+        assert read_desired_mode(group.dirs[0]) == Mode.VALIDATE
+        group.relay.open = True
+        await wait_ready(c)
+        assert reasons
+
+
+async def test_the_leaders_sidecar_restarted(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+    async with sidecar(group.leader_settings()) as c:
+        body = await wait_ready(c)
+        assert body["mode"] == "validate"
+
+
+async def test_a_worker_restarting_alone(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        await asyncio.to_thread(group.nodes[1].restart, 2)  # its own restart, not the leader's
+        await wait_ready(c, timeout=30)
+        assert group.nodes[1].starts == 2 and group.nodes[0].starts == 1
+        assert set(modes_of_ranks(group).values()) == {"validate"}
+
+
+# ---- the gate ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [("--parity-calls", "0", "--layers", "1")], indirect=True)
+async def test_the_gate_reads_every_rank_of_every_node(group):
+    """Node 1's ranks compared too few calls (node 0's 5000 and more): the gate to on fails on their evidence."""
+    async with sidecar(group.leader_settings(gate_min_calls=4000)) as c:
+        await wait_ready(c)
+        r = await c.post("/mode", json={"mode": "on", "dry_run": True}, headers=AUTH)
+        body = r.json()
+        assert r.status_code == 200 and body["allowed"] is False, body
+        (failed,) = [x for x in body["criteria"] if not x["passed"]]
+        assert failed["name"] == "min_calls_compared" and failed["value"] < 4000, failed
+        assert [x["value"] for x in body["criteria"] if x["name"] == "ranks_in_validate"] == [TP]
+        r = await c.post("/mode", json={"mode": "on"}, headers=AUTH)
+        assert r.status_code == 412 and read_desired_mode(group.dirs[1]) == Mode.VALIDATE
+
+
+# ---- flips -----------------------------------------------------------------------------------------------
+
+
+async def test_a_live_flip_is_confirmed_by_every_rank_of_both_nodes(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        r = await c.post("/mode", json={"mode": "on", "reason": "group"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["method"] == "live", r.json()
+        t = await settle(c)
+        assert t["outcome"] == "succeeded", t
+        assert t["ranks_confirmed"] == TP
+        assert [read_desired_mode(d) for d in group.dirs] == [Mode.ON, Mode.ON]
+        assert modes_of_ranks(group) == {0: "on", 1: "on", 2: "on", 3: "on"}
+        assert [n.starts for n in group.nodes] == [1, 1]  # live: no restart anywhere
+        await wait_ready(c)
+
+
+async def test_a_restart_flip_restarts_the_group(group):
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        r = await c.post("/mode", json={"mode": "off", "reason": "group restart"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["method"] == "restart"
+        t = await settle(c, timeout=60)
+        assert t["outcome"] == "succeeded", t
+        assert [n.starts for n in group.nodes] == [2, 2]
+        assert [read_desired_mode(d) for d in group.dirs] == [Mode.OFF, Mode.OFF]
+        assert modes_of_ranks(group) == {0: "off", 1: "off", 2: "off", 3: "off"}
+        # The worker was restarted first, the leader after it.
+        w0 = min(v.record.started_at for v in read_records(group.dirs[1]))
+        l0 = min(v.record.started_at for v in read_records(group.dirs[0]))
+        assert w0 < l0
+
+
+async def test_the_kill_switch_with_a_worker_unreachable(group):
+    async with sidecar(group.leader_settings(ready_timeout_s=40.0)) as c:
+        await wait_ready(c)
+        group.relay.open = False
+        await not_ready_naming(c, "node 1's sidecar")
+        r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
+        assert r.status_code == 202, r.json()
+        await until(lambda: _async(lambda: group.nodes[0].starts == 2), timeout=30)
+        assert read_desired_mode(group.dirs[0]) == Mode.OFF
+        assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE  # unreachable: owed, not written
+        st = (await c.get("/status")).json()
+        assert st["group"][1]["owed"] == "off"
+        group.relay.open = True  # the node answers again: it gets off and its restart
+        t = await settle(c, timeout=60)
+        assert t["outcome"] == "succeeded", t
+        assert read_desired_mode(group.dirs[1]) == Mode.OFF and group.nodes[1].starts == 2
+        assert modes_of_ranks(group) == {0: "off", 1: "off", 2: "off", 3: "off"}
+
+
+async def _async(fn):
+    return fn()
