@@ -121,6 +121,15 @@ class SidecarSettings(StateDirSettings):
         50, ge=1, description="transitions kept in the state file (the audit log keeps all)"
     )
 
+    # The desired mode held by the cluster: a file the sidecar converges to (sidecar/desired_mode.py). Under
+    # Kubernetes the downward API's projection of the pod annotation kdtree.dev/desired-mode; under compose a file an
+    # operator writes. Unset: the feature is off, and only POST /mode changes the mode.
+    desired_mode_file: Path | None = Field(
+        None,
+        description="a file holding the desired verify mode (the pod annotation kdtree.dev/desired-mode through the "
+        "downward API); the sidecar converges to it through the gate, the bake and the rollback",
+    )
+
     @field_validator("server_control", mode="before")
     @classmethod
     def _known_control(cls, v):
