@@ -26,6 +26,7 @@ class ReplicaOutcome(StrEnum):
     ALREADY = "already"  # in the mode before the rollout
     ALLOWED = "allowed"  # --dry-run: its gate would allow it
     REFUSED = "refused"  # its gate refused
+    OVERRIDDEN = "overridden"  # --selector: POST /mode asked for another mode while the annotation stood
     TIMEOUT = "timeout"
     UNREACHABLE = "unreachable"  # or not a sidecar
     BUSY = "busy"  # its sidecar runs another transition
@@ -182,6 +183,10 @@ def _table(replicas: list[Replica]) -> str:
 
 
 def cmd_rollout(args) -> int:
+    if args.selector is not None:
+        from .rollout_pods import cmd_rollout_pods
+
+        return cmd_rollout_pods(args)
     try:
         urls = [_normalized_url(u) for u in args.sidecar]
     except ValueError as e:

@@ -140,6 +140,9 @@ class LogStatus(BaseModel):
     error: str | None = None
 
 
+DESIRED_MODE_ANNOTATION = "kdtree.dev/desired-mode"  # the pod annotation the desired-mode file projects
+
+
 class DesiredModeStatus(BaseModel):
     """The desired mode the cluster holds (KDTREE_DESIRED_MODE_FILE) and what the sidecar did about it."""
 

@@ -39,7 +39,7 @@ from prometheus_client import Counter, Enum
 from kdtree.config import Mode
 
 from .admission import ModeRequest
-from .api import DesiredModeStatus
+from .api import DESIRED_MODE_ANNOTATION, DesiredModeStatus
 from .controller import Controller
 from .metrics import Metrics
 from .pod_events import PodEvents
@@ -48,7 +48,7 @@ from .vocabulary import DesiredState, HoldVerdict, Outcome
 
 log = logging.getLogger("kdtree.sidecar")
 
-ANNOTATION = "kdtree.dev/desired-mode"
+ANNOTATION = DESIRED_MODE_ANNOTATION
 DESIRED_MAX = 256  # bytes: a mode and a tag; a larger file is refused unread
 TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 READ_DEADLINE_S = 5.0
