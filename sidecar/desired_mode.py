@@ -20,7 +20,8 @@ Each KDTREE_PROBE_INTERVAL_S the reconciler reads the file and:
 - a value held is not acted on again: the gate refused it, its flip was rolled back (or failed, aborted, was
   preempted), or POST /mode asked for another mode while it stood (the kill switch sticks). The hold is persisted
   in the state file and is dropped when the value changes, or when POST /mode asks for the desired mode itself
-  (that flip is then followed as the reconciler's own);
+  (that flip is then followed as the reconciler's own). A flip for the value that ended while no reconciler
+  followed it (the sidecar restarted mid-way, and its next start rolled it back) holds the value too;
 - otherwise it asks the controller for the mode, as POST /mode would, with a reason that names the value.
 """
 
@@ -227,6 +228,17 @@ class DesiredModeReconciler:
             await self._announce(
                 "Normal", "DesiredModeConverged", f"the server runs in the desired mode {value.content!r}"
             )
+            return
+        last = self.state.history[-1] if self.state.history else None
+        if (
+            last is not None
+            and f"generation {value.generation})" in last.reason
+            and last.outcome != Outcome.SUCCEEDED
+        ):
+            # Its flip ended while no reconciler followed it (the sidecar restarted mid-way): as if it had.
+            verdict = HOLD_FOR_OUTCOME.get(last.outcome, HoldVerdict.ROLLBACK_FAILED)
+            why = "; ".join(x for x in (last.failure, last.rollback_failure) if x) or str(last.outcome)
+            await self._hold(value, verdict, why, last.id)
             return
         await self._ask(value)
 

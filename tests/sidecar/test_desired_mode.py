@@ -22,6 +22,8 @@ from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode
 from sidecar.desired_mode import DESIRED_MAX, parse_desired, read_desired
 from sidecar.pod_events import PodEvents
+from sidecar.store import SidecarState, Store, Transition
+from sidecar.vocabulary import Outcome
 
 pytestmark = pytest.mark.anyio
 
@@ -220,6 +222,33 @@ async def test_a_rolled_back_value_is_held_across_a_sidecar_restart(engine, tmp_
         "off: not in a Kubernetes pod"
     )
     assert read_desired_mode(tmp_path) == Mode.VALIDATE and audit_events(tmp_path).count("accepted") == 1
+
+
+async def test_a_flip_for_the_value_that_ended_while_no_sidecar_followed_it_holds_it(
+    engine, tmp_path, cluster
+):
+    """The sidecar stopped mid-flip and its next start rolled the flip back: the value is held, not asked again."""
+    path, api, events = cluster
+    proc = engine(*GOOD_PARITY, mode=Mode.VALIDATE)
+    desire(path, "on")
+    generation = read_desired(path).generation
+    interrupted = Transition(
+        from_mode=Mode.VALIDATE,
+        to_mode=Mode.ON,
+        reason=f"desired mode 'on' (kdtree.dev/desired-mode, generation {generation})",
+        outcome=Outcome.ROLLED_BACK,
+        failure="the sidecar stopped at step baking; the server's mode is unverified",
+        interrupted=True,
+    )
+    Store(tmp_path, 50).save(SidecarState(current_mode=Mode.VALIDATE, history=[interrupted]))
+    async with sidecar(settings_for(tmp_path, proc, path), server=proc, pod_events=events) as c:
+        doc = await desired_state(c, "held")
+        await asyncio.sleep(0.5)
+        doc = await desired_state(c, "held")
+    hold = doc["desired_mode"]["hold"]
+    assert (hold["verdict"], hold["transition"]) == ("rolled_back", interrupted.id)
+    assert "stopped at step baking" in hold["detail"] and len(doc["transitions"]) == 1
+    assert "accepted" not in audit_events(tmp_path)
 
 
 async def test_a_bad_value_is_reported_and_never_acted_on(engine, tmp_path, cluster):
