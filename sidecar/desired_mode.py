@@ -154,7 +154,6 @@ class DesiredModeReconciler:
         self.metrics = DesiredModeMetrics(metrics)
         self.events, self.events_note = events, events_note
         self.value = DesiredValue(None)
-        self.read_error: str | None = None
         self.status_state = DesiredState.UNSET
         self.detail = "not read yet"
         self.own: str | None = None  # the transition started for the current value
