@@ -209,6 +209,7 @@ class DesiredModeReconciler:
         if hold is not None and hold.generation != value.generation:
             self._audit("desired_mode_hold_dropped", held=hold.content, now=value.content)
             self._save_hold(None)
+            self._set(DesiredState.WAITING, f"{value.content!r} replaces the held {hold.content!r}: deciding")
             hold = None
         if hold is not None:
             self._set(
@@ -250,6 +251,7 @@ class DesiredModeReconciler:
     async def _ask(self, value: DesiredValue) -> None:
         """Ask the controller for the mode exactly as POST /mode does."""
         reason = f"desired mode {value.content!r} ({ANNOTATION}, generation {value.generation})"
+        self._set(DesiredState.CONVERGING, f"asking for mode {value.mode}: the gate decides")
         code, answer = await self.controller.request_mode(ModeRequest(mode=value.mode, reason=reason))
         if code == 202 and isinstance(answer.transition, Transition):
             self.own, self.own_generation = answer.transition.id, value.generation
