@@ -314,3 +314,37 @@ async def test_events_the_role_does_not_grant_are_counted_and_change_nothing(eng
         metrics = (await c.get("/metrics")).text
     assert "1 failed, the latest: RuntimeError: HTTP 403" in doc["desired_mode"]["events"]
     assert 'kdtree_pod_events_total{result="failed"} 1.0' in metrics and api.state.events == []
+
+
+# ---- the pod's own API server -------------------------------------------------------------------------------------
+
+
+def test_events_are_addressed_from_the_pods_own_files_or_say_why_not(tmp_path, monkeypatch):
+    sa, downward = tmp_path / "serviceaccount", tmp_path / "podinfo"
+    sa.mkdir()
+    downward.mkdir()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    events, why = PodEvents.in_cluster(downward, sa)
+    assert events is None and why == "off: not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST)"
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    events, why = PodEvents.in_cluster(downward, sa)
+    assert events is None and why.startswith("off: ") and "namespace" in why and "deployment.yaml" in why
+    (sa / "namespace").write_text("kdtree")
+    (downward / "pod-name").write_text("kdtree-7d9f-abcde")
+    (downward / "pod-uid").write_text("0b6c2a55\n")
+    events, why = PodEvents.in_cluster(downward, sa)
+    assert events is None and "token" in why  # no token: no Events
+    (sa / "token").write_text(SA_TOKEN)
+    events, why = PodEvents.in_cluster(downward, sa)
+    assert why == "on: Events on pod kdtree/kdtree-7d9f-abcde"
+    assert (events.api_url, events.namespace, events.pod_uid) == (
+        "https://10.96.0.1:443",
+        "kdtree",
+        "0b6c2a55",
+    )
+    event = events.event("Warning", "DesiredModeHeld", "x" * 5000)
+    assert (
+        len(event["message"]) == 1024
+        and event["involvedObject"]["fieldPath"] == "spec.initContainers{sidecar}"
+    )
