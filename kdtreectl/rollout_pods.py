@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from sidecar.api import StatusDocument
 from sidecar.vocabulary import DesiredState, HoldVerdict, Outcome
 
-from .client import SidecarClient, Unreachable, fmt_elapsed, short
+from .client import SidecarClient, Unreachable, criterion_line, fmt_elapsed, short
 from .exit_codes import FAILED, OK, UNREACHABLE, USAGE
 from .kube import Kubectl, KubeError, Pod
-from .rollout import DONE, Replica, ReplicaOutcome, _line, _Lines, _table
+from .rollout import DONE, Replica, ReplicaOutcome, _dry_run_verdict, _line, _Lines, _table
 
 HELD_OUTCOME = {
     HoldVerdict.REFUSED: ReplicaOutcome.REFUSED,
@@ -82,12 +82,6 @@ def _settle(args, pod: Pod, r: Replica, value: str) -> None:
 
 
 def cmd_rollout_pods(args) -> int:
-    if args.dry_run:
-        print(
-            "kdtreectl rollout: --dry-run reads each gate through --sidecar URLs (or GET /gate on each pod)",
-            file=sys.stderr,
-        )
-        return USAGE
     kube = Kubectl(args.kubectl, args.namespace)
     say = _Lines()
     try:
@@ -102,6 +96,8 @@ def cmd_rollout_pods(args) -> int:
         )
         return USAGE
     replicas = {p.name: Replica(url=f"pod/{p.name}", to_mode=args.to) for p in pods}
+    if args.dry_run:
+        return _dry_run(args, pods, replicas, say)
 
     held: set[str] = set()  # pods whose sidecar holds a value naming the target: --retry states it anew
 
@@ -203,3 +199,43 @@ def cmd_rollout_pods(args) -> int:
         file=sys.stderr,
     )
     return UNREACHABLE if failed.outcome == ReplicaOutcome.UNREACHABLE else FAILED
+
+
+def _dry_run(args, pods: list[Pod], replicas: dict[str, Replica], say) -> int:
+    """Each pod's gate (GET /gate, read-only): nothing is stated."""
+
+    def gate(pod: Pod) -> Replica:
+        r = replicas[pod.name]
+        try:
+            if pod.sidecar_url is None:
+                raise Unreachable("the pod has no IP yet")
+            with SidecarClient(pod.sidecar_url, None, args.http_timeout) as c:
+                v = c.gate(args.to)
+        except Unreachable as e:
+            r.outcome, r.detail = ReplicaOutcome.UNREACHABLE, short(e)
+            return r
+        r.from_mode, r.criteria = v.from_mode, v.criteria
+        if v.from_mode == args.to:
+            r.outcome = ReplicaOutcome.ALREADY
+        elif v.passed:
+            r.outcome = ReplicaOutcome.ALLOWED
+        else:
+            r.outcome = ReplicaOutcome.REFUSED
+            r.detail = short("gate failed: " + ", ".join(v.failed) + (f" ({v.detail})" if v.detail else ""))
+        return r
+
+    with ThreadPoolExecutor(max(1, min(len(pods), 16))) as pool:
+        for r in pool.map(gate, pods):
+            say(_line("dry run", r, args.to))
+            for c in r.criteria or []:
+                say("  " + criterion_line(c))
+    rows = list(replicas.values())
+    print()
+    print(_table(rows))
+    blocked = [r for r in rows if r.outcome not in (ReplicaOutcome.ALLOWED, ReplicaOutcome.ALREADY)]
+    print(f"dry run: {_dry_run_verdict(blocked)}; nothing stated")
+    return (
+        (UNREACHABLE if any(r.outcome == ReplicaOutcome.UNREACHABLE for r in blocked) else FAILED)
+        if blocked
+        else OK
+    )

@@ -190,7 +190,6 @@ def test_without_the_token_the_first_replica_is_not_authorized(replicas):
             ["rollout", "--to", "on", "--sidecar", "http://a:1", "--selector", "app=kdtree"],
             "argument --selector: not allowed with argument --sidecar",
         ),
-        (["rollout", "--to", "on", "--selector", "app=kdtree", "--dry-run"], "--dry-run reads each gate"),
         (["rollout", "--to", "shadow", "--sidecar", "http://a:1"], "invalid choice: 'shadow'"),
         (
             ["rollout", "--to", "on", "--sidecar", "http://a:1", "--sidecar", "http://a:1/"],

@@ -206,6 +206,16 @@ def test_a_held_pod_stops_every_run_until_retry_asks_again(cluster):
     ]
 
 
+def test_dry_run_reads_each_pods_gate_and_states_nothing(cluster):
+    c = cluster(GOOD_PARITY, THIN_PARITY, overrides={1: NEVER_ENOUGH})
+    r = c.rollout("--to", "on", "--dry-run")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert rows(r.stdout) == {"pod/kdtree-0": "allowed", "pod/kdtree-1": "refused"}
+    assert "  FAIL  min_calls_compared: need >= 1000000000" in r.stdout
+    assert "dry run: 1 refused by its gate (pod/kdtree-1); nothing stated" in r.stdout
+    assert "annotations_made" not in c.read() and c.flips() == [0, 0]
+
+
 def test_rollback_on_failure_states_the_previous_value_again(cluster):
     c = cluster(GOOD_PARITY, THIN_PARITY, overrides={1: NEVER_ENOUGH})
     r = c.rollout("--to", "on", "--wave", "1", "--rollback-on-failure")
