@@ -65,6 +65,11 @@ def _summary(st: StatusDocument) -> str:
             if cs
             else str(c.error or "not known")
         ),
+        *(
+            [f"desired:   {st.desired_mode.state} {st.desired_mode.content!r}: {st.desired_mode.detail}"]
+            if st.desired_mode
+            else []
+        ),
         f"log:       {marker.text if marker else 'no startup marker yet'}",
         "probe:     "
         + ("none" if probe is None else "ok" if probe.ok else f"{probe.reason}: {probe.detail}")
@@ -326,12 +331,27 @@ def build_parser() -> argparse.ArgumentParser:
         **common,
     )
     r.add_argument("--to", required=True, choices=[m.value for m in Mode], help="the target mode")
-    r.add_argument(
+    which = r.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--sidecar",
         action="append",
-        required=True,
         metavar="URL",
         help="a replica's sidecar URL; repeat for each replica, in rollout order",
+    )
+    which.add_argument(
+        "--selector",
+        metavar="LABELS",
+        help="the pods of a label selector (e.g. app.kubernetes.io/name=kdtree), in name order: each wave states "
+        "the mode in its pods' annotation kdtree.dev/desired-mode and waits for their sidecars to converge; "
+        "resumable (run it again)",
+    )
+    r.add_argument("--namespace", "-n", default="default", help="--selector: the pods' namespace")
+    r.add_argument("--kubectl", default="kubectl", metavar="PATH", help="--selector: the kubectl to run")
+    r.add_argument(
+        "--retry",
+        action="store_true",
+        help="--selector: state the mode anew (a tagged value) on pods whose sidecar holds it (refused, rolled "
+        "back), so that they ask their gate again",
     )
     r.add_argument("--canary", type=count_at_least(0), default=1, help="replicas flipped first, together")
     r.add_argument(

@@ -12,7 +12,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from kdtree.state.atomic import first_error
-from sidecar.api import Criterion, ModeAnswer, StatusDocument
+from sidecar.api import Criterion, GateVerdict, ModeAnswer, StatusDocument
 from sidecar.store import Transition
 
 M = TypeVar("M", bound=BaseModel)
@@ -113,6 +113,14 @@ class SidecarClient:
                 f"GET /status at {self.url} answered HTTP {resp.status_code}: {short(body, 200)}"
             )
         return body
+
+    def gate(self, mode: str) -> GateVerdict:
+        """GET /gate?to=MODE: the gate's verdict, read-only (no token)."""
+        resp = self._send("GET", "/gate", params={"to": mode})
+        body = self._json(resp, "GET /gate")
+        if resp.status_code != 200 or "pass" not in body:
+            raise Unreachable(f"GET /gate at {self.url} answered HTTP {resp.status_code}: {short(body, 200)}")
+        return self._parse(GateVerdict, body, "GET /gate")
 
     def post_mode(
         self, mode: str, *, dry_run=False, force=False, restart=False, reason=""

@@ -26,6 +26,7 @@ class ReplicaOutcome(StrEnum):
     ALREADY = "already"  # in the mode before the rollout
     ALLOWED = "allowed"  # --dry-run: its gate would allow it
     REFUSED = "refused"  # its gate refused
+    OVERRIDDEN = "overridden"  # --selector: POST /mode asked for another mode while the annotation stood
     TIMEOUT = "timeout"
     UNREACHABLE = "unreachable"  # or not a sidecar
     BUSY = "busy"  # its sidecar runs another transition
@@ -61,8 +62,15 @@ the new mode, unless --rollback-on-failure, which flips them back to their previ
 back skips the gate, and each sidecar's audit log records it). Every sidecar is reached first: one that
 does not answer, or is in a transition already, stops the rollout before anything is flipped.
 
+With --selector (and -n) instead of --sidecar URLs the intent is held by the cluster, and the rollout is resumable:
+each wave annotates its pods' kdtree.dev/desired-mode (kubectl annotate) and waits until every pod's sidecar
+reports the value converged (through its own gate, bake and rollback). Run it again to finish an interrupted
+rollout, or with --to the previous mode to undo it; a pod whose sidecar holds the value (refused, rolled back,
+overridden) stops every run until --retry states it anew.
+
 One line per replica as its outcome is known, then a table. Outcomes: succeeded, already (in the mode),
-refused (gate), rolled_back / rollback_failed / aborted / preempted (by its sidecar), timeout, unreachable, busy,
+refused (gate), rolled_back / rollback_failed / aborted / preempted (by its sidecar), overridden (--selector:
+POST /mode asked for another mode), timeout, unreachable, busy,
 unauthorized, error, skipped (not attempted); after --rollback-on-failure: reverted, revert_failed;
 with --dry-run: allowed, refused, already.
 """ + listing(
@@ -182,6 +190,10 @@ def _table(replicas: list[Replica]) -> str:
 
 
 def cmd_rollout(args) -> int:
+    if args.selector is not None:
+        from .rollout_pods import cmd_rollout_pods
+
+        return cmd_rollout_pods(args)
     try:
         urls = [_normalized_url(u) for u in args.sidecar]
     except ValueError as e:

@@ -220,16 +220,21 @@ class Admission:
         )
         return Method.LIVE if able else Method.RESTART
 
-    async def _criteria(self, target: Mode) -> tuple[list[Criterion], str | None]:
+    async def gate_verdict(self, target: Mode) -> tuple[list[Criterion], str | None]:
+        """GET /gate: the criteria for `target` from the background probe's latest verdict (no probe of its own)."""
+        return await self._criteria(target, fresh=False)
+
+    async def _criteria(self, target: Mode, fresh: bool = True) -> tuple[list[Criterion], str | None]:
         """The gate's criteria for `target`, and, when the server is down, what to do about that (a refusal then
-        names the down server and how to start it, not the evidence)."""
+        names the down server and how to start it, not the evidence). fresh=False (GET /gate, read-only and
+        unauthenticated): the background probe's latest verdict, so that polling it sends no completion."""
         if target in (Mode.OFF, Mode.STANDBY):
             return (
                 [],
                 None,
             )  # the kill switch and the live remedy (Triton serves, kdtree idle) are never gated
         a = await self.readiness.assess(
-            fresh=True
+            fresh=fresh
         )  # a probe of its own: a flip that could not bake is not started
         detail = "; ".join(a.reasons)
         down = server_down(a)

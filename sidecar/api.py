@@ -19,8 +19,8 @@ from kdtree.state.rank_records import RankView
 from .probe import HealthResult, ProbeResult
 from .server_control import ServerState
 from .server_log import LogMarker
-from .store import Transition
-from .vocabulary import Condition, Method, Phase
+from .store import DesiredHold, Transition
+from .vocabulary import Condition, DesiredState, Method, Phase
 
 # ---- POST /mode ----------------------------------------------------------------------------------------------
 
@@ -140,6 +140,25 @@ class LogStatus(BaseModel):
     error: str | None = None
 
 
+DESIRED_MODE_ANNOTATION = "kdtree.dev/desired-mode"  # the pod annotation the desired-mode file projects
+
+
+class DesiredModeStatus(BaseModel):
+    """The desired mode the cluster holds (KDTREE_DESIRED_MODE_FILE) and what the sidecar did about it."""
+
+    file: str
+    state: DesiredState
+    content: str | None = None  # the file's text as read (absent or empty: None)
+    generation: str | None = None  # its content hash: a changed value is a new intent
+    mode: Mode | None = None  # the mode it names, when it names one
+    detail: str = ""  # why the state is what it is, for people
+    hold: DesiredHold | None = None  # the value not acted on again until it changes
+    transition: str | None = None  # the transition the sidecar started for it (its id in `transitions`)
+    events: str = (
+        ""  # whether what the sidecar does is also posted as Kubernetes Events on the pod, and why not
+    )
+
+
 class StatusDocument(BaseModel):
     """GET /status."""
 
@@ -165,3 +184,22 @@ class StatusDocument(BaseModel):
     group: list[dict[str, Any]] | None = (
         None  # a group's leader: each node, its ranks and problems (sidecar/group.py)
     )
+    desired_mode: DesiredModeStatus | None = None  # None: KDTREE_DESIRED_MODE_FILE is unset
+
+
+# ---- GET /gate -----------------------------------------------------------------------------------------------
+
+
+class GateVerdict(BaseModel):
+    """GET /gate: the gate's verdict for a flip to `to_mode`, read-only (nothing is flipped). `pass` is what Argo
+    Rollouts' web metric reads (jsonPath "{$.pass}", successCondition "result == true"); POST /gate answers the
+    same body with 200 when it passes and 412 when it does not, for Flagger's webhooks."""
+
+    model_config = {"populate_by_name": True}
+
+    passed: bool = Field(alias="pass")
+    from_mode: Mode
+    to_mode: Mode
+    failed: list[str]  # the names of the criteria that did not pass
+    criteria: list[Criterion]
+    detail: str = ""  # what to do when it does not pass (a server that is down)

@@ -1,4 +1,5 @@
-"""The sidecar's HTTP API (FastAPI): /live, /ready, /status, POST /mode, /metrics.
+"""The sidecar's HTTP API (FastAPI): /live, /ready, /status, POST /mode, /metrics, and GET/POST /gate (the gate's
+verdict, read-only, for Argo Rollouts and Flagger).
 
 No `from __future__ import annotations` here: FastAPI resolves the dependency annotations at run time.
 """
@@ -15,16 +16,21 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from kdtree.config import Mode
 from kdtree.state.atomic import json_safe
 
 from .admission import ModeRequest
+from .api import GateVerdict
 from .controller import Controller
+from .desired_mode import DesiredModeReconciler
 from .group import GroupClient, GroupCollector, GroupServerControl, create_worker_app
 from .metrics import Metrics
+from .pod_events import PodEvents
 from .server_control import ServerControl
 from .server_control.docker import ServerContainer
 from .server_control.process import ServerProcess
 from .settings import SidecarSettings
+from .store import Transition
 from .vocabulary import Condition
 
 MODE_BODY_MAX = 4096  # bytes: a POST /mode body is a few fields; a larger one is refused (413) unread
@@ -46,8 +52,13 @@ def server_control(settings: SidecarSettings) -> ServerControl | None:
     return ServerContainer(settings.server_container) if settings.server_container else None
 
 
-def create_app(settings: SidecarSettings | None = None, server: ServerControl | None = None) -> FastAPI:
-    """server: what observes and restarts the SGLang server; by default the one the settings name."""
+def create_app(
+    settings: SidecarSettings | None = None,
+    server: ServerControl | None = None,
+    pod_events: PodEvents | None = None,
+) -> FastAPI:
+    """server: what observes and restarts the SGLang server; by default the one the settings name. pod_events: where
+    the desired-mode reconciler posts Kubernetes Events; by default the pod's own API server when in a pod."""
     settings = settings or SidecarSettings.load()
     if server is None:
         server = server_control(settings)
@@ -62,17 +73,28 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
         server = GroupServerControl(server, group) if server is not None else None
         metrics.registry.register(GroupCollector(group))
     controller = Controller(settings, server, metrics, group)
+    desired: DesiredModeReconciler | None = None
+    if settings.desired_mode_file is not None:
+        note = f"on: Events on pod {pod_events.namespace}/{pod_events.pod_name}" if pod_events else ""
+        if pod_events is None:
+            pod_events, note = PodEvents.in_cluster(settings.desired_mode_file.parent)
+        desired = DesiredModeReconciler(settings.desired_mode_file, controller, metrics, pod_events, note)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await controller.start()
+        if desired is not None:
+            desired.start()  # after the controller has resolved what a previous sidecar left unfinished
         yield
+        if desired is not None:
+            await desired.stop()
         await controller.stop()
 
     # No /docs, /redoc or /openapi.json: the README documents the API, and nothing here should map it for whoever
     # reaches the port.
     app = FastAPI(title="kdtree sidecar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.controller = controller
+    app.state.desired_mode = desired
     bearer = HTTPBearer(auto_error=False)
 
     def require_admin(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -120,7 +142,36 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
 
     @app.get("/status")
     async def status() -> ApiJSON:  # a Response, not `dict`: FastAPI would serialize a NaN as null
-        return ApiJSON((await controller.status()).model_dump())
+        document = await controller.status()
+        if desired is not None:
+            document.desired_mode = desired.status()
+        return ApiJSON(document.model_dump())
+
+    # The gate's verdict, read-only: it flips nothing, and tells no more than /status does, so like /status it asks
+    # for no token (Flagger's webhooks cannot send one, and the admin token would let a rollout tool flip modes).
+    # The query is one enum; the body (Flagger's POST payload) is never read. It answers from the background probe's
+    # latest verdict, so polling it sends no completion to the server.
+    # GET: 200 with the verdict in `pass` (Argo Rollouts' web metric counts any non-2xx as an error, not a failure).
+    # POST: the same body, 200 when the gate passes and 412 when not (Flagger's webhooks: a status above 202 fails).
+    @app.api_route("/gate", methods=["GET", "POST"])
+    async def gate(request: Request, to: Mode = Mode.ON) -> ApiJSON:
+        try:
+            criteria, down = await asyncio.wait_for(
+                controller.admission.gate_verdict(to), settings.probe_deadline_s
+            )
+        except TimeoutError:
+            raise HTTPException(503, f"no verdict within {settings.probe_deadline_s:g}s") from None
+        failed = [c.name for c in criteria if not c.passed]
+        verdict = GateVerdict(
+            passed=not failed,
+            from_mode=controller.state.current_mode,
+            to_mode=to,
+            failed=failed,
+            criteria=criteria,
+            detail=down or ("" if not failed else "the evidence does not pass: GET /status shows the ranks"),
+        )
+        code = 412 if failed and request.method == "POST" else 200
+        return ApiJSON(verdict.model_dump(by_alias=True), status_code=code)
 
     # The body is read here, not by FastAPI: authentication (the dependency) comes first, then the size limit,
     # then parsing, so an unauthenticated or oversized request is answered without reading its body.
@@ -128,6 +179,8 @@ def create_app(settings: SidecarSettings | None = None, server: ServerControl | 
     async def mode(request: Request) -> ApiJSON:
         req = await _mode_request(request)
         code, answer = await controller.request_mode(req)
+        if desired is not None and code == 202 and isinstance(answer.transition, Transition):
+            await desired.operator_asked(req.mode, answer.transition)  # the desired mode yields to it
         return ApiJSON(jsonable_encoder(answer.wire()), status_code=code)
 
     @app.get("/metrics")

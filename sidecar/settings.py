@@ -221,6 +221,15 @@ class SidecarSettings(StateDirSettings):
         """How a problem names a rank: "rank 3", or "node 1 rank 3" in a group."""
         return f"node {self.node_of(rank)} rank {rank}" if self.nnodes > 1 else f"rank {rank}"
 
+    # The desired mode held by the cluster: a file the sidecar converges to (sidecar/desired_mode.py). Under
+    # Kubernetes the downward API's projection of the pod annotation kdtree.dev/desired-mode; under compose a file an
+    # operator writes. Unset: the feature is off, and only POST /mode changes the mode.
+    desired_mode_file: Path | None = Field(
+        None,
+        description="a file holding the desired verify mode (the pod annotation kdtree.dev/desired-mode through the "
+        "downward API); the sidecar converges to it through the gate, the bake and the rollback",
+    )
+
     @field_validator("server_control", mode="before")
     @classmethod
     def _known_control(cls, v):

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kdtree.config import ConfigError, Mode
 from kdtree.state.atomic import json_safe, open_regular, read_model, tail_of, write_atomically
 
-from .vocabulary import Method, Outcome, Step
+from .vocabulary import HoldVerdict, Method, Outcome, Step
 from .volume import StateVolume, VolumeWriteFailed
 
 STATE_FILE = "sidecar-state.json"
@@ -59,12 +59,25 @@ class Transition(BaseModel):
         return self.outcome is None
 
 
+class DesiredHold(BaseModel):
+    """A desired value (sidecar/desired_mode.py) the sidecar will not act on again until it changes: persisted, so a
+    restarted sidecar does not flip into what was refused or rolled back."""
+
+    content: str  # the desired-mode file's text, as read
+    generation: str  # its content hash: the same text is the same intent
+    verdict: HoldVerdict
+    detail: str = ""
+    at: float = Field(default_factory=time.time)
+    transition: str | None = None  # the transition whose outcome held it
+
+
 class SidecarState(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
     current_mode: Mode
     active: Transition | None = None
     history: list[Transition] = Field(default_factory=list)
+    desired_hold: DesiredHold | None = None
 
 
 def append_line(path: Path, line: str) -> None:

@@ -62,3 +62,25 @@ class Condition(StrEnum):
     READY = "ready"
     NOT_READY_YET = "not_ready_yet"  # starting within its budget, or a transition runs
     BROKEN = "broken"  # someone must act
+
+
+class DesiredState(StrEnum):
+    """Where the sidecar stands with the desired mode the cluster holds (sidecar/desired_mode.py)."""
+
+    UNSET = "unset"  # no desired mode stated (the annotation is absent or empty)
+    CONVERGED = "converged"  # the server runs in the desired mode
+    CONVERGING = "converging"  # the sidecar's flip to it runs
+    WAITING = "waiting"  # another transition runs (POST /mode, a rollback): it is asked again afterwards
+    HELD = "held"  # refused, rolled back or overridden by POST /mode: not asked again until the value changes
+    INVALID = "invalid"  # the file holds no mode (or cannot be read): reported, never acted on
+
+
+class HoldVerdict(StrEnum):
+    """Why a desired value is held (not acted on again until it changes)."""
+
+    REFUSED = "refused"  # the gate refused it (or the sidecar could not restart the server)
+    ROLLED_BACK = "rolled_back"  # its flip failed and was rolled back
+    ROLLBACK_FAILED = "rollback_failed"
+    ABORTED = "aborted"
+    PREEMPTED = "preempted"  # POST /mode off preempted its flip
+    OVERRIDDEN = "overridden"  # POST /mode asked for another mode while it stood

@@ -62,9 +62,10 @@ def sidecar_sized_heap():
 
 
 @asynccontextmanager
-async def sidecar(settings: SidecarSettings, server=None, timeout: float = 30):
-    """The sidecar app with its lifespan running, behind an httpx client (no socket)."""
-    app = create_app(settings, server)
+async def sidecar(settings: SidecarSettings, server=None, timeout: float = 30, pod_events=None):
+    """The sidecar app with its lifespan running, behind an httpx client (no socket); pod_events: where it posts
+    Kubernetes Events (standins/kube_api.py)."""
+    app = create_app(settings, server, pod_events)
     with sidecar_sized_heap():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)

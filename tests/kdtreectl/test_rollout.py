@@ -185,7 +185,11 @@ def test_without_the_token_the_first_replica_is_not_authorized(replicas):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["rollout", "--to", "on"], "the following arguments are required: --sidecar"),
+        (["rollout", "--to", "on"], "one of the arguments --sidecar --selector is required"),
+        (
+            ["rollout", "--to", "on", "--sidecar", "http://a:1", "--selector", "app=kdtree"],
+            "argument --selector: not allowed with argument --sidecar",
+        ),
         (["rollout", "--to", "shadow", "--sidecar", "http://a:1"], "invalid choice: 'shadow'"),
         (
             ["rollout", "--to", "on", "--sidecar", "http://a:1", "--sidecar", "http://a:1/"],

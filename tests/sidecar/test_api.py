@@ -26,7 +26,7 @@ from sidecar.vocabulary import Condition, Method, Phase
 STATUS_KEYS = [
     "phase", "server_phase", "ready", "condition", "condition_evidence", "reasons", "notes", "mode", "state_volume",
     "container", "log", "probe", "probe_failures_in_a_row", "server_health", "ranks", "rank_problems",
-    "expected_tp_size", "active_transition", "transitions", "group",
+    "expected_tp_size", "active_transition", "transitions", "group", "desired_mode",
 ]  # fmt: skip
 
 

@@ -61,6 +61,8 @@ KUBERNETES_ONLY_ENV = {
     "KDTREE_ADMIN_TOKEN_FILE"
 }  # compose's sidecar gets the token from .env (docs/configuration.md)
 SECRET_ENV = {"KDTREE_ADMIN_TOKEN", "KDTREE_SERVER_API_KEY"}
+# Passed through by compose (an operator's file on the state volume), set by the pod to its own volume's file.
+POD_WIRED_ENV = {"KDTREE_DESIRED_MODE_FILE"}
 
 
 def sidecar_default(name: str):
@@ -220,8 +222,11 @@ def test_objects_and_labels(rendered, target):
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
         ("Deployment", "kdtree"),
         ("PodDisruptionBudget", "kdtree"),
+        ("Role", "kdtree-sidecar-events"),
+        ("RoleBinding", "kdtree-sidecar-events"),
         ("Service", "kdtree"),
         ("Service", "kdtree-sidecar"),
+        ("ServiceAccount", "kdtree-sidecar"),
     ]
     for o in objects:
         assert o["metadata"]["labels"]["app.kubernetes.io/name"] == "kdtree", o["metadata"]
@@ -376,7 +381,7 @@ def test_env_equals_compose(rendered, target):
                 continue
             value = expand(raw, env)
             if str(raw) == f"${{{var}:-}}":  # a pass-through: optional in the pod
-                if var in pod:
+                if var in pod and var not in POD_WIRED_ENV:
                     assert pod[var] == value or (not value and pod[var] == settings_default(var)), (name, var)
                 continue
             assert pod.get(var) == value, f"{name}: {var}={pod.get(var)!r}, compose has {value!r}"
@@ -702,3 +707,63 @@ def test_the_readmes_first_apply_creates_the_namespace_and_both_volumes(rendered
     )
     args = container(rendered["default"], "server")["args"]
     assert args[args.index("--model-path") + 1] == f"{mount['mountPath']}/DeepSeek-V3-0324", args
+
+
+# --- the desired mode and the sidecar's one grant ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_desired_mode_is_the_pods_annotation_through_the_downward_api(rendered, target):
+    """KDTREE_DESIRED_MODE_FILE is the downward API's file of the one annotation (the value alone, refreshed in
+    place), mounted read-only into the sidecar only, beside the pod's name and uid its Events name."""
+    from sidecar.desired_mode import ANNOTATION
+
+    objects = rendered[target]
+    sidecar, server = container(objects, "sidecar"), container(objects, "server")
+    path = env_values(sidecar)["KDTREE_DESIRED_MODE_FILE"]
+    folder, name = path.rsplit("/", 1)
+    mount = mounts(sidecar)[folder]
+    assert mount["readOnly"] is True and mount["name"] not in {m["name"] for m in mounts(server).values()}
+    items = {
+        i["path"]: i["fieldRef"]["fieldPath"] for i in volumes(objects)[mount["name"]]["downwardAPI"]["items"]
+    }
+    assert items == {
+        name: f"metadata.annotations['{ANNOTATION}']",
+        "pod-name": "metadata.name",
+        "pod-uid": "metadata.uid",
+    }
+    # Not on the pod template: a change there would start new pods instead of flipping them in place.
+    template = one(objects, "Deployment")["spec"]["template"]["metadata"]
+    assert ANNOTATION not in template.get("annotations", {})
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_sidecar_alone_holds_a_token_that_can_only_create_events(rendered, target):
+    from sidecar.pod_events import SERVICE_ACCOUNT_DIR
+
+    objects = rendered[target]
+    spec = pod(objects)
+    assert spec["automountServiceAccountToken"] is False and spec["serviceAccountName"] == "kdtree-sidecar"
+    account = one(objects, "ServiceAccount", "kdtree-sidecar")
+    assert account["automountServiceAccountToken"] is False
+    sidecar, server = container(objects, "sidecar"), container(objects, "server")
+    mount = mounts(sidecar)[str(SERVICE_ACCOUNT_DIR)]
+    assert mount["readOnly"] is True
+    assert str(SERVICE_ACCOUNT_DIR) not in mounts(server)
+    assert mount["name"] not in {m["name"] for m in mounts(server).values()}
+    sources = volumes(objects)[mount["name"]]["projected"]["sources"]
+    assert {"token", "ca.crt", "namespace"} == {
+        (s.get("serviceAccountToken") or {}).get("path")
+        or next(iter(i["path"] for i in (s.get("configMap") or s.get("downwardAPI"))["items"]))
+        for s in sources
+    }
+    role = one(objects, "Role", "kdtree-sidecar-events")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    binding = one(objects, "RoleBinding", "kdtree-sidecar-events")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", "kdtree-sidecar")]
+    assert not any(o["kind"] in ("ClusterRole", "ClusterRoleBinding") for o in objects)

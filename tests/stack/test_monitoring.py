@@ -30,6 +30,7 @@ yaml = pytest.importorskip(
 
 from kdtree.config import Mode  # noqa: E402
 from kdtree.state.rank_records import new_record, read_records, write_record  # noqa: E402
+from sidecar.desired_mode import DesiredModeMetrics  # noqa: E402
 from sidecar.metrics import Metrics  # noqa: E402
 from sidecar.probe import REASONS  # noqa: E402
 from sidecar.settings import SidecarSettings  # noqa: E402
@@ -75,6 +76,7 @@ def exported(tmp_path_factory) -> dict[str, str]:
     write_record(state, record)
     names: dict[str, str] = {}
     metrics = Metrics(expected_ranks=1)
+    DesiredModeMetrics(metrics)  # registered beside them when KDTREE_DESIRED_MODE_FILE is set
     metrics.rank_views = read_records(state)
     for family in metrics.registry.collect():
         assert family.type in SAMPLE_SUFFIXES, f"{family.name}: type {family.type} not in SAMPLE_SUFFIXES"
