@@ -76,6 +76,13 @@ def _summary(st: StatusDocument) -> str:
         + (f" ({probe.latency_s:.3f}s" if probe and probe.latency_s is not None else "")
         + (f", {probe.verify_steps} verify steps" if probe and probe.verify_steps is not None else "")
         + (")" if probe and probe.latency_s is not None else ""),
+        "verify:    "
+        + (
+            f"accept length {sp.accept_length:.2f}"
+            if (sp := st.speculation).accept_length
+            else "accept length not known"
+        )
+        + (f", {sp.verify_tokens} tokens a request" if sp.verify_tokens else ""),
         f"ranks:     {len(st.ranks)} records, expected {st.expected_tp_size}",
         *_rank_lines(st),
     ]

@@ -159,6 +159,15 @@ class DesiredModeStatus(BaseModel):
     )
 
 
+class SpeculationStatus(BaseModel):
+    """What speculative decoding does on the server: the tokens a verify step gave the latest probe (SGLang's accept
+    length: completion tokens over verify steps) and the tokens one verify reads a request (the draft tree's size,
+    N: DDTREE's budget + 1), from the ranks' records of the verify calls they saw."""
+
+    accept_length: float | None = None
+    verify_tokens: int | None = None
+
+
 class StatusDocument(BaseModel):
     """GET /status."""
 
@@ -185,6 +194,7 @@ class StatusDocument(BaseModel):
         None  # a group's leader: each node, its ranks and problems (sidecar/group.py)
     )
     desired_mode: DesiredModeStatus | None = None  # None: KDTREE_DESIRED_MODE_FILE is unset
+    speculation: SpeculationStatus = Field(default_factory=SpeculationStatus)
 
 
 # ---- GET /gate -----------------------------------------------------------------------------------------------

@@ -57,6 +57,11 @@ class RankCollector(Collector):
         fallbacks = CounterMetricFamily(
             "kdtree_rank_fallbacks", "calls kdtree declined, by reason", labels=["rank", "reason"]
         )
+        verify_tokens = GaugeMetricFamily(
+            "kdtree_rank_verify_tokens",
+            "tokens one verify reads a request (the draft tree's size N), from the verify calls the rank recorded",
+            labels=["rank"],
+        )
         for view in self.metrics.rank_views:
             r = view.record
             if self.metrics.expected_ranks and r.tp_rank >= self.metrics.expected_ranks:
@@ -73,7 +78,20 @@ class RankCollector(Collector):
             served.add_metric([rank, "original"], r.served_original)
             for reason, count in r.fallbacks.items():
                 fallbacks.add_metric([rank, reason], count)
-        yield from (up, installed, compared, over_tol, nan_inf, rel, abs_err, served, fallbacks)
+            if r.verify_tokens is not None:
+                verify_tokens.add_metric([rank], r.verify_tokens)
+        yield from (
+            up,
+            installed,
+            compared,
+            over_tol,
+            nan_inf,
+            rel,
+            abs_err,
+            served,
+            fallbacks,
+            verify_tokens,
+        )
 
 
 class Metrics:
@@ -95,6 +113,11 @@ class Metrics:
         )
         self.probe_failures = Counter(
             "kdtree_probe_failures", "failed completion probes, by reason", ["reason"], registry=r
+        )
+        self.accept_length = Gauge(
+            "kdtree_probe_accept_length",
+            "tokens a verify step gave the latest successful probe (SGLang's accept length); 0 before one",
+            registry=r,
         )
         self.ready = Gauge(
             "kdtree_ready",

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 
 # Failure reasons, a closed set (they are metric label values).
 REFUSED = "connection_refused"  # nothing listens: SGLang keeps its port closed while it loads
@@ -52,6 +52,14 @@ class ProbeResult(BaseModel):
     verify_steps: int | None = (
         None  # sglext.spec_tokens_details.spec_verify_ct; None when the server gave none
     )
+
+    @computed_field
+    @property
+    def accept_length(self) -> float | None:
+        """Tokens a verify step gave, as SGLang counts it (completion tokens over verify steps); None without both."""
+        if self.completion_tokens and self.verify_steps:
+            return self.completion_tokens / self.verify_steps
+        return None
 
 
 class HealthResult(BaseModel):

@@ -142,6 +142,8 @@ class Readiness:
 
     def _observe_probe(self, result: ProbeResult) -> None:
         self.metrics.probe_duration.observe(result.latency_s)
+        if result.accept_length is not None:
+            self.metrics.accept_length.set(result.accept_length)
         if not result.ok:
             self.metrics.probe_failures.labels(reason=result.reason).inc()
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from .api import LogStatus, ModeStatus, StateVolumeStatus, StatusDocument, VolumeProblemReport
+from .api import (
+    LogStatus,
+    ModeStatus,
+    SpeculationStatus,
+    StateVolumeStatus,
+    StatusDocument,
+    VolumeProblemReport,
+)
 from .probe import SingleFlight
 from .readiness import Readiness
 from .server_control import ServerControlError
@@ -71,6 +78,13 @@ class StatusReport:
             expected_tp_size=self.settings.expected_tp_size,
             active_transition=self.state.active.model_copy() if self.state.active else None,
             transitions=[t.model_copy() for t in self.state.history[-10:]],
+            speculation=SpeculationStatus(
+                accept_length=a.probe.accept_length if a.probe else None,
+                verify_tokens=max(
+                    (v.record.verify_tokens for v in a.ranks.ranks if v.record.verify_tokens is not None),
+                    default=None,
+                ),
+            ),
             group=self.readiness.group.node_status(a.ranks.ranks, a.reasons)
             if self.readiness.group
             else None,

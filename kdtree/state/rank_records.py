@@ -70,6 +70,14 @@ class RankRecord(BaseModel):
     started_at: FiniteFloat = Field(default_factory=time.time)
     heartbeat: FiniteFloat = Field(default_factory=time.time)
 
+    @property
+    def verify_tokens(self) -> int | None:
+        """Tokens one verify reads a request (the draft tree's size N: max_extend_len of the verify calls recorded
+        in verify_inputs); None before the rank saw one."""
+        sizes = [c.get("max_extend_len") for c in self.verify_inputs.values() if isinstance(c, dict)]
+        sizes = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool)]
+        return max(sizes) if sizes else None
+
 
 class RankView(BaseModel):
     """A record as a reader sees it: the record plus whether its writer is still alive."""

@@ -26,7 +26,7 @@ from sidecar.vocabulary import Condition, Method, Phase
 STATUS_KEYS = [
     "phase", "server_phase", "ready", "condition", "condition_evidence", "reasons", "notes", "mode", "state_volume",
     "container", "log", "probe", "probe_failures_in_a_row", "server_health", "ranks", "rank_problems",
-    "expected_tp_size", "active_transition", "transitions", "group", "desired_mode",
+    "expected_tp_size", "active_transition", "transitions", "group", "desired_mode", "speculation",
 ]  # fmt: skip
 
 
@@ -107,3 +107,23 @@ def test_a_busy_answer_reads_back_with_or_without_a_transition():
         wire(ModeAnswer(error="busy", transition={"step": "evaluating the gate"}).wire())
     )
     assert deciding.transition == {"step": "evaluating the gate"}
+
+
+def test_the_speculation_report_reads_the_probes_accept_length_and_the_ranks_tree_size():
+    """accept length = completion tokens over verify steps (SGLang's), none without both; the tokens a verify reads a
+    request = the largest max_extend_len among the verify calls a rank recorded (DDTREE's N), none before one."""
+    assert (
+        ProbeResult(ok=True, latency_s=0.1, at=1.0, completion_tokens=32, verify_steps=8).accept_length == 4.0
+    )
+    assert ProbeResult(ok=True, latency_s=0.1, at=1.0, completion_tokens=32).accept_length is None
+    assert (
+        ProbeResult(ok=True, latency_s=0.1, at=1.0, completion_tokens=32, verify_steps=0).accept_length
+        is None
+    )
+    rec = new_record("on", tp_rank=0, tp_size=1)
+    assert rec.verify_tokens is None
+    rec.verify_inputs = {"eager": {"max_extend_len": 17, "batch": 8}, "captured": {"max_extend_len": 33}}
+    assert rec.verify_tokens == 33
+    sent = wire(status_document().model_dump())
+    assert sent["speculation"] == {"accept_length": None, "verify_tokens": None}
+    assert sent["probe"]["accept_length"] is None
