@@ -13,7 +13,7 @@ import asyncio
 import socket
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 
 import httpx
 import pytest
@@ -73,14 +73,20 @@ class Relay:
 class Group:
     """Two stand-in nodes, the worker's sidecar behind a relay, and the settings of the leader's sidecar."""
 
-    def __init__(self, tmp_path, mode: Mode = Mode.VALIDATE, worker_args=()):
+    def __init__(self, tmp_path, mode: Mode | None = Mode.VALIDATE, worker_args=()):
+        """mode: written into each node's mode file; None writes none (a fresh stack: the ranks start in
+        KDTREE_VERIFY's mode, as compose/two-node.yaml's do)."""
         self.dirs = [tmp_path / "node0", tmp_path / "node1"]
         for d in self.dirs:
             d.mkdir()
-            write_desired_mode(d, mode)
+            if mode is not None:
+                write_desired_mode(d, mode)
         self.ports = [free_port(), free_port()]
+        env = {
+            "KDTREE_VERIFY": (mode or Mode.VALIDATE).value
+        }  # the mode a server starts in without a mode file
         self.nodes = [
-            SupervisedStandin(self.ports[0], str(self.dirs[0]), [*ENGINE, "--node-rank", "0"]),
+            SupervisedStandin(self.ports[0], str(self.dirs[0]), [*ENGINE, "--node-rank", "0"], env=env),
             SupervisedStandin(
                 self.ports[1],
                 str(self.dirs[1]),
@@ -92,6 +98,7 @@ class Group:
                     f"http://127.0.0.1:{self.ports[0]}",
                     *worker_args,
                 ],
+                env=env,
             ),
         ]
         self.worker_settings = group_settings(self.dirs[1], self.ports[1], "worker", node_rank=1)
@@ -116,7 +123,12 @@ def group_settings(state_dir, port, role, **overrides) -> SidecarSettings:
 
 @pytest.fixture
 def group(tmp_path, request):
-    g = Group(tmp_path, worker_args=getattr(request, "param", ()))
+    with running(Group(tmp_path, worker_args=getattr(request, "param", ()))) as g:
+        yield g
+
+
+@contextmanager
+def running(g: Group):
     for n in g.nodes:
         n.start()
     try:
@@ -272,6 +284,16 @@ async def test_ready_only_with_every_rank_of_every_node(group):
                 assert r.status_code == 503 and "node 1 rank 2: record is stale" in r.json()["reasons"][0]
             await h.post(f"http://127.0.0.1:{group.ports[1]}/_standin/fault", json={"fault": "none"})
         await wait_ready(c)
+
+
+async def test_a_fresh_group_without_mode_files_is_ready(tmp_path):
+    """No node has a mode file yet (a first start: every server starts in KDTREE_VERIFY's mode): the group is ready;
+    a node's missing mode file is no problem, as on one node, while its ranks run the group's mode."""
+    with running(Group(tmp_path, mode=None)) as g:
+        async with sidecar(g.leader_settings()) as c:
+            await wait_ready(c)
+            st = (await c.get("/status")).json()
+            assert [n["mode_file"] for n in st["group"]] == [None, None] and st["reasons"] == []
 
 
 async def test_a_worker_killed_and_back(group):
