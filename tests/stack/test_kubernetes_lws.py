@@ -1,5 +1,5 @@
 """deploy/kubernetes/overlays/leaderworkerset, offline: rendered by kubectl's own kustomize, the LeaderWorkerSet
-validated against LeaderWorkerSet's own CRD schema (tests/data/leaderworkerset-crd.yaml, from kubernetes-sigs/lws:
+validated against LeaderWorkerSet's own CRD schema (tests/data/leaderworkerset-crd.yaml.gz, from kubernetes-sigs/lws:
 its header names the commit) with `jsonschema`, plus the API server's strict field check (no field the schema does
 not know); each pod template validated as a Kubernetes PodTemplate, and the Services, with `kubernetes-validate`
 (1.30 and the newest it knows); and the group checked against the code: the server command LeaderWorkerSet's
@@ -9,6 +9,7 @@ example passes, the settings each sidecar loads in the pod's environment, the pr
 from __future__ import annotations
 
 import copy
+import gzip
 import subprocess
 from pathlib import Path
 
@@ -33,7 +34,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not install
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = KUBE / "overlays" / "leaderworkerset"
-CRD = REPO / "tests" / "data" / "leaderworkerset-crd.yaml"
+CRD = REPO / "tests" / "data" / "leaderworkerset-crd.yaml.gz"  # gzipped: it is 1.3 MB of text
 LWS_ENV = {  # what LeaderWorkerSet injects into every container of group 0 (pkg/utils/pod/pod_utils.go)
     "LWS_LEADER_ADDRESS": "kdtree-0.kdtree.default",
     "LWS_GROUP_SIZE": "2",
@@ -50,7 +51,7 @@ def objects() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def schema() -> dict:
-    (crd,) = [d for d in yaml.safe_load_all(CRD.read_text()) if d]
+    (crd,) = [d for d in yaml.safe_load_all(gzip.decompress(CRD.read_bytes())) if d]
     assert crd["spec"]["names"]["kind"] == "LeaderWorkerSet"
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return v1["schema"]["openAPIV3Schema"]
@@ -102,7 +103,7 @@ def pod_container(objects, which: str, name: str) -> dict:
 
 
 def test_the_crd_is_kept_with_its_source():
-    header = CRD.read_text()[:600]
+    header = gzip.decompress(CRD.read_bytes())[:600].decode()
     assert "github.com/kubernetes-sigs/lws" in header and "config/crd/bases/" in header
     assert "060ab4da17eea1f0865fcbd3236bb1075e2cea32" in header
 
