@@ -94,7 +94,8 @@ class TreeBuffers:
         self.mask_parent = torch.zeros(bs, N, **i64)
         self.mask_tmp = torch.zeros(bs, N, N, **booln)
         self.eye = torch.eye(N, **booln)
-        self.const = {v: torch.tensor(v, **i64) for v in (-1, 0, 1)}  # torch.where's out= form takes tensors
+        # torch.where's out= form takes tensors; full() fills on the device (torch.tensor would copy from the host)
+        self.const = {v: torch.full((), v, **i64) for v in (-1, 0, 1)}
 
 
 def build_tree(

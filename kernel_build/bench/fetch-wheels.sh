@@ -7,7 +7,8 @@
 # Copy DIR to the GPU machine as .whl in the repo root: kernel_build/bench/device_run.sh installs it into
 # /tmp/site. SGLang's compiled packages (sgl_kernel etc.) are not fetched: standins/sglang_stubs.py stands
 # in for them; the attention path (extend_attention_fwd, TritonAttnBackend, MLATokenToKVPool) never calls them.
-# About 61 MiB: with the checkout, just under the 64 MiB one GPU-machine call may carry.
+# About 56 MiB: with the checkout, under the 64 MiB one GPU-machine call may carry (jedi, 5 MiB, is left out:
+# IPython runs without it).
 set -euo pipefail
 dir=${1:?usage: $0 DIR}
 mkdir -p "$dir"
@@ -15,7 +16,7 @@ pkgs=(
   sglang==0.5.23 orjson pybase64 starlette msgspec pydantic==2.14.4 pydantic_core==2.50.5 pyzmq dill
   apache-tvm-ffi==0.1.11 compressed_tensors==0.18.0 loguru gguf openai==2.8.0 partial_json_parser
   annotated-types typing-inspection jiter distro sniffio
-  IPython traitlets jedi parso prompt_toolkit wcwidth decorator matplotlib-inline stack_data
+  IPython traitlets prompt_toolkit wcwidth decorator matplotlib-inline stack_data
   executing asttokens pure_eval pexpect ptyprocess ipython_pygments_lexers
   uvicorn fastapi annotated-doc h11 click opentelemetry-api importlib-metadata zipp
   pytest pluggy iniconfig pytest-timeout pydantic-settings python-dotenv  # the test runner and kdtree.config

@@ -85,6 +85,8 @@ SPECS = {
         ServerSpec("ddtree-b8-validate", "DDTREE-B8", Mode.VALIDATE),
         ServerSpec("ddtree-b8-on", "DDTREE-B8", Mode.ON),
         ServerSpec("ddtree-b8-standby", "DDTREE-B8", Mode.STANDBY),
+        # CUDA graphs off: the draft's tree and the verify run eagerly at every batch size
+        ServerSpec("ddtree-b8-eager-on", "DDTREE-B8", Mode.ON, extra_args=("--disable-cuda-graph",)),
         # the oracle (kernel_build/bench/harness/ddtree_oracle.py): a bigram target, scripted draft ranks
         ServerSpec(
             "ddtree-b8-oracle-on",
@@ -228,7 +230,14 @@ def test_on_serves_every_verify_step_and_matches_off_token_for_token(fleet, algo
     assert off_rec.served_kdtree == 0 and off_rec.parity.calls_compared == 0  # off runs nothing of kdtree's
 
 
-@pytest.mark.parametrize("servers", [("ddtree-b8-off", "dflash-b8-off"), ("ddtree-b8-on", "dflash-b8-off")])
+@pytest.mark.parametrize(
+    "servers",
+    [
+        ("ddtree-b8-off", "dflash-b8-off"),
+        ("ddtree-b8-on", "dflash-b8-off"),
+        ("ddtree-b8-eager-on", "dflash-b8-off"),
+    ],
+)
 def test_ddtree_greedy_outputs_equal_dflash_chain(fleet, servers):
     """Lossless: DDTREE's greedy tokens (Triton's verify in off, kdtree's in on) equal those of SGLang's DFlash chain
     with the same drafter (greedy and lossless itself: the target's own greedy decode; kdtree's launcher serves only
@@ -269,6 +278,27 @@ def test_ddtree_oracle_accepts_what_the_reference_walk_predicts_and_emits_the_ta
 
 
 @pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",)])
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}])
+def test_ddtree_sampled_requests_accept_and_emit_what_the_target_samples(fleet, servers, sampling):
+    """Sampled requests take the sampling walk (one draw a node from SGLang's verify distribution). The oracle's
+    target puts all its probability on the bigram's token (ddtree_oracle.HEAD_SCALE), so a lossless walk emits the
+    bigram's continuation and accepts as deep as the greedy walk, at captured and eager batch sizes."""
+    server = fleet[servers[0]]
+    ranks = [int(r) for r in server.spec.env["DDTREE_ORACLE_RANKS"].split(",")]
+    accepted = expected_accepted(ranks, K=16, budget=16)
+    prompts = [[11, 22, 300 + 37 * i] for i in range(8)]
+    for batch in (prompts[:1], prompts[:3], prompts):
+        streams, accept = server.stream(batch, 33, **sampling)
+        for prompt, got in zip(batch, streams, strict=True):
+            assert got.token_ids == continuation(prompt[-1], 33, 8192), (sampling, prompt, got.token_ids)
+        assert all(accepted + 1 - 1.5 <= a <= accepted + 1 + 1e-6 for a in accept), (
+            sampling,
+            accepted,
+            accept,
+        )
+
+
+@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",)])
 def test_a_ddtree_decode_step_does_not_synchronise_with_the_host(fleet, servers):
     """Every decode step of DDTreeWorker (draft graph, tree, verify, walk, commit) under
     torch.cuda.set_sync_debug_mode("warn"), in the server process (kernel_build/bench/harness/ddtree_oracle.py
@@ -279,7 +309,8 @@ def test_a_ddtree_decode_step_does_not_synchronise_with_the_host(fleet, servers)
         server.token_ids(batch, 24)
     report = json.loads((server.root / "sync-report.json").read_text())
     assert report["decode_steps"] > 10
-    assert report["syncs"] == [], report["syncs"][:10]
+    where = {f"{s['at']}: {s['message']}" for s in report["syncs"]}
+    assert report["syncs"] == [], "\n".join(sorted(where))
 
 
 # ---- an fp8 KV cache ---------------------------------------------------------------------------------------------

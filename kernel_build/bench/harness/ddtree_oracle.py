@@ -3,8 +3,10 @@ drafter whose top-K is scripted, so that accepted lengths and tokens can be pred
 
 - The target becomes a bigram map: every attention and MLP output projection is zeroed (o_proj, down_proj, the
   experts' w2), so each position's last hidden state is its token's embedding; the final norm's weight is set to
-  ones and lm_head's row perm(x) to embed(x), so the greedy next token after x is perm(x) = (A x + C) mod V. The
-  greedy continuation of a prompt ending in x is perm(x), perm(perm(x)), ...
+  ones and lm_head's row perm(x) to HEAD_SCALE * embed(x), so the greedy next token after x is perm(x) =
+  (A x + C) mod V. The greedy continuation of a prompt ending in x is perm(x), perm(perm(x)), ... The scale makes
+  perm(x)'s logit hundreds above any other (dummy weights are ~1e-3), so a sampled request (temperature 1, any
+  top-p or top-k) draws that continuation too.
 - The drafter's candidates (`TreeDraftSampler.candidates`) are scripted: at depth d the true token perm^d(root) sits
   at rank RANKS[d-1], the other K-1 ranks carry other tokens, and the log-probs are the same at every step
   (log-softmax of -STEEP * rank). The tree is then the same at every step, and how deep the true path reaches into
@@ -31,6 +33,7 @@ import sys
 
 A, C = 7, 13  # perm(x) = (A x + C) mod V: a permutation when A is prime to V (V = 8192 in the tests' model)
 STEEP = 1.0
+HEAD_SCALE = 1000.0
 ENV = "DDTREE_ORACLE_RANKS"
 SYNC_ENV = "DDTREE_SYNC_REPORT"
 
@@ -86,7 +89,7 @@ def _make_bigram(model, vocab: int) -> None:
         head = model.lm_head.weight
         x = torch.arange(vocab, device=head.device)
         head[:vocab].zero_()
-        head[(A * x + C) % vocab] = embed[:vocab].to(head.dtype)
+        head[(A * x + C) % vocab] = (HEAD_SCALE * embed[:vocab]).to(head.dtype)
 
 
 def install_sync_report(worker_module, path: str) -> None:
@@ -98,6 +101,11 @@ def install_sync_report(worker_module, path: str) -> None:
     worker_cls = worker_module.DDTreeWorker
     step = worker_cls.forward_batch_generation
     report = {"decode_steps": 0, "syncs": []}
+    # the first set_sync_debug_mode warns once that the mode is a prototype: let it warn here, outside any step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
@@ -114,7 +122,7 @@ def install_sync_report(worker_module, path: str) -> None:
                 for w in seen:
                     if "synchroniz" in str(w.message):
                         report["syncs"].append(
-                            {"message": str(w.message)[:200], "at": f"{w.filename}:{w.lineno}"}
+                            {"message": str(w.message)[:300], "at": f"{w.filename}:{w.lineno}"}
                         )
                 with open(path, "w") as f:
                     json.dump(report, f)

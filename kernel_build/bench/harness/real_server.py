@@ -316,12 +316,13 @@ class RealServer(Orchestrated):
         return r.json()
 
     def stream(
-        self, prompts: list[str], max_tokens: int, timeout: float = 600, on_first=None
+        self, prompts: list[str], max_tokens: int, timeout: float = 600, on_first=None, **extra
     ) -> tuple[list[Streamed], list[float]]:
         """The prompts as one batch, greedy, streamed (POST /v1/completions, stream): a `Streamed` per prompt, in
         prompt order (its first chunk is the token the prefill produced; what follows is decode, verify steps), and
-        the spec_accept_length SGLang reports for each request at the end. on_first: as read_stream's."""
-        body = self._body(prompts, max_tokens, stream=True)
+        the spec_accept_length SGLang reports for each request at the end. on_first: as read_stream's. extra: more
+        of the request's fields (sampling: temperature, top_p, top_k)."""
+        body = self._body(prompts, max_tokens, stream=True, **extra)
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{self.spec.name}: POST /v1/completions (stream) answered {r.status_code}: "
