@@ -250,6 +250,26 @@ def test_ddtree_greedy_outputs_equal_dflash_chain(fleet, servers):
         )
 
 
+@pytest.mark.parametrize("servers", [("ddtree-b8-on", "dflash-b8-off")])
+def test_ddtree_logprobs_are_the_emitted_tokens_logprobs(fleet, servers):
+    """Logprob requests (SGLang's compute_spec_logprobs on the accepted path's rows): every emitted token has its
+    logprob and top-2, equal to those SGLang's DFlash chain reports for the same greedy tokens, batch 1 and 3."""
+    ddtree, reference = fleet[servers[0]], fleet[servers[1]]
+    for batch in ([PROMPTS[0]], PROMPTS[:3]):
+        got, want = (
+            sorted(s.complete(batch, 24, logprobs=2)["choices"], key=lambda c: c["index"])
+            for s in (ddtree, reference)
+        )
+        for g, w in zip(got, want, strict=True):
+            assert g["token_ids"] == w["token_ids"]
+            lg, lw = g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"]
+            assert len(lg) == len(g["token_ids"]) and None not in lg, lg
+            assert max(abs(a - b) for a, b in zip(lg, lw, strict=True)) < 0.05, (lg, lw)
+            assert [len(t) for t in g["logprobs"]["top_logprobs"]] == [
+                len(t) for t in w["logprobs"]["top_logprobs"]
+            ]
+
+
 @pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",), ("ddtree-b8-oracle-off",)])
 def test_ddtree_oracle_accepts_what_the_reference_walk_predicts_and_emits_the_targets_greedy_tokens(
     fleet, servers
