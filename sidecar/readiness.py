@@ -155,24 +155,6 @@ class Readiness:
         except ServerControlError as e:
             return ServerView(error=str(e), missing=isinstance(e, ServerMissing))
 
-    def expected_mode(self) -> Mode:
-        """The mode the server should be in now (by a transition still running, or the settled one)."""
-        t = self.state.active
-        if (
-            t is None
-            or t.step == Step.ACCEPTED
-            or (t.method == Method.RESTART and t.step == Step.WRITING_MODE)
-        ):
-            return self.state.current_mode
-        return t.from_mode if t.step == Step.ROLLING_BACK else t.to_mode
-
-    def expected_modes(self) -> set[Mode]:
-        """The modes the ranks may report now: both ends while a live switch runs (each rank switches on its own)."""
-        t = self.state.active
-        if t is not None and t.method == Method.LIVE and t.step != Step.ACCEPTED:
-            return {t.from_mode, t.to_mode}
-        return {self.expected_mode()}
-
     async def _probe_for(self, fresh: bool) -> ProbeResult | None:
         """A probe of its own (fresh), or the background probe's latest verdict (the first one, waited for)."""
         if fresh:
@@ -185,8 +167,8 @@ class Readiness:
         """What the server looks like. fresh (a flip's wait, the bake): a probe of its own, which must pass;
         else the latest verdicts, with the tolerance for load (the module's docstring)."""
         s = self.settings
-        modes = {mode} if mode else self.expected_modes()
-        mode = mode or self.expected_mode()
+        modes = {mode} if mode else self.state.expected_modes()
+        mode = mode or self.state.expected_mode()
         self._retry_save()
         probe, server, snap = await asyncio.gather(
             self._probe_for(fresh),

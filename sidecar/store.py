@@ -79,6 +79,24 @@ class SidecarState(BaseModel):
     history: list[Transition] = Field(default_factory=list)
     desired_hold: DesiredHold | None = None
 
+    def expected_mode(self) -> Mode:
+        """The mode the server should be in now (by a transition still running, or the settled one)."""
+        t = self.active
+        if (
+            t is None
+            or t.step == Step.ACCEPTED
+            or (t.method == Method.RESTART and t.step == Step.WRITING_MODE)
+        ):
+            return self.current_mode
+        return t.from_mode if t.step == Step.ROLLING_BACK else t.to_mode
+
+    def expected_modes(self) -> set[Mode]:
+        """The modes the ranks may report now: both ends while a live switch runs (each rank switches on its own)."""
+        t = self.active
+        if t is not None and t.method == Method.LIVE and t.step != Step.ACCEPTED:
+            return {t.from_mode, t.to_mode}
+        return {self.expected_mode()}
+
 
 def append_line(path: Path, line: str) -> None:
     with path.open("a") as f:

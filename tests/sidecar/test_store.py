@@ -197,3 +197,30 @@ def test_the_vocabulary_is_saved_as_its_values_and_read_back_as_its_members(tmp_
     assert (saved["method"], saved["step"], saved["outcome"]) == ("live", "awaiting_ranks", None)
     back = store.load(Mode.OFF).active
     assert back.method is Method.LIVE and back.step is Step.AWAITING_RANKS
+
+
+@pytest.mark.parametrize(
+    "method, step, expected, ranks_may_report",
+    [
+        (None, None, Mode.VALIDATE, {Mode.VALIDATE}),  # settled
+        (Method.LIVE, Step.ACCEPTED, Mode.VALIDATE, {Mode.VALIDATE}),  # nothing written yet
+        (
+            Method.LIVE,
+            Step.AWAITING_RANKS,
+            Mode.ON,
+            {Mode.VALIDATE, Mode.ON},
+        ),  # each rank switches on its own
+        (Method.RESTART, Step.WRITING_MODE, Mode.VALIDATE, {Mode.VALIDATE}),  # the old server still runs
+        (Method.RESTART, Step.WAITING_READY, Mode.ON, {Mode.ON}),
+        (Method.LIVE, Step.ROLLING_BACK, Mode.VALIDATE, {Mode.VALIDATE, Mode.ON}),
+        (Method.RESTART, Step.ROLLING_BACK, Mode.VALIDATE, {Mode.VALIDATE}),
+    ],
+)
+def test_the_mode_the_server_should_be_in_follows_the_running_transition(
+    method, step, expected, ranks_may_report
+):
+    state = SidecarState(current_mode=Mode.VALIDATE)
+    if method is not None:
+        state.active = Transition(from_mode=Mode.VALIDATE, to_mode=Mode.ON, method=method, step=step)
+    assert state.expected_mode() is expected
+    assert state.expected_modes() == ranks_may_report
