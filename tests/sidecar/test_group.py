@@ -421,6 +421,22 @@ async def test_the_kill_switch_with_a_worker_unreachable(group):
         assert modes_of_ranks(group) == {0: "off", 1: "off", 2: "off", 3: "off"}
 
 
+async def test_a_worker_whose_mode_file_disagrees_is_rewritten_by_a_flip_to_the_groups_mode(group):
+    """What a lost debt leaves (node 1's mode file not the group's): /ready names it, and POST /mode with the group's
+    own mode is no no-op: it rewrites every node's mode file."""
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        write_desired_mode(group.dirs[1], Mode.ON)  # the ranks of node 1 follow it live
+        await not_ready_naming(c, "node 1: its mode file says on and the group's mode is validate")
+        r = await c.post("/mode", json={"mode": "validate", "reason": "rewrite"}, headers=AUTH)
+        assert r.status_code == 202, r.json()  # before: 200, "the server already runs in mode validate"
+        t = await settle(c)
+        assert t["outcome"] == "succeeded", t
+        assert [read_desired_mode(d) for d in group.dirs] == [Mode.VALIDATE, Mode.VALIDATE]
+        assert modes_of_ranks(group) == {0: "validate", 1: "validate", 2: "validate", 3: "validate"}
+        await wait_ready(c)
+
+
 async def _async(fn):
     return fn()
 
