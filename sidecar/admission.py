@@ -153,9 +153,15 @@ class Admission:
         answer = ModeAnswer(
             from_mode=current, to_mode=target, method=method, dry_run=req.dry_run, force=req.force
         )
-        # Nothing to do only when the mode file agrees: when it says another mode (a rollback could not write
-        # it back) the ranks follow it, and a transition to the same mode rewrites it.
-        agrees = snap is not None and snap.mode_file_error is None and snap.mode_file in (None, current)
+        # Nothing to do only when the mode file agrees, and in a group every worker's: when one says another mode
+        # (a rollback could not write it back, a debt to a node the leader's sidecar could not read back) the ranks
+        # follow it, and a transition to the same mode rewrites it.
+        agrees = (
+            snap is not None
+            and snap.mode_file_error is None
+            and snap.mode_file in (None, current)
+            and all(says in (None, current.value) for says in snap.node_mode_files.values())
+        )
         if target == current and agrees:
             answer.changed, answer.detail = False, f"the server already runs in mode {current}"
             return 200, answer, None

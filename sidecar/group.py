@@ -21,13 +21,15 @@ Faults, and what the leader does (tests/sidecar/test_group.py):
   every node that answers go to off, and a node that does not is owed off (mode file and restart), given as soon
   as its sidecar answers again; the flip succeeds once every rank reports off within KDTREE_READY_TIMEOUT_S.
 - a worker's server that restarts alone: its ranks are named until they report again in the group's mode.
-- the leader's sidecar restarted: it reads the workers again at its first assessment (nothing is kept).
+- the leader's sidecar restarted: it reads the workers again at its first assessment; what a node is owed is kept
+  on the leader's state volume (owed-modes.json) and given when the node answers, as before the restart.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the dependency annotations at run time (as in app.py).
 import asyncio
 import hmac
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -44,6 +46,7 @@ from pydantic import BaseModel, ValidationError
 from kdtree.config import Mode
 from kdtree.state.atomic import json_safe
 from kdtree.state.mode_file import mode_path, write_desired_mode
+from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes, write_owed_modes
 from kdtree.state.rank_records import RankView
 
 from .api import ServerView
@@ -244,16 +247,63 @@ class GroupClient:
     """The leader's side: the workers' reports, their mode files and their restarts, over authenticated HTTP.
 
     `owed`: nodes whose mode file the kill switch could not write (their sidecar did not answer), with the mode and
-    whether a restart is owed too; given when the node's sidecar answers again (merge)."""
+    whether a restart is owed too; given when the node's sidecar answers again (merge). Kept on the leader's state
+    volume (kdtree.state.owed_modes) whenever it changes and read back at the start, so it outlives this sidecar.
 
-    def __init__(self, settings: SidecarSettings):
+    volume: the leader's state volume (the controller shares it: a failed write stands as its problem in /ready)."""
+
+    def __init__(self, settings: SidecarSettings, volume: StateVolume | None = None):
         self.settings = settings
+        self.volume = volume or StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
         self.nodes = {i + 1: url for i, url in enumerate(settings.group_workers)}
         self.headers = {"Authorization": f"Bearer {settings.admin_token}"}
         self.timeout = settings.probe_deadline_s * 0.8
-        self.owed: dict[int, tuple[Mode, bool]] = {}
+        self.owed_problem: str | None = None  # why what the workers are owed is unknown (an unreadable file)
+        self.owed: dict[int, tuple[Mode, bool]] = self._load_owed()
+        self._owed_unsaved = False  # the volume did not take the latest change: retried at each read
         self.latest: dict[int, NodeReport | str] = {}
         self._paying: asyncio.Task | None = None
+
+    def _load_owed(self) -> dict[int, tuple[Mode, bool]]:
+        """What a previous sidecar left owed. An unreadable file does not stop the sidecar, and is not taken as
+        "nothing owed" quietly either: guessing a debt could restart a node into a mode nobody asked for, and an
+        empty map would forget the kill switch. So the file is moved aside for the operator (the next write would
+        replace it), the error is logged and stands in /status (each worker's problems) until a mode reaches every
+        node, and /ready names any worker whose mode file disagrees with the group's (what a lost debt leaves)."""
+        path = owed_path(self.settings.state_dir)
+        try:
+            found = read_owed_modes(self.settings.state_dir, self.settings.nnodes)
+        except (OSError, ValueError) as e:
+            aside = path.with_name(path.name + ".unreadable")
+            try:
+                os.replace(path, aside)
+                kept = f"moved to {aside} for inspection"
+            except OSError as e2:
+                kept = f"left in place (moving it to {aside} failed: {e2.strerror})"
+            self.owed_problem = (
+                f"what the worker nodes are owed is unreadable ({e}); the file is {kept}. What the kill switch "
+                "or a rollback owed them is unknown: POST /mode with the mode every node should run (off for the "
+                "kill switch) rewrites every node's mode file; /ready names a node whose mode file disagrees"
+            )
+            log.error("%s", self.owed_problem)
+            return {}
+        for n, o in found.items():
+            log.warning("node %d is owed %s%s from before this sidecar started (%s): given when it answers",
+                        n, o.mode.value, " and a restart" * o.restart, path)  # fmt: skip
+        return {n: (o.mode, o.restart) for n, o in found.items()}
+
+    def _save_owed(self, *, retry: bool = False) -> None:
+        """Replace the owed-modes file with `owed`. A write the volume does not take is logged and stands as the
+        volume's problem (/ready names it); the map in memory still pays, and the write is retried at each read."""
+        d = self.settings.state_dir
+        owed = {n: OwedMode(mode=m, restart=r) for n, (m, r) in self.owed.items()}
+        try:
+            self.volume.write("saving what the worker nodes are owed", owed_path(d),
+                              lambda: write_owed_modes(d, owed), retry=retry)  # fmt: skip
+        except VolumeWriteFailed:
+            self._owed_unsaved = True
+            return
+        self._owed_unsaved = False
 
     def _client(self, timeout: float) -> httpx.AsyncClient:
         return httpx.AsyncClient(headers=self.headers, timeout=timeout, follow_redirects=False)
@@ -288,6 +338,8 @@ class GroupClient:
         async with self._client(self.timeout) as client:
             found = await asyncio.gather(*(self._report(client, n) for n in self.nodes))
         self.latest = dict(zip(self.nodes, found, strict=True))
+        if self._owed_unsaved:
+            self._save_owed(retry=True)
         if self.owed and (self._paying is None or self._paying.done()):
             answering = [n for n in self.owed if isinstance(self.latest.get(n), NodeReport)]
             if answering:
@@ -331,11 +383,17 @@ class GroupClient:
         async with self._client(self.timeout) as client:
             results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
         failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
+        before = dict(self.owed)
         for n in self.nodes:
             if n in failed and owe:
                 self.owed[n] = (mode, restart)
             elif n not in failed:
                 self.owed.pop(n, None)  # the latest mode written replaces what was owed
+        if self.owed != before:
+            self._save_owed()
+        if not failed and self.owed_problem is not None:
+            log.warning("every node took mode %s: cleared: %s", mode.value, self.owed_problem)
+            self.owed_problem = None  # whatever the unreadable file owed, every node now has the latest mode
         return failed
 
     async def _post_mode(self, client: httpx.AsyncClient, node: int, mode: Mode) -> str | None:
@@ -373,6 +431,8 @@ class GroupClient:
     async def _pay(self, nodes: list[int]) -> None:
         """Give the nodes that answer again what the kill switch owes them: the mode file, then the restart."""
         for node in nodes:
+            if node not in self.owed:  # paid meanwhile by a newer write of every node's mode file
+                continue
             mode, restart = self.owed[node]
             async with self._client(self.timeout) as client:
                 if await self._post_mode(client, node, mode):
@@ -386,7 +446,9 @@ class GroupClient:
                 except (ServerControlError, httpx.HTTPError) as e:
                     log.error("node %d: the owed restart failed: %s", node, e)
                     continue
-            self.owed.pop(node, None)
+            if self.owed.get(node) == (mode, restart):  # not replaced by a newer debt meanwhile
+                del self.owed[node]
+                self._save_owed()
 
     def _restart_one(self, node: int) -> None:
         s = self.settings
@@ -402,6 +464,7 @@ class GroupClient:
         out = []
         for node in range(s.nnodes):
             latest = self.latest.get(node)
+            unknown = self.owed_problem if node in self.nodes and node not in self.owed else None
             out.append(
                 {
                     "node": node,
@@ -414,7 +477,8 @@ class GroupClient:
                     ],
                     "mode_file": latest.mode_file if isinstance(latest, NodeReport) else None,
                     "owed": self.owed[node][0].value if node in self.owed else None,
-                    "problems": [p for p in problems if p.startswith(f"node {node} ")],
+                    "problems": [p for p in problems if p.startswith(f"node {node} ")]
+                    + ([f"node {node} may be owed a mode: {unknown}"] if unknown else []),
                 }
             )
         return out

@@ -5,6 +5,7 @@
 - heartbeat: the rank's thread that writes its record and follows the mode file;
 - process_record: `server-process.json` and `server.log` (the server's entrypoint writes, the sidecar reads);
 - restart_request: `restart-request.json` (the sidecar writes, the entrypoint acts on it);
+- owed_modes: `owed-modes.json` (a group's leader: the mode each worker node it could not reach is owed);
 - atomic: how each of them is written (atomically) and read (bounded, regular files only);
 - pids: whether a record's writer is alive.
 

@@ -10,6 +10,9 @@ it through a TCP relay the test cuts to make a partition between the two sidecar
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
 import socket
 import threading
 import time
@@ -22,8 +25,11 @@ from sidecar_harness import AUTH, TOKEN, make_settings, serve, settle, sidecar, 
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
+from kdtree.state import owed_modes as owed_module
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes
 from kdtree.state.rank_records import read_records
+from sidecar.group import GroupClient
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
@@ -406,12 +412,145 @@ async def test_the_kill_switch_with_a_worker_unreachable(group):
         assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE  # unreachable: owed, not written
         st = (await c.get("/status")).json()
         assert st["group"][1]["owed"] == "off"
+        assert read_owed_modes(group.dirs[0], NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
         group.relay.open = True  # the node answers again: it gets off and its restart
         t = await settle(c, timeout=60)
         assert t["outcome"] == "succeeded", t
         assert read_desired_mode(group.dirs[1]) == Mode.OFF and group.nodes[1].starts == 2
+        assert read_owed_modes(group.dirs[0], NODES) == {}
         assert modes_of_ranks(group) == {0: "off", 1: "off", 2: "off", 3: "off"}
+
+
+async def test_a_worker_whose_mode_file_disagrees_is_rewritten_by_a_flip_to_the_groups_mode(group):
+    """What a lost debt leaves (node 1's mode file not the group's): /ready names it, and POST /mode with the group's
+    own mode is no no-op: it rewrites every node's mode file."""
+    async with sidecar(group.leader_settings()) as c:
+        await wait_ready(c)
+        write_desired_mode(group.dirs[1], Mode.ON)  # the ranks of node 1 follow it live
+        await not_ready_naming(c, "node 1: its mode file says on and the group's mode is validate")
+        r = await c.post("/mode", json={"mode": "validate", "reason": "rewrite"}, headers=AUTH)
+        assert r.status_code == 202, r.json()  # before: 200, "the server already runs in mode validate"
+        t = await settle(c)
+        assert t["outcome"] == "succeeded", t
+        assert [read_desired_mode(d) for d in group.dirs] == [Mode.VALIDATE, Mode.VALIDATE]
+        assert modes_of_ranks(group) == {0: "validate", 1: "validate", 2: "validate", 3: "validate"}
+        await wait_ready(c)
 
 
 async def _async(fn):
     return fn()
+
+
+# ---- what the kill switch owes, across a restart of the leader's sidecar ----------------------------------------
+# GroupClient is the leader's side of the group; a new one on the same state directory is what a restarted leader's
+# sidecar builds at its start.
+
+
+def silent_worker_settings(tmp_path) -> SidecarSettings:
+    """A leader whose one worker's sidecar does not answer (nothing listens on its port)."""
+    return group_settings(tmp_path, free_port(), "leader", group_workers=[f"http://127.0.0.1:{free_port()}"])
+
+
+async def test_what_the_kill_switch_owes_an_unreachable_node_is_kept_on_the_volume(tmp_path):
+    settings = silent_worker_settings(tmp_path)
+    leader = GroupClient(settings)
+    assert await leader.write_mode(Mode.ON, owe=False, restart=False)  # a forward flip: refused, nothing owed
+    assert leader.owed == {} and not owed_path(tmp_path).exists()
+    failed = await leader.write_mode(Mode.OFF, owe=True, restart=True)
+    assert "node 1's sidecar" in failed[1] and "did not answer" in failed[1]
+    assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
+    restarted = GroupClient(settings)  # the leader's sidecar restarted
+    assert restarted.owed == {1: (Mode.OFF, True)} and restarted.owed_problem is None
+    assert [n["owed"] for n in restarted.node_status([], [])] == [None, "off"]
+
+
+async def test_an_owed_mode_the_volume_refuses_is_written_again_at_the_next_read(
+    tmp_path, monkeypatch, caplog
+):
+    real = owed_module.write_atomically
+    refused = []
+
+    def full_once(path, text):
+        if not refused:
+            refused.append(path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text)
+
+    monkeypatch.setattr(owed_module, "write_atomically", full_once)
+    leader = GroupClient(silent_worker_settings(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="kdtree.sidecar"):
+        await leader.write_mode(Mode.OFF, owe=True, restart=True)
+    assert refused == [owed_path(tmp_path)] and leader.volume.problem.errno == "ENOSPC"  # /ready names it
+    assert any("owed-modes.json failed: ENOSPC" in r.getMessage() for r in caplog.records)
+    assert leader.owed == {1: (Mode.OFF, True)}  # still paid from memory
+    await leader.read()
+    assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
+    assert leader.volume.problem is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"nodes": {"5": {"mode": "off", "restart": true}}}',  # outside a group of 2
+        '{"nodes": {}}' + " " * 20_000,  # larger than the file can be
+    ],
+)
+async def test_an_unreadable_owed_file_is_kept_aside_and_reported_not_forgotten(tmp_path, caplog, content):
+    owed_path(tmp_path).write_text(content)
+    with caplog.at_level(logging.ERROR, logger="kdtree.sidecar"):
+        leader = GroupClient(silent_worker_settings(tmp_path))  # the sidecar starts
+    aside = tmp_path / "owed-modes.json.unreadable"
+    assert leader.owed == {} and not owed_path(tmp_path).exists() and aside.read_text() == content
+    (logged,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert str(owed_path(tmp_path)) in logged and f"moved to {aside}" in logged
+    assert "POST /mode with the mode every node should run (off for the kill switch)" in logged
+    node0, node1 = leader.node_status([], [])
+    assert node0["problems"] == [] and node1["problems"] == [f"node 1 may be owed a mode: {logged}"]
+    await leader.write_mode(Mode.OFF, owe=True, restart=True)  # still unreachable: owed, and known again
+    assert leader.node_status([], [])[1]["owed"] == "off" and leader.node_status([], [])[1]["problems"] == []
+    assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
+
+
+async def test_a_restarted_leader_pays_what_a_node_is_owed_when_it_answers(group):
+    """The debt outlives the leader's GroupClient: a new one on the same state volume gives node 1 its mode file, and
+    its restart when one is owed, once its sidecar answers, then removes the debt from the file."""
+    settings = group.leader_settings()
+    d0, d1 = group.dirs
+
+    async def paid(leader: GroupClient, mode: Mode, starts: int) -> bool:
+        await leader.read()  # the leader's assessment: a node that answers is paid
+        modes = modes_of_ranks(group)
+        return (
+            not leader.owed
+            and read_desired_mode(d1) == mode
+            and group.nodes[1].starts == starts
+            and (modes.get(2), modes.get(3)) == (mode.value, mode.value)
+        )
+
+    # A live mode: the mode file only (the ranks follow it), no restart.
+    group.relay.open = False
+    assert await GroupClient(settings).write_mode(Mode.ON, owe=True, restart=False)
+    assert read_desired_mode(d1) == Mode.VALIDATE
+    group.relay.open = True
+    restarted = GroupClient(settings)
+    assert restarted.owed == {1: (Mode.ON, False)}
+    await until(lambda: paid(restarted, Mode.ON, starts=1), timeout=30)
+    assert read_owed_modes(d0, NODES) == {}
+
+    # The kill switch: off and a restart.
+    group.relay.open = False
+    assert await restarted.write_mode(Mode.OFF, owe=True, restart=True)
+    assert read_desired_mode(d1) == Mode.ON and group.nodes[1].starts == 1
+    group.relay.open = True
+    again = GroupClient(settings)
+    assert again.owed == {1: (Mode.OFF, True)}
+    await until(lambda: paid(again, Mode.OFF, starts=2), timeout=60)
+    assert read_owed_modes(d0, NODES) == {}
+
+    # An unreadable file: reported until a mode reaches every node.
+    owed_path(d0).write_text("{")
+    broken = GroupClient(settings)
+    assert broken.owed_problem and broken.node_status([], [])[1]["problems"]
+    assert await broken.write_mode(Mode.OFF, owe=True, restart=True) == {}
+    assert broken.owed_problem is None and broken.node_status([], [])[1]["problems"] == []

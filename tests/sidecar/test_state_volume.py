@@ -29,6 +29,7 @@ from standin_engine import free_port
 from kdtree.config import Mode
 from kdtree.state import mode_file as control_module
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
+from kdtree.state.owed_modes import OWED_FILE, read_owed_modes
 from kdtree.state.pids import own_pid_ns
 from kdtree.state.rank_records import RECORD_MAX, new_record, read_records, record_path
 from sidecar import readiness as readiness_module
@@ -341,6 +342,7 @@ async def test_live_answers_while_a_state_volume_read_hangs(standin, tmp_path, m
         ("server.log", lambda d: ServerProcess(d).logs(10)),
         (STATE_FILE, lambda d: Store(d, 50).load(Mode.OFF)),
         ("sidecar-audit.jsonl", lambda d: Store(d, 50).audit_tail(10)),
+        (OWED_FILE, lambda d: read_owed_modes(d, nnodes=2)),
     ],
 )
 def test_every_file_the_sidecar_reads_is_refused_as_a_fifo_never_waited_on(tmp_path, name, read):
