@@ -51,11 +51,9 @@ class Controller:
         self.group = group  # a group's leader: the workers' sidecars (sidecar/group.py)
         self.server = server
         self.metrics = metrics
-        # Reads give up a little before the deadline, like the probe, so /ready still has their verdict. A group's
-        # leader shares the group's: a write of what the workers are owed that fails stands as its problem too.
-        self.volume = (
-            group.volume if group else StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
-        )
+        # A group's leader shares the group's volume: a write of what the workers are owed that fails stands as its
+        # problem too.
+        self.volume = group.volume if group else StateVolume.of(settings)
         self.store = Store(settings.state_dir, settings.history_limit, self.volume)
         self.state: SidecarState = self.store.load(read_desired_mode(settings.state_dir) or settings.verify)
         self.readiness = Readiness(settings, server, metrics, self.volume, self.store, self.state, group)

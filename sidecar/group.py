@@ -111,7 +111,7 @@ class WorkerNode:
     def __init__(self, settings: SidecarSettings, server: ServerControl | None):
         self.settings = settings
         self.server = server
-        self.volume = StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
+        self.volume = StateVolume.of(settings)
         self.restarting = asyncio.Lock()
 
     async def inspect(self) -> ServerView:
@@ -254,7 +254,7 @@ class GroupClient:
 
     def __init__(self, settings: SidecarSettings, volume: StateVolume | None = None):
         self.settings = settings
-        self.volume = volume or StateVolume(settings.state_dir, settings.probe_deadline_s * 0.9)
+        self.volume = volume or StateVolume.of(settings)
         self.nodes = {i + 1: url for i, url in enumerate(settings.group_workers)}
         self.headers = {"Authorization": f"Bearer {settings.admin_token}"}
         self.timeout = settings.probe_deadline_s * 0.8

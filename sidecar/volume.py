@@ -20,11 +20,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
 
 from .probe import SingleFlight
+
+if TYPE_CHECKING:
+    from .settings import SidecarSettings
 
 log = logging.getLogger("kdtree.sidecar")
 T = TypeVar("T")
@@ -72,6 +75,12 @@ class StateVolume:
         self.problem: VolumeProblem | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdtree-volume")
         self._flights: dict[str, SingleFlight[Any]] = {}
+
+    @classmethod
+    def of(cls, settings: SidecarSettings) -> StateVolume:
+        """The sidecar's volume: reads give up a little before the probe's deadline, so /ready still has their
+        verdict."""
+        return cls(settings.state_dir, settings.probe_deadline_s * 0.9)
 
     # ---- reads ---------------------------------------------------------------------------------------
 
