@@ -19,6 +19,11 @@ __device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + swz_in
 constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
 constexpr int MIN_KEYS_PER_SPLIT = 128;  // keys per split below which partial-result traffic outweighs parallelism
 constexpr int MAX_SPLITS = 128;
+// The split rule's fixed cost of a CTA, as a fraction of one reading a whole prefix: measured on the H200
+// (bench/tuning/split_sweep.py) ~12 us against 1860 at 32k keys, ~10 against 480 at 8k; 1/50 keeps the 8k end.
+constexpr double SPLIT_CTA_COST = 0.02;
+// At most this many waves of split CTAs (it bounds the workspace: MAX_SPLIT_WAVES x slots partial tiles).
+constexpr long MAX_SPLIT_WAVES = 3;
 
 // Warp-specialised CTA: NS score warps (16 rows each, all BN keys of a tile) compute S = Q K^T and the
 // softmax and hand P to NO output warps (all BM rows, DV/NO value dims each), which accumulate O += P V

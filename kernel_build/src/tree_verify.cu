@@ -208,9 +208,19 @@ static Plan plan(int batch, int H, int max_q_len, int cta_slots, int pair_slots)
   Plan pl;
   pl.m_tiles = (max_q_len * H + C::BM - 1) / C::BM;
   const long base = static_cast<long>(batch) * pl.m_tiles;
-  // Split each request's keys so the grid fills the device's resident CTA slots in one wave
-  // (rounding up would leave a second, nearly empty wave).
-  pl.splits = static_cast<int>(std::max<long>(1, std::min<long>(MAX_SPLITS, cta_slots / base)));
+  // Split each request's keys s ways, s minimising waves(s) * (1/s + SPLIT_CTA_COST): waves(s) = ceil(base*s / slots)
+  // rounds of CTAs, each reading 1/s of a prefix plus a fixed cost (Q's load, the partial rows, the combine's share).
+  // The prefix is unknown here (a graph captured at a short one replays at a long one), so the cost is a fraction of
+  // a whole prefix's CTA. Where base*s fits one wave this is the largest such s, as before; past half the slots it
+  // is 3 to 5 splits over 2 or 3 waves instead of one split on half the device (NOTES.md, "DDTree's sizes").
+  long best_s = 1;
+  double best = 1e30;
+  for (long s = 1; s <= MAX_SPLITS && (s == 1 || base * s <= MAX_SPLIT_WAVES * cta_slots); ++s) {
+    const long waves = (base * s + cta_slots - 1) / cta_slots;
+    const double cost = waves * (1.0 / s + SPLIT_CTA_COST);
+    if (cost < best - 1e-9) best = cost, best_s = s;
+  }
+  pl.splits = static_cast<int>(best_s);
   pl.pair = C::PAIR && pl.splits == 2 && base <= pair_slots;
   pl.ws_bytes = pl.splits == 1 ? 0 : static_cast<size_t>(base) * pl.splits * C::BM * (DV + 1) * sizeof(float);
   return pl;

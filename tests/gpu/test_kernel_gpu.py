@@ -62,6 +62,7 @@ DDTREE_CASES = [
     (1, 16, 65, 8192, True),
     (4, 8, 33, [32768, 8192, 100, 3000], True),  # ragged, one request's prefix shorter than its tree
     (2, 16, 129, [8192, 777], True),
+    (4, 8, 129, [32768, 8192, 100, 3000], True),  # 68 row tiles on an H200: 5 splits in 3 waves, ragged
     (1, 8, 257, 32768, True),
     (1, 8, 1024, 8192, True),
 ]

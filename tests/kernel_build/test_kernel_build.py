@@ -161,6 +161,28 @@ def test_workspace_depends_on_sizes_only(build):
     assert lib.kdtree_verify_workspace_bytes(0, 8, 16, 132, 1, ctypes.byref(size)) != 0
 
 
+@pytest.mark.parametrize(
+    "batch, heads, q_len, splits",
+    [
+        (1, 8, 16, 66),  # 2 row tiles: 66 splits fill one wave
+        (4, 8, 257, 1),  # 4 x 33 = 132 row tiles fill the device: no split
+        (4, 8, 65, 7),  # 36 row tiles: 3 splits fill 108 slots in one wave; 7 (252 CTAs, 2 waves of 1/7) beat it
+        (4, 8, 129, 5),  # 68 row tiles: one split would idle 64 slots; 5 splits, 3 waves of a fifth each
+        (70, 8, 16, 2),  # 140 row tiles: a second wave of 8 CTAs; 2 splits are 3 waves of halves
+        (256, 16, 64, 1),
+    ],
+)
+def test_split_rule(build, batch, heads, q_len, splits):
+    # plan() (src/tree_verify.cu) minimises waves * (1/s + SPLIT_CTA_COST), at most 3 waves: the workspace holds
+    # each split CTA's partial rows (64 rows x (512 + 1) floats), so it shows the split count
+    lib = ctypes.CDLL(str(build[0] / "libkdtree_verify.so"))
+    size = ctypes.c_size_t()
+    assert lib.kdtree_verify_workspace_bytes(batch, heads, q_len, 132, 1, ctypes.byref(size)) == 0
+    base = batch * -(-heads * q_len // 64)
+    assert size.value == (0 if splits == 1 else base * splits * 64 * 513 * 4)
+    assert size.value <= 3 * 132 * 64 * 513 * 4
+
+
 def test_timeline_stamps_only_in_timeline_builds(build, tmp_path):
     # The release library has no timeline entry points (and its SASS none of the stamps); a tuning build
     # with -DKDTREE_TIMELINE compiles for both targets and exports them for bench/tuning/timeline.py.
