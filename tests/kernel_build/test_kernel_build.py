@@ -166,7 +166,7 @@ def test_workspace_depends_on_sizes_only(build):
     [
         (1, 8, 16, 66),  # 2 row tiles: 66 splits fill one wave
         (4, 8, 257, 1),  # 4 x 33 = 132 row tiles fill the device: no split
-        (4, 8, 65, 7),  # 36 row tiles: 3 splits fill 108 slots in one wave; 7 (252 CTAs, 2 waves of 1/7) beat it
+        (4, 8, 65, 7),  # 36 row tiles: 3 splits fill 108 slots in one wave; 7 (2 waves of 1/7) beat it
         (4, 8, 129, 5),  # 68 row tiles: one split would idle 64 slots; 5 splits, 3 waves of a fifth each
         (70, 8, 16, 2),  # 140 row tiles: a second wave of 8 CTAs; 2 splits are 3 waves of halves
         (256, 16, 64, 1),
