@@ -1,4 +1,5 @@
-"""A tensor-parallel group over two nodes (sidecar/group.py), simulated as processes: no Docker, no cluster.
+"""A tensor-parallel group over two nodes (sidecar/group_worker.py, sidecar/group_leader.py), simulated as
+processes: no Docker, no cluster.
 
 Each node is standins/standin_engine.py (NOT SGLang) under the server entrypoint's real supervisor and a stand-in
 orchestrator (standins/process_harness.py), with its own state directory, four ranks spread two per node: node 0
@@ -29,7 +30,7 @@ from kdtree.state import owed_modes as owed_module
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
 from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes
 from kdtree.state.rank_records import read_records
-from sidecar.group import GroupClient
+from sidecar.group_leader import GroupClient
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
