@@ -191,7 +191,7 @@ class StatusDocument(BaseModel):
     active_transition: Transition | None
     transitions: list[Transition]
     group: list[dict[str, Any]] | None = (
-        None  # a group's leader: each node, its ranks and problems (sidecar/group.py)
+        None  # a group's leader: each node, its ranks and problems (sidecar/group_leader.py)
     )
     desired_mode: DesiredModeStatus | None = None  # None: KDTREE_DESIRED_MODE_FILE is unset
     speculation: SpeculationStatus = Field(default_factory=SpeculationStatus)

@@ -23,7 +23,8 @@ from .admission import ModeRequest
 from .api import GateVerdict
 from .controller import Controller
 from .desired_mode import DesiredModeReconciler
-from .group import GroupClient, GroupCollector, GroupServerControl, create_worker_app
+from .group_leader import GroupClient, GroupCollector, GroupServerControl
+from .group_worker import create_worker_app
 from .metrics import Metrics
 from .pod_events import PodEvents
 from .server_control import ServerControl
@@ -65,7 +66,7 @@ def create_app(
     if settings.group_role == "worker":
         return create_worker_app(
             settings, server
-        )  # its node's ranks, for the group's leader (sidecar/group.py)
+        )  # its node's ranks, for the group's leader (sidecar/group_worker.py)
     metrics = Metrics(settings.expected_tp_size)
     group = None
     if settings.group_role == "leader":

@@ -25,7 +25,7 @@ from kdtree.state.rank_records import RankView
 
 from .admission import Admission, ModeRequest
 from .api import ModeAnswer, StatusDocument
-from .group import GroupClient
+from .group_leader import GroupClient
 from .metrics import Metrics
 from .readiness import Assessment, Readiness
 from .server_control import ServerControl
@@ -48,7 +48,7 @@ class Controller:
         group: GroupClient | None = None,
     ):
         self.settings = settings
-        self.group = group  # a group's leader: the workers' sidecars (sidecar/group.py)
+        self.group = group  # a group's leader: the workers' sidecars (sidecar/group_leader.py)
         self.server = server
         self.metrics = metrics
         # A group's leader shares the group's volume: a write of what the workers are owed that fails stands as its

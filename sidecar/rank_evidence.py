@@ -28,8 +28,9 @@ class VolumeReading(BaseModel):
     views: list[RankView]
     mode_file: Mode | None = None  # None: no mode file
     mode_file_error: str | None = None
-    # A group's leader (sidecar/group.py) adds what its workers' sidecars reported, by node: why a node's ranks are
-    # unread, when each node's server started, what each node's mode file says, and what is wrong with a node.
+    # A group's leader (sidecar/group_leader.py) adds what its workers' sidecars reported, by node: why a node's
+    # ranks are unread, when each node's server started, what each node's mode file says, and what is wrong with a
+    # node.
     unreachable: dict[int, str] = {}
     node_started_at: dict[int, float | None] = {}
     node_mode_files: dict[int, str | None] = {}
@@ -106,8 +107,9 @@ def check_ranks(
 
     `modes` is one mode, or both ends of a live switch while the ranks make it (each rank switches on its own).
     started_after: records written by processes started before this time (the previous server) do not count.
-    A group (sidecar/group.py): `ranks` a worker's own node's; on the leader, `unreachable` the nodes whose sidecar
-    did not answer (why), `node_after` each node's own started_after (its server starts apart from the leader's).
+    A group: `ranks` a worker's own node's (sidecar/group_worker.py); on the leader (sidecar/group_leader.py),
+    `unreachable` the nodes whose sidecar did not answer (why), `node_after` each node's own started_after (its
+    server starts apart from the leader's).
     """
     modes = {modes} if isinstance(modes, Mode) else set(modes)
     expected = " or ".join(sorted(m.value for m in modes))

@@ -23,7 +23,7 @@ from kdtree.config import Mode
 from kdtree.state.rank_records import RankRecord, RankView
 
 from .api import ServerView
-from .group import GroupClient
+from .group_leader import GroupClient
 from .metrics import Metrics
 from .probe import HTTP_STATUS, REFUSED, TIMEOUT, Prober, ProbeResult, SingleFlight
 from .rank_evidence import (
@@ -79,7 +79,7 @@ class Readiness:
         group: GroupClient | None = None,
     ):
         self.settings = settings
-        self.group = group  # a group's leader: every worker's ranks join the reading (sidecar/group.py)
+        self.group = group  # a group's leader: the workers' ranks join the reading (sidecar/group_leader.py)
         self.server = server
         self.metrics = metrics
         self.volume = volume

@@ -112,10 +112,10 @@ class TransitionRunner:
             raise StepFailed(self.volume.problem.reason)
 
     async def _write_mode(self, mode: Mode, *, restart: bool, rollback: bool = False) -> None:
-        """This node's mode file; a group's leader then every worker's (sidecar/group.py). A worker that does not
-        take it ends a forward flip (StepFailed), except the kill switch's and a rollback's: that node is owed the
-        mode (and a restart, for a restart flip), given when its sidecar answers again; the ranks' confirmation
-        waits for it."""
+        """This node's mode file; a group's leader then every worker's (sidecar/group_leader.py). A worker that
+        does not take it ends a forward flip (StepFailed), except the kill switch's and a rollback's: that node is
+        owed the mode (and a restart, for a restart flip), given when its sidecar answers again; the ranks'
+        confirmation waits for it."""
         d = self.settings.state_dir
         self.volume.write("writing the mode file", mode_path(d), lambda: write_desired_mode(d, mode))
         group = self.readiness.group

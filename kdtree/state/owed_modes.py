@@ -1,7 +1,7 @@
 """KDTREE_STATE_DIR/owed-modes.json, on a group's leader: the worker nodes that the kill switch (or a rollback) could
 not reach, each with the mode it is owed and whether a restart is owed too. The leader's sidecar writes it whenever
 that changes and reads it at its start, so a node is still given its mode when it answers again after the leader's
-sidecar restarted (sidecar/group.py). A missing file owes nothing; so does one with no nodes.
+sidecar restarted (sidecar/group_leader.py). A missing file owes nothing; so does one with no nodes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""sidecar/group_leader.py's GroupClient with a worker whose sidecar does not answer (nothing listens on its port):
+what the kill switch owes that node, kept on the leader's state volume. A new GroupClient on the same state
+directory is what a restarted leader's sidecar builds at its start. The debt paid once the node answers again, with
+the group as processes: tests/sidecar/test_group.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+from sidecar_harness import make_settings
+from standin_engine import free_port
+
+from kdtree.config import Mode
+from kdtree.state import owed_modes as owed_module
+from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes
+from sidecar.group_leader import GroupClient
+from sidecar.settings import SidecarSettings
+
+pytestmark = pytest.mark.anyio
+TP, NODES = 4, 2
+
+
+def silent_worker_settings(tmp_path) -> SidecarSettings:
+    """A leader whose one worker's sidecar does not answer (nothing listens on its port)."""
+    return make_settings(
+        tmp_path,
+        free_port(),
+        expected_tp_size=TP,
+        nnodes=NODES,
+        group_role="leader",
+        verify=Mode.VALIDATE,
+        group_workers=[f"http://127.0.0.1:{free_port()}"],
+    )
+
+
+async def test_what_the_kill_switch_owes_an_unreachable_node_is_kept_on_the_volume(tmp_path):
+    settings = silent_worker_settings(tmp_path)
+    leader = GroupClient(settings)
+    assert await leader.write_mode(Mode.ON, owe=False, restart=False)  # a forward flip: refused, nothing owed
+    assert leader.owed == {} and not owed_path(tmp_path).exists()
+    failed = await leader.write_mode(Mode.OFF, owe=True, restart=True)
+    assert "node 1's sidecar" in failed[1] and "did not answer" in failed[1]
+    assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
+    restarted = GroupClient(settings)  # the leader's sidecar restarted
+    assert restarted.owed == {1: (Mode.OFF, True)} and restarted.owed_problem is None
+    assert [n["owed"] for n in restarted.node_status([], [])] == [None, "off"]
+
+
+async def test_an_owed_mode_the_volume_refuses_is_written_again_at_the_next_read(
+    tmp_path, monkeypatch, caplog
+):
+    real = owed_module.write_atomically
+    refused = []
+
+    def full_once(path, text):
+        if not refused:
+            refused.append(path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text)
+
+    monkeypatch.setattr(owed_module, "write_atomically", full_once)
+    leader = GroupClient(silent_worker_settings(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="kdtree.sidecar"):
+        await leader.write_mode(Mode.OFF, owe=True, restart=True)
+    assert refused == [owed_path(tmp_path)] and leader.volume.problem.errno == "ENOSPC"  # /ready names it
+    assert any("owed-modes.json failed: ENOSPC" in r.getMessage() for r in caplog.records)
+    assert leader.owed == {1: (Mode.OFF, True)}  # still paid from memory
+    await leader.read()
+    assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
+    assert leader.volume.problem is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"nodes": {"5": {"mode": "off", "restart": true}}}',  # outside a group of 2
+        '{"nodes": {}}' + " " * 20_000,  # larger than the file can be
+    ],
+)
+async def test_an_unreadable_owed_file_is_kept_aside_and_reported_not_forgotten(tmp_path, caplog, content):
+    owed_path(tmp_path).write_text(content)
+    with caplog.at_level(logging.ERROR, logger="kdtree.sidecar"):
+        leader = GroupClient(silent_worker_settings(tmp_path))  # the sidecar starts
+    aside = tmp_path / "owed-modes.json.unreadable"
+    assert leader.owed == {} and not owed_path(tmp_path).exists() and aside.read_text() == content
+    (logged,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert str(owed_path(tmp_path)) in logged and f"moved to {aside}" in logged
+    assert "POST /mode with the mode every node should run (off for the kill switch)" in logged
+    node0, node1 = leader.node_status([], [])
+    assert node0["problems"] == [] and node1["problems"] == [f"node 1 may be owed a mode: {logged}"]
+    await leader.write_mode(Mode.OFF, owe=True, restart=True)  # still unreachable: owed, and known again
+    assert leader.node_status([], [])[1]["owed"] == "off" and leader.node_status([], [])[1]["problems"] == []
+    assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
