@@ -12,12 +12,10 @@ import logging
 import math
 from collections.abc import Iterable
 
-from pydantic import BaseModel, Field, StrictBool
-
 from kdtree.config import FP8_PARITY_RTOL, LIVE_MODES, Mode
 from kdtree.state.rank_records import RankRecord, RankView
 
-from .api import Criterion, ModeAnswer
+from .api import Criterion, ModeAnswer, ModeRequest
 from .metrics import Metrics
 from .probe import REFUSED
 from .rank_evidence import live_records
@@ -26,21 +24,6 @@ from .server_control import ServerControl
 from .settings import SidecarSettings
 from .store import SidecarState, Store, Transition
 from .vocabulary import Method, Phase
-
-REASON_MAX = 500  # characters of `reason` a request may carry (it goes into the audit log and the logs)
-
-
-class ModeRequest(BaseModel):
-    """POST /mode's body. Flags take JSON booleans only: a string such as "yes" is refused (422), never truthy."""
-
-    model_config = {"extra": "forbid"}
-
-    mode: Mode
-    dry_run: StrictBool = False
-    force: StrictBool = False
-    restart: StrictBool = False  # restart the server even where a live switch would do
-    reason: str = Field("", max_length=REASON_MAX)
-
 
 NON_FINITE_CHECKED = ("max_rel_l2", "max_abs_err", "rtol")  # the parity fields that are floats
 

@@ -1,4 +1,4 @@
-"""The documents the sidecar's API answers with, typed: the sidecar builds them, kdtreectl parses them (one reading
+"""The documents of the sidecar's API, typed (POST /mode's body and every answer): the sidecar builds them, kdtreectl parses them (one reading
 of each). Pydantic only (no FastAPI): kdtreectl imports this module.
 
 The JSON on the wire is each model's dump: the same keys and values as the API has always sent. A POST /mode answer
@@ -11,7 +11,7 @@ import math
 import operator
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
 from kdtree.config import Mode
 from kdtree.state.rank_records import RankView
@@ -72,6 +72,21 @@ class Criterion(BaseModel):
         and `value <op> threshold`."""
         passed = evidence and holds(value, op, threshold)
         return cls(name=name, value=value, op=op, threshold=threshold, passed=passed, detail=detail)
+
+
+REASON_MAX = 500  # characters of `reason` a request may carry (it goes into the audit log and the logs)
+
+
+class ModeRequest(BaseModel):
+    """POST /mode's body. Flags take JSON booleans only: a string such as "yes" is refused (422), never truthy."""
+
+    model_config = {"extra": "forbid"}
+
+    mode: Mode
+    dry_run: StrictBool = False
+    force: StrictBool = False
+    restart: StrictBool = False  # restart the server even where a live switch would do
+    reason: str = Field("", max_length=REASON_MAX)
 
 
 class ModeAnswer(BaseModel):

@@ -19,8 +19,7 @@ from pydantic import ValidationError
 from kdtree.config import Mode
 from kdtree.state.atomic import json_safe
 
-from .admission import ModeRequest
-from .api import GateVerdict
+from .api import GateVerdict, ModeRequest
 from .controller import Controller
 from .desired_mode import DesiredModeReconciler
 from .group_leader import GroupClient, GroupCollector, GroupServerControl

@@ -23,8 +23,8 @@ from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode
 from kdtree.state.rank_records import RankView
 
-from .admission import Admission, ModeRequest
-from .api import ModeAnswer, StatusDocument
+from .admission import Admission
+from .api import ModeAnswer, ModeRequest, StatusDocument
 from .group_leader import GroupClient
 from .metrics import Metrics
 from .readiness import Assessment, Readiness

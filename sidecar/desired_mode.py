@@ -39,8 +39,7 @@ from prometheus_client import Counter, Enum
 
 from kdtree.config import Mode
 
-from .admission import ModeRequest
-from .api import DESIRED_MODE_ANNOTATION, DesiredModeStatus
+from .api import DESIRED_MODE_ANNOTATION, DesiredModeStatus, ModeRequest
 from .controller import Controller
 from .metrics import Metrics
 from .pod_events import PodEvents
