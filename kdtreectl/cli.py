@@ -15,7 +15,7 @@ from sidecar.api import StatusDocument
 from sidecar.store import Transition
 from sidecar.vocabulary import Outcome, Step
 
-from . import check, exit_codes, rollout
+from . import check, exit_codes, rollout, rollout_pods
 from .client import SidecarClient, Unreachable, busy_with, criterion_line, fmt_elapsed
 from .exit_codes import BUSY, CRASHED, FAILED, OK, TIMED_OUT, UNAUTHORIZED, UNREACHABLE, USAGE, readiness
 from .settings import CtlSettings
@@ -286,6 +286,11 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
     return p
 
 
+def _rollout(args) -> int:
+    """--selector: the rollout the cluster holds (rollout_pods.py); --sidecar: the one this process holds (rollout.py)."""
+    return rollout_pods.cmd_rollout_pods(args) if args.selector is not None else rollout.cmd_rollout(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kdtreectl",
@@ -373,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reason", default="", help="why, for each sidecar's audit log")
     r.add_argument("--timeout", type=float, default=3900.0, help="seconds one replica's transition may take")
     r.add_argument("--interval", type=float, default=2.0, help="seconds between polls of a transition")
-    r.set_defaults(func=rollout.cmd_rollout)
+    r.set_defaults(func=_rollout)
 
     check.add_parser(sub, common)
     return p

@@ -190,10 +190,8 @@ def _table(replicas: list[Replica]) -> str:
 
 
 def cmd_rollout(args) -> int:
-    if args.selector is not None:
-        from .rollout_pods import cmd_rollout_pods
-
-        return cmd_rollout_pods(args)
+    """`kdtreectl rollout --sidecar URL ...`: each replica flipped through its own sidecar, in order (--selector is
+    rollout_pods.py's, chosen in cli.py)."""
     try:
         urls = [_normalized_url(u) for u in args.sidecar]
     except ValueError as e:
