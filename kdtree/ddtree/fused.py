@@ -5,13 +5,15 @@ order and tie rule: see that module), one program per request, in four phases se
 the buffers' global workspace:
 1. per depth d, the beam C_d: every candidate (parent slot p, rank r) of C_{d-1} x K gets an int64 key, the
    order-preserving int32 image of -score in the high bits and its flat index p * KP + r in the low bits (flat
-   order = lexicographic order, as in build_tree), one tl.sort; the first `budget` keys are C_d, sorted again by
-   flat index (lexicographic order). Scores are recomputed as parent score + log-prob, the same float32 add;
-2. subtree sizes bottom-up (a [W, W] compare-and-sum per depth) and preorder top-down (two cumsums per depth);
+   order = lexicographic order, as in build_tree); tl.sort in chunks of at most SORT_BLOCK, the first `budget`
+   of each chunk merged by one more sort; the first `budget` keys are C_d, sorted again by flat index
+   (lexicographic order). Scores are recomputed as parent score + log-prob, the same float32 add;
+2. subtree sizes bottom-up and preorder top-down, cumsums over each beam (children of a parent are contiguous);
 3. the global cut: one tl.sort of the union's keys (-score image, preorder, union index), the first `budget`;
 4. the ancestor-or-self mask, L parent hops per node.
-Shapes whose blocks exceed FUSED_MAX_BLOCK elements (budget * K, budget^2, L * budget, padded to powers of two:
-budgets above 64 at K = budget) are refused by `fits`; `build_draft_tree` gives those to build_tree (torch).
+Which shapes: `fits` (blocks padded to powers of two: L * budget and the merge at most SORT_BLOCK, budget * K at
+most FUSED_MAX_CANDIDATES, a speed limit: at K = budget, budgets up to 128). `build_draft_tree` gives every other
+shape, and CPU tensors, to build_tree (torch ops, the same values).
 
 `walk_kernel` does `kdtree.ddtree.accept.follow_tree`, `window_permutation` and `path_rows` for one request per
 program and writes AcceptBuffers' path, accepted, bonus, out_tokens, perm and rows (every shape).
@@ -28,18 +30,33 @@ import triton.language as tl
 from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
 from kdtree.ddtree.tree import TreeBuffers, build_tree
 
-FUSED_MAX_BLOCK = 4096  # elements of the largest block one program sorts or reduces (registers: see `fits`)
+SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
+FUSED_MAX_CANDIDATES = 16384  # budget * K (padded) above which build_draft_tree keeps build_tree (speed)
 _MIN_BLOCK = 16
+NUM_WARPS = 4
 
 
 def _p2(n: int) -> int:
     return max(_MIN_BLOCK, triton.next_power_of_2(n))
 
 
+def _blocks(L: int, K: int, budget: int) -> dict:
+    WP, KP = _p2(budget), _p2(K)
+    CH = min(WP * KP, SORT_BLOCK)
+    NC = WP * KP // CH
+    return dict(WP=WP, KP=KP, CH=CH, NC=NC, MP=NC * WP, LWP=_p2(L * budget))
+
+
 def fits(L: int, K: int, budget: int) -> bool:
     """Whether the fused builder takes this shape (else build_tree does; see the module)."""
-    WP, KP = _p2(budget), _p2(K)
-    return max(WP * KP, WP * WP, _p2(L * budget)) <= FUSED_MAX_BLOCK
+    s = _blocks(L, K, budget)
+    return (
+        s["KP"] <= SORT_BLOCK
+        and s["MP"] <= SORT_BLOCK
+        and s["NC"] <= K  # the merge area lives in TreeBuffers.cand_order, [bs, budget * K]
+        and s["LWP"] <= SORT_BLOCK
+        and s["WP"] * s["KP"] <= FUSED_MAX_CANDIDATES
+    )
 
 
 @triton.jit
@@ -62,7 +79,10 @@ def tree_kernel(
     size_ptr,  # [bs, L + 1, W] int64
     pre_ptr,  # [bs, L + 1, W] int64
     sel_ptr,  # [bs, W] int64 workspace
+    merge_ptr,  # [bs, NC * W] int64 workspace (NC > 1)
+    t1_ptr,  # [bs, W] int64 workspace
     t2_ptr,  # [bs, W] int64 workspace
+    t3_ptr,  # [bs, W] int64 workspace
     order_ptr,  # [bs, W] int64: union index of node 1..
     inv_ptr,  # [bs, L * W] int64 workspace
     input_ids_ptr,
@@ -77,6 +97,9 @@ def tree_kernel(
     W: tl.constexpr,
     WP: tl.constexpr,
     KP: tl.constexpr,
+    CH: tl.constexpr,  # candidates sorted at once (a multiple of KP)
+    NC: tl.constexpr,  # chunks: WP * KP = NC * CH
+    MP: tl.constexpr,  # merge block, NC * WP
     LWP: tl.constexpr,
     UB: tl.constexpr,  # bits of a union index / preorder field in the cut's key
     NP: tl.constexpr,
@@ -93,19 +116,31 @@ def tree_kernel(
     w = tl.arange(0, WP)
     wm = w < W
 
-    # 1. the beams, each in lexicographic order; depth 0 = the root in slot 0
+    # 1. the beams, each in lexicographic order; depth 0 = the root in slot 0. The candidates are sorted in NC
+    # chunks of CH; the first W of each chunk go to the merge area, whose first W (sorted again) are the beam's.
     tl.store(beam_score_ptr + beam + w, tl.where(w == 0, 0.0, NEG_INF), mask=wm)
-    f = tl.arange(0, WP * KP)
-    fp = f // KP
-    fr = f % KP
-    fm = (fp < W) & (fr < K)
     for d in range(1, L + 1):
         tl.debug_barrier()
-        s = tl.load(beam_score_ptr + beam + (d - 1) * W + fp, mask=fm, other=0.0)
-        x = tl.load(lp_row + (d - 1) * K + fr, mask=fm, other=0.0)
-        key = (_neg_score_image(s + x) << 31) | f.to(tl.int64)
-        key = tl.sort(tl.where(fm, key, MAXKEY))
-        tl.store(sel_ptr + b * W + f, key, mask=f < W)
+        for c in range(NC):
+            f = c * CH + tl.arange(0, CH)
+            fp = f // KP
+            fr = f % KP
+            fm = (fp < W) & (fr < K)
+            s = tl.load(beam_score_ptr + beam + (d - 1) * W + fp, mask=fm, other=0.0)
+            x = tl.load(lp_row + (d - 1) * K + fr, mask=fm, other=0.0)
+            key = (_neg_score_image(s + x) << 31) | f.to(tl.int64)
+            key = tl.sort(tl.where(fm, key, MAXKEY))
+            ci = tl.arange(0, CH)
+            if NC == 1:
+                tl.store(sel_ptr + b * W + ci, key, mask=ci < W)
+            else:
+                tl.store(merge_ptr + b * NC * W + c * W + ci, key, mask=ci < W)
+        if NC > 1:
+            tl.debug_barrier()
+            mi = tl.arange(0, MP)
+            mk = tl.load(merge_ptr + b * NC * W + mi, mask=mi < NC * W, other=MAXKEY)
+            mk = tl.sort(mk)
+            tl.store(sel_ptr + b * W + mi, mk, mask=mi < W)
         tl.debug_barrier()
         flat = tl.load(sel_ptr + b * W + w, mask=wm, other=MAXKEY) & LOW31
         flat = tl.sort(tl.where(wm, flat, MAXKEY))
@@ -118,18 +153,29 @@ def tree_kernel(
         tl.store(beam_parent_ptr + beam + d * W + w, p, mask=wm)
         tl.store(beam_token_ptr + beam + d * W + w, tok, mask=wm)
 
-    # 2. subtree sizes bottom-up, then preorder top-down (as build_tree's step 2)
+    # 2. subtree sizes bottom-up, then preorder top-down (as build_tree's step 2). A beam's children of one parent
+    # are contiguous (lexicographic order), so a parent's children's sizes are a difference of the cumsum over
+    # the beam: at its last child minus before its first (written at the parent's slot, else 0).
     tl.debug_barrier()
-    rows = w[:, None]
-    for i in range(0, L + 1):
-        d = L - i
+    for up in range(0, L + 1):
+        d = L - up
         cnt = (tl.load(beam_score_ptr + beam + d * W + w, mask=wm, other=NEG_INF) > NEG_INF).to(tl.int64)
         kids = tl.zeros([WP], dtype=tl.int64)
         if d < L:
-            cm = wm[None, :]
-            kp = tl.load(beam_parent_ptr + beam + (d + 1) * W + w[None, :], mask=cm, other=-1)
-            ks = tl.load(size_ptr + beam + (d + 1) * W + w[None, :], mask=cm, other=0)
-            kids = tl.sum(tl.where(kp == rows, ks, 0), axis=1)
+            tl.store(t1_ptr + b * W + w, tl.zeros([WP], dtype=tl.int64), mask=wm)
+            tl.store(t3_ptr + b * W + w, tl.zeros([WP], dtype=tl.int64), mask=wm)
+            par = tl.load(beam_parent_ptr + beam + (d + 1) * W + w, mask=wm, other=W)
+            nxt = tl.load(beam_parent_ptr + beam + (d + 1) * W + w + 1, mask=w + 1 < W, other=W + 1)
+            prv = tl.load(beam_parent_ptr + beam + (d + 1) * W + w - 1, mask=wm & (w >= 1), other=-1)
+            sz = tl.load(size_ptr + beam + (d + 1) * W + w, mask=wm, other=0)
+            cum = tl.cumsum(sz, 0)
+            tl.debug_barrier()
+            tl.store(t1_ptr + b * W + par, cum, mask=wm & (par != nxt))
+            tl.store(t3_ptr + b * W + par, cum - sz, mask=wm & (par != prv))
+            tl.debug_barrier()
+            kids = tl.load(t1_ptr + b * W + w, mask=wm, other=0) - tl.load(
+                t3_ptr + b * W + w, mask=wm, other=0
+            )
         tl.store(size_ptr + beam + d * W + w, cnt + kids, mask=wm)
         tl.debug_barrier()
     ABSENT: tl.constexpr = (1 << UB) - 1
@@ -189,14 +235,14 @@ def tree_kernel(
     tl.debug_barrier()
     cols = tl.arange(0, NP)[None, :]
     for r0 in range(0, NP, RB):
-        i = r0 + tl.arange(0, RB)
-        im = i < N
-        cur = i.to(tl.int64)
+        ri = r0 + tl.arange(0, RB)
+        im = ri < N
+        cur = ri.to(tl.int64)
         m = cols == cur[:, None]
         for _ in range(L):
             cur = tl.maximum(tl.load(parents_ptr + b * N + cur, mask=im, other=0), 0)
             m = m | (cols == cur[:, None])
-        tl.store(mask_ptr + b * N * N + i[:, None] * N + cols, m, mask=im[:, None] & (cols < N))
+        tl.store(mask_ptr + b * N * N + ri[:, None] * N + cols, m, mask=im[:, None] & (cols < N))
 
 
 def build_tree_fused(
@@ -209,17 +255,19 @@ def build_tree_fused(
             f"buffers are for {out.shape} on {out.cand.device}, the call is {(bs, L, K, budget)}"
         )
     if not fits(L, K, budget):
-        raise ValueError(f"(L, K, budget) = {(L, K, budget)} is above FUSED_MAX_BLOCK: use build_draft_tree")
+        raise ValueError(
+            f"(L, K, budget) = {(L, K, budget)} does not fit one program (`fits`): use build_tree"
+        )
     lp, ids, root_ids = lp.contiguous(), ids.contiguous(), root_ids.contiguous()
     W, N = budget, budget + 1
-    LWP, NP = _p2(L * W), _p2(N)
+    blocks, NP = _blocks(L, K, budget), _p2(N)
     t = out
     tree_kernel[(bs,)](
         lp, ids, root_ids,
-        t.beam_score, t.beam_parent, t.beam_token, t.size, t.pre, t.sel, t.t2, t.order, t.inv,
-        t.input_ids, t.candidates, t.parents, t.depths, t.scores, t.mask, t.num_nodes,
-        L=L, K=K, W=W, WP=_p2(W), KP=_p2(K), LWP=LWP, UB=max(LWP, L * W + 2).bit_length(),
-        NP=NP, RB=min(NP, max(1, 4096 // NP)), num_warps=4,
+        t.beam_score, t.beam_parent, t.beam_token, t.size, t.pre, t.sel, t.cand_order, t.t1, t.t2, t.t3,
+        t.order, t.inv, t.input_ids, t.candidates, t.parents, t.depths, t.scores, t.mask, t.num_nodes,
+        L=L, K=K, W=W, UB=max(blocks["LWP"], L * W + 2).bit_length(), NP=NP, RB=min(NP, max(1, 4096 // NP)),
+        **blocks, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -299,7 +347,7 @@ def accept_walk(
         o = out
         walk_kernel[(bs,)](
             parents, candidates, target, o.path, o.accepted, o.bonus, o.out_tokens, o.perm, o.rows,
-            N=N, L=L, NP=_p2(N), LP=_p2(L + 1), num_warps=4,
+            N=N, L=L, NP=_p2(N), LP=_p2(L + 1), num_warps=NUM_WARPS,
         )  # fmt: skip
         return out
     follow_tree(parents, candidates, target, L, out)

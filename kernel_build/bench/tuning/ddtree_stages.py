@@ -2,9 +2,9 @@
 
 Each stage is captured in a CUDA graph (as the worker runs the tree) and replayed; the time is the replay's, so
 launch overhead inside the graph counts and host time does not. Run on a GPU machine:
-    python kernel_build/bench/tuning/ddtree_stages.py [--bs 1] [--block 16] [--budgets 16,32,64,128]
-`--max-block N` raises fused.FUSED_MAX_BLOCK for the run (to try the fused tree at budgets above 64); a shape the
-kernel does not compile for, or gets wrong, prints its error instead of a time.
+    python kernel_build/bench/tuning/ddtree_stages.py [--bs 1] [--block 16] [--budgets 16,32,64,128,256]
+`--max-candidates N` sets fused.FUSED_MAX_CANDIDATES for the run (65536 tries the fused tree at budget 256); a
+shape the kernel does not compile for prints its error instead of a time, one it gets wrong says WRONG.
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--budgets", default="16,32,64,128")
-    ap.add_argument("--max-block", type=int, default=fused.FUSED_MAX_BLOCK)
+    ap.add_argument("--budgets", default="16,32,64,128,256")
+    ap.add_argument("--max-candidates", type=int, default=fused.FUSED_MAX_CANDIDATES)
     args = ap.parse_args()
-    fused.FUSED_MAX_BLOCK = args.max_block
-    print(f"us per call (CUDA graph replay); fused tree for blocks <= {args.max_block} elements")
+    fused.FUSED_MAX_CANDIDATES = args.max_candidates
+    print(f"us per call (CUDA graph replay); fused tree up to {args.max_candidates} candidates a depth")
     print(" bs   L budget tree-torch tree-fused walk-torch walk-fused")
     for budget in (int(b) for b in args.budgets.split(",")):
         print(row(args.bs, args.block - 1, budget), flush=True)

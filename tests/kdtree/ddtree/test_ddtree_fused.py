@@ -89,13 +89,25 @@ def test_the_fused_tree_pads_past_the_reachable_nodes_and_breaks_ties_by_rank(fu
     check_tree(fused, [[[0.0, -1.0], [-1.0, -2.0]]], [[[1, 2], [3, 4]]], budget=2)  # a tie across depths
 
 
-def test_fits_takes_the_worker_budgets_up_to_64_and_the_rest_goes_to_build_tree(fused):
-    assert fused.fits(15, 64, 64) and fused.fits(7, 8, 8)
-    assert not fused.fits(15, 128, 128) and not fused.fits(7, 256, 256)
+def test_the_fused_tree_sorts_large_candidate_sets_in_chunks_and_merges_them(fused, monkeypatch):
+    """With a small SORT_BLOCK the same kernel path that budgets 128 and 256 take on the GPU: several chunks."""
+    monkeypatch.setattr(fused, "SORT_BLOCK", 128)
+    rng = random.Random(4)
+    for bs, L, K, budget in ((2, 3, 6, 20), (1, 2, 5, 12)):
+        assert fused.fits(L, K, budget) and fused._blocks(L, K, budget)["NC"] > 1
+        lp = [random_lp(rng, L, K, ties=True, absent=0.2) for _ in range(bs)]
+        ids = [[rng.sample(range(50), K) for _ in range(L)] for _ in range(bs)]
+        check_tree(fused, lp, ids, budget)
+
+
+def test_fits_takes_the_worker_budgets_up_to_128_and_the_rest_goes_to_build_tree(fused):
+    assert fused.fits(15, 64, 64) and fused.fits(7, 8, 8) and fused.fits(15, 128, 128)
+    assert not fused.fits(15, 256, 256) and not fused.fits(7, 256, 256)
+    lp = torch.zeros(1, 15, 256)
+    with pytest.raises(ValueError, match="does not fit one program"):
+        fused.build_tree_fused(lp, lp.long(), torch.zeros(1).long(), 256, TreeBuffers(1, 15, 256, 256))
+    # CPU tensors (not interpreted by the dispatch): build_tree's own result
     lp = torch.zeros(1, 15, 128)
-    with pytest.raises(ValueError, match="FUSED_MAX_BLOCK"):
-        fused.build_tree_fused(lp, lp.long(), torch.zeros(1).long(), 128, TreeBuffers(1, 15, 128, 128))
-    # CPU tensors (not interpreted by the dispatch) and large shapes: build_tree's own result
     out = TreeBuffers(1, 15, 128, 128)
     assert fused.build_draft_tree(lp, lp.long(), torch.zeros(1).long(), 128, out) is out
     assert out.num_nodes.tolist() == [128]
