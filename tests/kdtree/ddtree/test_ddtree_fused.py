@@ -144,3 +144,33 @@ def test_the_fused_walk_leaving_at_the_root_accepts_nothing(fused):
     assert got.accepted.tolist() == [0, 0] and got.bonus.tolist() == [-5, -5]
     assert got.perm.tolist() == [list(range(9))] * 2
     assert got.rows[:, 0].tolist() == [0, 9]
+
+
+def test_both_kernels_compile_for_an_h200_without_one():
+    """The compiled path types things the interpreter lets pass (a loop variable changing type, say): compile both
+    kernels for sm_90 ahead of time, at a worker shape, with no GPU."""
+    if INTERPRETED:
+        pytest.skip("compiles in the parent process")
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from kdtree.ddtree import fused
+
+    def compile_for_sm90(kernel, constexprs: dict, types: dict):
+        names = list(inspect.signature(kernel.fn).parameters)
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "*i64") for n in names}
+        src = triton.compiler.ASTSource(
+            fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+        )
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+    L, budget = 7, 16
+    blocks, NP = fused._blocks(L, budget, budget), fused._p2(budget + 1)
+    tree = dict(L=L, K=budget, W=budget, UB=blocks["LWP"].bit_length(), NP=NP, RB=NP, **blocks)
+    tree.pop("num_warps", None)
+    floats = dict(lp_ptr="*fp32", beam_score_ptr="*fp32", scores_ptr="*fp32", mask_ptr="*i1")
+    assert "ptx" in compile_for_sm90(fused.tree_kernel, tree, floats).asm
+    walk = dict(N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1))
+    assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, {}).asm
