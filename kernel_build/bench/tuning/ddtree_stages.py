@@ -2,7 +2,7 @@
 
 Each stage is captured in a CUDA graph (as the worker runs the tree) and replayed; the time is the replay's, so
 launch overhead inside the graph counts and host time does not. Run on a GPU machine:
-    python kernel_build/bench/tuning/ddtree_stages.py [--bs 1] [--block 16] [--budgets 16,32,64,128,256]
+    python kernel_build/bench/tuning/ddtree_stages.py [--bs 1] [--block 16] [--budgets 16,32,64,128,256] [--warps 4]
 `--max-candidates N` sets fused.FUSED_MAX_CANDIDATES for the run (65536 tries the fused tree at budget 256); a
 shape the kernel does not compile for prints its error instead of a time, one it gets wrong says WRONG.
 """
@@ -78,8 +78,9 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--budgets", default="16,32,64,128,256")
     ap.add_argument("--max-candidates", type=int, default=fused.FUSED_MAX_CANDIDATES)
+    ap.add_argument("--warps", type=int, default=fused.NUM_WARPS, help="num_warps of both kernels")
     args = ap.parse_args()
-    fused.FUSED_MAX_CANDIDATES = args.max_candidates
+    fused.FUSED_MAX_CANDIDATES, fused.NUM_WARPS = args.max_candidates, args.warps
     print(f"us per call (CUDA graph replay); fused tree up to {args.max_candidates} candidates a depth")
     print(" bs   L budget tree-torch tree-fused walk-torch walk-fused")
     for budget in (int(b) for b in args.budgets.split(",")):
