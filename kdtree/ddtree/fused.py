@@ -72,7 +72,8 @@ def _neg_score_image(s):
 def tree_kernel(
     lp_ptr,  # [bs, L, K] float32
     ids_ptr,  # [bs, L, K] int64
-    root_ptr,  # [bs] int64
+    root_ptr,  # [bs] int64, root_stride apart (a column of the draft block's ids)
+    root_stride,
     beam_score_ptr,  # [bs, L + 1, W] float32
     beam_parent_ptr,  # [bs, L + 1, W] int64
     beam_token_ptr,  # [bs, L + 1, W] int64
@@ -224,7 +225,7 @@ def tree_kernel(
     tl.store(depths_ptr + out, tl.where(valid, dm1 + 1, 1), mask=wm)
     tl.store(parents_ptr + out, tl.where(deep, parent, 0), mask=wm)
     tl.store(num_nodes_ptr + b, tl.sum(valid.to(tl.int64), 0))
-    root = tl.load(root_ptr + b)
+    root = tl.load(root_ptr + b * root_stride)
     tl.store(scores_ptr + b * N, 0.0)
     tl.store(parents_ptr + b * N, -1)
     tl.store(depths_ptr + b * N, 0)
@@ -258,12 +259,12 @@ def build_tree_fused(
         raise ValueError(
             f"(L, K, budget) = {(L, K, budget)} does not fit one program (`fits`): use build_tree"
         )
-    lp, ids, root_ids = lp.contiguous(), ids.contiguous(), root_ids.contiguous()
+    lp, ids = lp.contiguous(), ids.contiguous()  # no-ops for the worker's
     W, N = budget, budget + 1
     blocks, NP = _blocks(L, K, budget), _p2(N)
     t = out
     tree_kernel[(bs,)](
-        lp, ids, root_ids,
+        lp, ids, root_ids, root_ids.stride(0),
         t.beam_score, t.beam_parent, t.beam_token, t.size, t.pre, t.sel, t.cand_order, t.t1, t.t2, t.t3,
         t.order, t.inv, t.input_ids, t.candidates, t.parents, t.depths, t.scores, t.mask, t.num_nodes,
         L=L, K=K, W=W, UB=max(blocks["LWP"], L * W + 2).bit_length(), NP=NP, RB=min(NP, max(1, 4096 // NP)),

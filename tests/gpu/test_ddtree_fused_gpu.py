@@ -93,7 +93,11 @@ def test_fused_stages_sync_never_and_replay_in_a_cuda_graph(bs, L, budget):
     g = torch.Generator(device="cuda").manual_seed(budget + bs)
     lp = torch.empty(bs, L, K, device="cuda")
     ids = torch.empty(bs, L, K, dtype=torch.int64, device="cuda")
-    roots = torch.arange(5, 5 + bs, dtype=torch.int64, device="cuda")
+    block = torch.zeros(
+        bs, 16, dtype=torch.int64, device="cuda"
+    )  # roots: a column, as the worker's draft block
+    block[:, 0] = torch.arange(5, 5 + bs, device="cuda")
+    roots = block[:, 0]
     target = torch.zeros(bs, N, dtype=torch.int64, device="cuda")
     tree = TreeBuffers(bs, L, K, budget, "cuda")
     acc = AcceptBuffers(bs, N, L, "cuda")

@@ -56,7 +56,11 @@ def check_tree(fused, lp_rows, ids_rows, budget, out=None):
     bs, L, K = len(lp_rows), len(lp_rows[0]), len(lp_rows[0][0])
     lp = torch.tensor(lp_rows, dtype=torch.float32)
     ids = torch.tensor(ids_rows, dtype=torch.int64)
-    roots = torch.arange(1000, 1000 + bs, dtype=torch.int64)
+    block = torch.zeros(
+        bs, 3, dtype=torch.int64
+    )  # the roots as a strided column, as the worker's draft block
+    block[:, 0] = torch.arange(1000, 1000 + bs)
+    roots = block[:, 0]
     out = out or TreeBuffers(bs, L, K, budget)
     got = fused.build_tree_fused(lp, ids, roots, budget, out)
     want = build_tree(lp, ids, roots, budget)
@@ -170,7 +174,9 @@ def test_both_kernels_compile_for_an_h200_without_one():
     blocks, NP = fused._blocks(L, budget, budget), fused._p2(budget + 1)
     tree = dict(L=L, K=budget, W=budget, UB=blocks["LWP"].bit_length(), NP=NP, RB=NP, **blocks)
     tree.pop("num_warps", None)
-    floats = dict(lp_ptr="*fp32", beam_score_ptr="*fp32", scores_ptr="*fp32", mask_ptr="*i1")
+    floats = dict(
+        lp_ptr="*fp32", root_stride="i32", beam_score_ptr="*fp32", scores_ptr="*fp32", mask_ptr="*i1"
+    )
     assert "ptx" in compile_for_sm90(fused.tree_kernel, tree, floats).asm
     walk = dict(N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1))
     assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, {}).asm
