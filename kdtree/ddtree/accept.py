@@ -12,6 +12,9 @@ The commit keeps the KV the verify already wrote: node i's KV sits in window slo
 positions prefix .. prefix + N - 1 of the request's row of req_to_token); the accepted path's nodes sit at
 depths 0..a, exactly their positions, so the commit is a permutation of the window's slots in req_to_token:
 the path's slots first, in path order, then the others. Valid with page size 1 (the launcher's rule).
+
+On CUDA the worker runs these three as one kernel (`kdtree.ddtree.fused.accept_walk`, the same values); the torch
+forms here are its CPU path and the oracle its tests compare it with.
 """
 
 from __future__ import annotations
