@@ -3,6 +3,7 @@
 - `reference`: the pure-Python heap form of Algorithm 1 and the acceptance walk (no torch), the tests' oracle;
 - `tree`: the fixed-shape torch form that runs inside a CUDA graph (imports torch);
 - `accept`: the fixed-shape acceptance walk and the commit's slot permutation (imports torch);
+- `fused`: the tree and the walk each as one Triton kernel, what the worker runs on CUDA (imports triton);
 - `spec`: `validate_server_args`, `DDTreeSpec` and `register()` for SGLang's registry (imports SGLang);
 - `worker`: `DDTreeWorker`, DFlashWorkerV2 with the tree (imports SGLang's worker; only a server imports it).
 """

@@ -12,6 +12,9 @@ The commit keeps the KV the verify already wrote: node i's KV sits in window slo
 positions prefix .. prefix + N - 1 of the request's row of req_to_token); the accepted path's nodes sit at
 depths 0..a, exactly their positions, so the commit is a permutation of the window's slots in req_to_token:
 the path's slots first, in path order, then the others. Valid with page size 1 (the launcher's rule).
+
+On CUDA the worker runs these three as one kernel (`kdtree.ddtree.fused.accept_walk`, the same values); the torch
+forms here are its CPU path and the oracle its tests compare it with.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class AcceptBuffers:
         self.accepted = torch.zeros(bs, **i64)  # a: drafted tokens accepted (path length - 1)
         self.bonus = torch.zeros(bs, **i64)
         self.out_tokens = torch.zeros(bs, L + 1, **i64)  # the a accepted tokens, then the bonus
+        self.perm = torch.zeros(bs, N, **i64)  # window_permutation (fused.accept_walk writes it)
+        self.rows = torch.zeros(bs, L + 1, **i64)  # path_rows (likewise)
         self.cur = torch.zeros(bs, **i64)
         self.want = torch.zeros(bs, 1, **i64)
         self.match = torch.zeros(bs, N, dtype=torch.bool, device=device)

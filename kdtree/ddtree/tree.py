@@ -1,5 +1,9 @@
 """The DDTree draft tree (Algorithm 1 of arXiv 2604.12989) built with fixed shapes, for a CUDA graph.
 
+The worker runs this form for shapes the fused kernel does not take and on CPU (`kdtree.ddtree.fused`'s
+`build_draft_tree` chooses); the kernel writes the same values into the same `TreeBuffers`, and is tested
+against this form.
+
 Input, per request: the drafter's top-K log-probs `lp[bs, L, K]` (float32, each depth sorted descending, -inf
 marks an absent candidate) and their token ids `ids[bs, L, K]`, plus the root token (the previous bonus). Output
 (`TreeBuffers`): a tree of N = budget + 1 nodes, node 0 the root, nodes 1..budget the best-first prefixes in the

@@ -4,11 +4,12 @@ One decode step, per request (bs requests at once, fixed shapes, no host synchro
 1. the DFlash drafter runs its block of B = [bonus, mask x (B-1)] as before (draft CUDA graph of width B);
    inside that graph, `TreeDraftSampler` takes the top-K log-probs of each drafted depth from the target's
    lm_head (SGLang's `candidate_topk`, tensor-parallel aware) and builds the best-first tree of `budget` nodes
-   (`kdtree.ddtree.tree.build_tree`);
+   (`kdtree.ddtree.fused.build_draft_tree`: one Triton kernel, or build_tree's torch ops for large budgets);
 2. the target verifies the tree's N = budget + 1 tokens in one TARGET_VERIFY pass, positions prefix + depth,
    the ancestor mask written into the attention backend's verify-mask buffer (so kdtree serves it in `on`);
 3. the target's token at every node (argmax, or one sample of SGLang's verify distribution per node) and
-   `kdtree.ddtree.accept.follow_tree` give the accepted path and the bonus;
+   `kdtree.ddtree.fused.accept_walk` (one Triton kernel) give the accepted path, the bonus and the commit's
+   permutation;
 4. the commit permutes the window's slots in req_to_token (accepted path first) and materialises the drafter's
    KV from the target's hidden states of the path's nodes, as DFlash does for its chain.
 
@@ -44,8 +45,9 @@ from sglang.srt.speculative.draft_worker_common import (
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
-from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
-from kdtree.ddtree.tree import TreeBuffers, build_tree
+from kdtree.ddtree.accept import AcceptBuffers
+from kdtree.ddtree.fused import accept_walk, build_draft_tree
+from kdtree.ddtree.tree import TreeBuffers
 
 
 class TreeOutputs:
@@ -106,7 +108,7 @@ class TreeDraftSampler:
         lp, ids = self.candidates(hs, root)
         if bs not in self.trees:  # an eager batch of a size no graph was captured for (never under capture)
             self.trees[bs] = TreeBuffers(bs, self.L, self.K, self.budget, hs.device)
-        t = build_tree(lp, ids, root, self.budget, out=self.trees[bs])
+        t = build_draft_tree(lp, ids, root, self.budget, out=self.trees[bs])
         o = self.outputs(bs)
         for mine, theirs in (
             (o.input_ids, t.input_ids),
@@ -307,16 +309,16 @@ class DDTreeWorker(DFlashWorkerV2):
         acc = self._accept.get(bs)
         if acc is None:
             acc = self._accept[bs] = AcceptBuffers(bs, N, L, device)
-        follow_tree(parents, cands, target, L, acc)
+        accept_walk(parents, cands, target, L, acc)
         if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
-            compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=path_rows(acc))
+            compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=acc.rows)
         commit_lens = (acc.accepted + 1).to(torch.int32)
         new_seq_lens = prefix + commit_lens.to(prefix.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
         # 4. commit: the path's slots to the window's front, the drafter's KV from the path's hidden states
-        perm = window_permutation(acc)
+        perm = acc.perm
         rows = batch.req_pool_indices.to(torch.int64)[:, None]
         cols = prefix.to(torch.int64)[:, None] + self._window_offsets
         old = req_to_token[rows, cols]

@@ -1,0 +1,361 @@
+"""DDTree's two per-step stages as one Triton kernel each: the draft tree and the acceptance walk with its commit.
+
+`tree_kernel` writes exactly what `kdtree.ddtree.tree.build_tree` writes into a `TreeBuffers` (same values, same
+order and tie rule: see that module), one program per request, in four phases separated by block barriers over
+the buffers' global workspace:
+1. per depth d, the beam C_d: every candidate (parent slot p, rank r) of C_{d-1} x K gets an int64 key, the
+   order-preserving int32 image of -score in the high bits and its flat index p * KP + r in the low bits (flat
+   order = lexicographic order, as in build_tree); tl.sort in chunks of at most SORT_BLOCK, the first `budget`
+   of each chunk merged by one more sort; the first `budget` keys are C_d, sorted again by flat index
+   (lexicographic order). Scores are recomputed as parent score + log-prob, the same float32 add;
+2. subtree sizes bottom-up and preorder top-down, cumsums over each beam (children of a parent are contiguous);
+3. the global cut: one tl.sort of the union's keys (-score image, preorder, union index), the first `budget`;
+4. the ancestor-or-self mask, L parent hops per node.
+Which shapes: `fits` (blocks padded to powers of two: L * budget and the merge at most SORT_BLOCK, budget * K at
+most FUSED_MAX_CANDIDATES, a speed limit: at K = budget, budgets up to 128). `build_draft_tree` gives every other
+shape, and CPU tensors, to build_tree (torch ops, the same values).
+
+`walk_kernel` does `kdtree.ddtree.accept.follow_tree`, `window_permutation` and `path_rows` for one request per
+program and writes AcceptBuffers' path, accepted, bonus, out_tokens, perm and rows (every shape).
+
+Both allocate nothing and read nothing back to the host: a call is one launch, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
+from kdtree.ddtree.tree import TreeBuffers, build_tree
+
+SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
+FUSED_MAX_CANDIDATES = 16384  # budget * K (padded) above which build_draft_tree keeps build_tree (speed)
+_MIN_BLOCK = 16
+NUM_WARPS = 4
+
+
+def _p2(n: int) -> int:
+    return max(_MIN_BLOCK, triton.next_power_of_2(n))
+
+
+def _blocks(L: int, K: int, budget: int) -> dict:
+    WP, KP = _p2(budget), _p2(K)
+    CH = min(WP * KP, SORT_BLOCK)
+    NC = WP * KP // CH
+    return dict(WP=WP, KP=KP, CH=CH, NC=NC, MP=NC * WP, LWP=_p2(L * budget))
+
+
+def fits(L: int, K: int, budget: int) -> bool:
+    """Whether the fused builder takes this shape (else build_tree does; see the module)."""
+    s = _blocks(L, K, budget)
+    return (
+        s["KP"] <= SORT_BLOCK
+        and s["MP"] <= SORT_BLOCK
+        and s["NC"] <= K  # the merge area lives in TreeBuffers.cand_order, [bs, budget * K]
+        and s["LWP"] <= SORT_BLOCK
+        and s["WP"] * s["KP"] <= FUSED_MAX_CANDIDATES
+    )
+
+
+@triton.jit
+def _neg_score_image(s):
+    """int64 in [0, 2^32): smaller for a larger float32 score (-0.0 as +0.0), -inf the largest finite image."""
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    m = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    return 0x7FFFFFFF - m
+
+
+@triton.jit
+def tree_kernel(
+    lp_ptr,  # [bs, L, K] float32
+    ids_ptr,  # [bs, L, K] int64
+    root_ptr,  # [bs] int64, root_stride apart (a column of the draft block's ids)
+    root_stride,
+    beam_score_ptr,  # [bs, L + 1, W] float32
+    beam_parent_ptr,  # [bs, L + 1, W] int64
+    beam_token_ptr,  # [bs, L + 1, W] int64
+    size_ptr,  # [bs, L + 1, W] int64
+    pre_ptr,  # [bs, L + 1, W] int64
+    sel_ptr,  # [bs, W] int64 workspace
+    merge_ptr,  # [bs, NC * W] int64 workspace (NC > 1)
+    t1_ptr,  # [bs, W] int64 workspace
+    t2_ptr,  # [bs, W] int64 workspace
+    t3_ptr,  # [bs, W] int64 workspace
+    order_ptr,  # [bs, W] int64: union index of node 1..
+    inv_ptr,  # [bs, L * W] int64 workspace
+    input_ids_ptr,
+    candidates_ptr,
+    parents_ptr,
+    depths_ptr,  # [bs, N] int64
+    scores_ptr,  # [bs, N] float32
+    mask_ptr,  # [bs, N, N] bool
+    num_nodes_ptr,  # [bs] int64
+    L: tl.constexpr,
+    K: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    KP: tl.constexpr,
+    CH: tl.constexpr,  # candidates sorted at once (a multiple of KP)
+    NC: tl.constexpr,  # chunks: WP * KP = NC * CH
+    MP: tl.constexpr,  # merge block, NC * WP
+    LWP: tl.constexpr,
+    UB: tl.constexpr,  # bits of a union index / preorder field in the cut's key
+    NP: tl.constexpr,
+    RB: tl.constexpr,  # mask rows per block
+):
+    b = tl.program_id(0).to(tl.int64)
+    N: tl.constexpr = W + 1
+    NEG_INF = float("-inf")
+    MAXKEY: tl.constexpr = 0x7FFFFFFFFFFFFFFF
+    LOW31: tl.constexpr = 0x7FFFFFFF
+    beam = b * (L + 1) * W  # this request's [L + 1, W] rows
+    lp_row = lp_ptr + b * L * K
+    ids_row = ids_ptr + b * L * K
+    w = tl.arange(0, WP)
+    wm = w < W
+
+    # 1. the beams, each in lexicographic order; depth 0 = the root in slot 0. The candidates are sorted in NC
+    # chunks of CH; the first W of each chunk go to the merge area, whose first W (sorted again) are the beam's.
+    tl.store(beam_score_ptr + beam + w, tl.where(w == 0, 0.0, NEG_INF), mask=wm)
+    for d in range(1, L + 1):
+        tl.debug_barrier()
+        for c in range(NC):
+            f = c * CH + tl.arange(0, CH)
+            fp = f // KP
+            fr = f % KP
+            fm = (fp < W) & (fr < K)
+            s = tl.load(beam_score_ptr + beam + (d - 1) * W + fp, mask=fm, other=0.0)
+            x = tl.load(lp_row + (d - 1) * K + fr, mask=fm, other=0.0)
+            key = (_neg_score_image(s + x) << 31) | f.to(tl.int64)
+            key = tl.sort(tl.where(fm, key, MAXKEY))
+            ci = tl.arange(0, CH)
+            if NC == 1:
+                tl.store(sel_ptr + b * W + ci, key, mask=ci < W)
+            else:
+                tl.store(merge_ptr + b * NC * W + c * W + ci, key, mask=ci < W)
+        if NC > 1:
+            tl.debug_barrier()
+            mi = tl.arange(0, MP)
+            mk = tl.load(merge_ptr + b * NC * W + mi, mask=mi < NC * W, other=MAXKEY)
+            mk = tl.sort(mk)
+            tl.store(sel_ptr + b * W + mi, mk, mask=mi < W)
+        tl.debug_barrier()
+        flat = tl.load(sel_ptr + b * W + w, mask=wm, other=MAXKEY) & LOW31
+        flat = tl.sort(tl.where(wm, flat, MAXKEY))
+        p = tl.where(wm, flat // KP, 0)
+        r = tl.where(wm, flat % KP, 0)
+        ps = tl.load(beam_score_ptr + beam + (d - 1) * W + p, mask=wm, other=0.0)
+        px = tl.load(lp_row + (d - 1) * K + r, mask=wm, other=0.0)
+        tok = tl.load(ids_row + (d - 1) * K + r, mask=wm, other=0)
+        tl.store(beam_score_ptr + beam + d * W + w, ps + px, mask=wm)
+        tl.store(beam_parent_ptr + beam + d * W + w, p, mask=wm)
+        tl.store(beam_token_ptr + beam + d * W + w, tok, mask=wm)
+
+    # 2. subtree sizes bottom-up, then preorder top-down (as build_tree's step 2). A beam's children of one parent
+    # are contiguous (lexicographic order), so a parent's children's sizes are a difference of the cumsum over
+    # the beam: at its last child minus before its first (written at the parent's slot, else 0).
+    tl.debug_barrier()
+    for up in range(0, L + 1):
+        d = L - up
+        cnt = (tl.load(beam_score_ptr + beam + d * W + w, mask=wm, other=NEG_INF) > NEG_INF).to(tl.int64)
+        kids = tl.zeros([WP], dtype=tl.int64)
+        if d < L:
+            tl.store(t1_ptr + b * W + w, tl.zeros([WP], dtype=tl.int64), mask=wm)
+            tl.store(t3_ptr + b * W + w, tl.zeros([WP], dtype=tl.int64), mask=wm)
+            par = tl.load(beam_parent_ptr + beam + (d + 1) * W + w, mask=wm, other=W)
+            nxt = tl.load(beam_parent_ptr + beam + (d + 1) * W + w + 1, mask=w + 1 < W, other=W + 1)
+            prv = tl.load(beam_parent_ptr + beam + (d + 1) * W + w - 1, mask=wm & (w >= 1), other=-1)
+            sz = tl.load(size_ptr + beam + (d + 1) * W + w, mask=wm, other=0)
+            cum = tl.cumsum(sz, 0)
+            tl.debug_barrier()
+            tl.store(t1_ptr + b * W + par, cum, mask=wm & (par != nxt))
+            tl.store(t3_ptr + b * W + par, cum - sz, mask=wm & (par != prv))
+            tl.debug_barrier()
+            kids = tl.load(t1_ptr + b * W + w, mask=wm, other=0) - tl.load(
+                t3_ptr + b * W + w, mask=wm, other=0
+            )
+        tl.store(size_ptr + beam + d * W + w, cnt + kids, mask=wm)
+        tl.debug_barrier()
+    ABSENT: tl.constexpr = (1 << UB) - 1
+    tl.store(pre_ptr + beam + w, tl.zeros([WP], dtype=tl.int64), mask=wm)
+    for d in range(1, L + 1):
+        tl.debug_barrier()
+        up_cnt = (tl.load(beam_score_ptr + beam + (d - 1) * W + w, mask=wm, other=NEG_INF) > NEG_INF).to(
+            tl.int64
+        )
+        up_kids = tl.load(size_ptr + beam + (d - 1) * W + w, mask=wm, other=0) - up_cnt
+        tl.store(t2_ptr + b * W + w, tl.cumsum(up_kids, 0) - up_kids, mask=wm)
+        tl.debug_barrier()
+        sc = tl.load(beam_score_ptr + beam + d * W + w, mask=wm, other=NEG_INF)
+        sz = tl.load(size_ptr + beam + d * W + w, mask=wm, other=0)
+        par = tl.load(beam_parent_ptr + beam + d * W + w, mask=wm, other=0)
+        first = tl.load(t2_ptr + b * W + par, mask=wm, other=0)
+        up_pre = tl.load(pre_ptr + beam + (d - 1) * W + par, mask=wm, other=0)
+        pre = up_pre + 1 + (tl.cumsum(sz, 0) - sz) - first
+        tl.store(pre_ptr + beam + d * W + w, tl.where(sc > NEG_INF, pre, ABSENT), mask=wm)
+
+    # 3. the global cut in key order (-score, preorder); absent members after, in union order
+    tl.debug_barrier()
+    u = tl.arange(0, LWP)
+    um = u < L * W
+    us = tl.load(beam_score_ptr + beam + W + u, mask=um, other=NEG_INF)
+    upre = tl.load(pre_ptr + beam + W + u, mask=um, other=ABSENT)
+    ukey = (_neg_score_image(us) << 31) | (upre << UB) | u.to(tl.int64)
+    ukey = tl.sort(tl.where(um, ukey, MAXKEY))
+    tl.store(order_ptr + b * W + u, ukey & ((1 << UB) - 1), mask=u < W)
+    tl.debug_barrier()
+    o = tl.load(order_ptr + b * W + w, mask=wm, other=0)
+    tl.store(inv_ptr + b * L * W + o, w.to(tl.int64) + 1, mask=wm)
+    score = tl.load(beam_score_ptr + beam + W + o, mask=wm, other=NEG_INF)
+    valid = (score > NEG_INF) & wm
+    tok = tl.load(beam_token_ptr + beam + W + o, mask=wm, other=0)
+    dm1 = o // W
+    bpar = tl.load(beam_parent_ptr + beam + W + o, mask=wm, other=0)
+    up_u = tl.maximum(o - (o % W) + bpar - W, 0)
+    deep = valid & (dm1 >= 1)
+    tl.debug_barrier()
+    parent = tl.load(inv_ptr + b * L * W + up_u, mask=deep, other=0)
+    out = b * N + 1 + w
+    tl.store(scores_ptr + out, score, mask=wm)
+    tl.store(candidates_ptr + out, tl.where(valid, tok, -1), mask=wm)
+    tl.store(input_ids_ptr + out, tl.where(valid, tok, 0), mask=wm)
+    tl.store(depths_ptr + out, tl.where(valid, dm1 + 1, 1), mask=wm)
+    tl.store(parents_ptr + out, tl.where(deep, parent, 0), mask=wm)
+    tl.store(num_nodes_ptr + b, tl.sum(valid.to(tl.int64), 0))
+    root = tl.load(root_ptr + b * root_stride)
+    tl.store(scores_ptr + b * N, 0.0)
+    tl.store(parents_ptr + b * N, -1)
+    tl.store(depths_ptr + b * N, 0)
+    tl.store(input_ids_ptr + b * N, root)
+    tl.store(candidates_ptr + b * N, root)
+
+    # 4. ancestor-or-self mask: row i holds i and its first L ancestors (the root's parent taken as the root)
+    tl.debug_barrier()
+    cols = tl.arange(0, NP)[None, :]
+    for r0 in range(0, NP, RB):
+        ri = r0 + tl.arange(0, RB)
+        im = ri < N
+        cur = ri.to(tl.int64)
+        m = cols == cur[:, None]
+        for _ in range(L):
+            cur = tl.maximum(tl.load(parents_ptr + b * N + cur, mask=im, other=0), 0)
+            m = m | (cols == cur[:, None])
+        tl.store(mask_ptr + b * N * N + ri[:, None] * N + cols, m, mask=im[:, None] & (cols < N))
+
+
+def build_tree_fused(
+    lp: torch.Tensor, ids: torch.Tensor, root_ids: torch.Tensor, budget: int, out: TreeBuffers
+) -> TreeBuffers:
+    """build_tree's result in one launch (shapes that `fits`); `out` as for build_tree, required."""
+    bs, L, K = lp.shape
+    if out.shape != (bs, L, K, budget) or out.cand.device != lp.device:
+        raise ValueError(
+            f"buffers are for {out.shape} on {out.cand.device}, the call is {(bs, L, K, budget)}"
+        )
+    if not fits(L, K, budget):
+        raise ValueError(
+            f"(L, K, budget) = {(L, K, budget)} does not fit one program (`fits`): use build_tree"
+        )
+    lp, ids = lp.contiguous(), ids.contiguous()  # no-ops for the worker's
+    W, N = budget, budget + 1
+    blocks, NP = _blocks(L, K, budget), _p2(N)
+    t = out
+    tree_kernel[(bs,)](
+        lp, ids, root_ids, root_ids.stride(0),
+        t.beam_score, t.beam_parent, t.beam_token, t.size, t.pre, t.sel, t.cand_order, t.t1, t.t2, t.t3,
+        t.order, t.inv, t.input_ids, t.candidates, t.parents, t.depths, t.scores, t.mask, t.num_nodes,
+        L=L, K=K, W=W, UB=max(blocks["LWP"], L * W + 2).bit_length(), NP=NP, RB=min(NP, max(1, 4096 // NP)),
+        **blocks, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def build_draft_tree(
+    lp: torch.Tensor, ids: torch.Tensor, root_ids: torch.Tensor, budget: int, out: TreeBuffers
+) -> TreeBuffers:
+    """The step's tree: the fused kernel on CUDA for shapes that `fits`, else build_tree (same values)."""
+    _, L, K = lp.shape
+    if lp.is_cuda and fits(L, K, budget):
+        return build_tree_fused(lp, ids, root_ids, budget, out)
+    return build_tree(lp, ids, root_ids, budget, out=out)
+
+
+@triton.jit
+def walk_kernel(
+    parents_ptr,  # [bs, N] int64
+    cands_ptr,  # [bs, N] int64
+    target_ptr,  # [bs, N] int64
+    path_ptr,  # [bs, L + 1] int64
+    accepted_ptr,  # [bs]
+    bonus_ptr,  # [bs]
+    out_tokens_ptr,  # [bs, L + 1]
+    perm_ptr,  # [bs, N]
+    rows_ptr,  # [bs, L + 1]
+    N: tl.constexpr,
+    L: tl.constexpr,
+    NP: tl.constexpr,
+    LP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, NP)
+    nm = n < N
+    par = tl.load(parents_ptr + b * N + n, mask=nm, other=-2)
+    cand = tl.load(cands_ptr + b * N + n, mask=nm, other=-1)
+    j = tl.arange(0, LP)
+    cur = tl.zeros([], dtype=tl.int64)
+    alive = tl.full([], 1, tl.int1)
+    accepted = tl.zeros([], dtype=tl.int64)
+    path = tl.zeros([LP], dtype=tl.int64)
+    toks = tl.zeros([LP], dtype=tl.int64)
+    pos = tl.where(n == 0, 0, -1).to(tl.int64)  # a path node's place in the new window order, else -1
+    for d in range(1, L + 1):
+        want = tl.load(target_ptr + b * N + cur)
+        match = (par == cur) & (cand == want) & nm
+        nxt = tl.min(tl.where(match, n, NP), 0).to(tl.int64)  # the first match, as argmax
+        has = alive & (nxt < NP)
+        cur = tl.where(has, nxt, cur)
+        alive = has
+        accepted += has.to(tl.int64)
+        pos = tl.where(has & (n == cur), d, pos)
+        path = tl.where(j == d, cur, path)
+        toks = tl.where(j == d - 1, tl.load(cands_ptr + b * N + cur), toks)
+    bonus = tl.load(target_ptr + b * N + cur)
+    toks = tl.where(j == accepted, bonus, tl.where(j == L, 0, toks))
+    jm = j < L + 1
+    tl.store(path_ptr + b * (L + 1) + j, path, mask=jm)
+    tl.store(rows_ptr + b * (L + 1) + j, path + b * N, mask=jm)
+    tl.store(out_tokens_ptr + b * (L + 1) + j, toks, mask=jm)
+    tl.store(accepted_ptr + b, accepted)
+    tl.store(bonus_ptr + b, bonus)
+    off = (pos < 0) & nm
+    rest = tl.cumsum(off.to(tl.int64), 0) - off.to(tl.int64)  # off-path nodes before this one
+    tl.store(perm_ptr + b * N + tl.where(off, accepted + 1 + rest, pos), n.to(tl.int64), mask=nm)
+
+
+def accept_walk(
+    parents: torch.Tensor, candidates: torch.Tensor, target: torch.Tensor, L: int, out: AcceptBuffers
+) -> AcceptBuffers:
+    """follow_tree, then out.perm = window_permutation and out.rows = path_rows: one launch on CUDA (or under
+    Triton's interpreter), the torch forms elsewhere."""
+    bs, N = parents.shape
+    if out.shape != (bs, N, L):
+        raise ValueError(f"AcceptBuffers are for (bs, N, L) = {out.shape}, the call is {(bs, N, L)}")
+    if parents.is_cuda or _interpreting():
+        parents, candidates, target = parents.contiguous(), candidates.contiguous(), target.contiguous()
+        o = out
+        walk_kernel[(bs,)](
+            parents, candidates, target, o.path, o.accepted, o.bonus, o.out_tokens, o.perm, o.rows,
+            N=N, L=L, NP=_p2(N), LP=_p2(L + 1), num_warps=NUM_WARPS,
+        )  # fmt: skip
+        return out
+    follow_tree(parents, candidates, target, L, out)
+    out.perm.copy_(window_permutation(out))
+    out.rows.copy_(path_rows(out))
+    return out
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)

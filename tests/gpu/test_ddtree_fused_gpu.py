@@ -1,0 +1,144 @@
+"""DDTree's fused kernels (kdtree.ddtree.fused) on CUDA at the worker's shapes (K = budget, L = block - 1): the
+tree equals build_tree's and the walk equals follow_tree/window_permutation/path_rows, value for value; both run
+with no host synchronisation and replay in a CUDA graph on new inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
+pytest.importorskip("triton", reason="triton is not installed (the server extra)")
+
+from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation  # noqa: E402
+from kdtree.ddtree.fused import accept_walk, build_draft_tree, build_tree_fused, fits  # noqa: E402
+from kdtree.ddtree.tree import TreeBuffers, build_tree  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TREE_FIELDS = ("input_ids", "candidates", "parents", "depths", "scores", "mask", "num_nodes")
+BUDGETS = [8, 16, 32, 64, 128, 256]
+SHAPES = [(bs, block - 1, budget) for bs in (1, 4) for block in (8, 16) for budget in BUDGETS]
+
+
+def fill_inputs(g, lp, ids, kind: str):
+    """Top-K log-probs as the drafter gives them (sorted descending), written into lp/ids in place: 'real'
+    (log_softmax of random logits), 'ties' (rounded to quarters: many exact ties), 'absent' (-inf tails)."""
+    bs, L, K = lp.shape
+    logits = torch.randn(bs, L, 4 * K + 8, generator=g, device=lp.device) * 3
+    x = torch.log_softmax(logits, -1)
+    top, idx = torch.topk(x, K, dim=-1)
+    if kind == "ties":
+        top = torch.round(top * 4) / 4
+    if kind == "absent":
+        cut = torch.randint(0, K + 1, (bs, L, 1), generator=g, device=lp.device)
+        top = torch.where(torch.arange(K, device=lp.device) >= cut, float("-inf"), top)
+    top, order = torch.sort(top, dim=-1, descending=True, stable=True)
+    lp.copy_(top)
+    ids.copy_(torch.gather(idx, 2, order) + 7)
+
+
+def assert_same_tree(got: TreeBuffers, want: TreeBuffers):
+    for name in TREE_FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def random_targets(g, tree: TreeBuffers, follow: float = 0.85):
+    """[bs, N]: at each node the token of one of its children (so the walk descends), else a random token."""
+    bs, N = tree.parents.shape
+    target = torch.randint(0, 1000, (bs, N), generator=g, device=tree.parents.device)
+    real = tree.candidates[:, 1:] >= 0
+    parent = torch.where(real, tree.parents[:, 1:], 0)
+    src = torch.where(real, tree.candidates[:, 1:], target.gather(1, parent))
+    target.scatter_(1, parent, src)
+    keep = torch.rand(bs, N, generator=g, device=target.device) < follow
+    return torch.where(keep, target, torch.randint(0, 1000, (bs, N), generator=g, device=target.device))
+
+
+def assert_same_walk(tree: TreeBuffers, target, L: int):
+    bs, N = tree.parents.shape
+    want = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, "cuda"))
+    got = accept_walk(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, "cuda"))
+    for name in ("path", "accepted", "bonus", "out_tokens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.perm, window_permutation(want))
+    assert torch.equal(got.rows, path_rows(want))
+    return got
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "bs{}-L{}-budget{}".format(*s))
+def test_fused_tree_and_walk_equal_the_torch_forms_at_the_worker_shapes(shape):
+    bs, L, budget = shape
+    K = budget
+    g = torch.Generator(device="cuda").manual_seed(bs * 1000 + L * 10 + budget)
+    lp = torch.empty(bs, L, K, device="cuda")
+    ids = torch.empty(bs, L, K, dtype=torch.int64, device="cuda")
+    roots = torch.arange(5, 5 + bs, dtype=torch.int64, device="cuda")
+    out = TreeBuffers(bs, L, K, budget, "cuda")
+    accepted = []
+    for kind in ("real", "ties", "absent"):
+        fill_inputs(g, lp, ids, kind)
+        want = build_tree(lp, ids, roots, budget)
+        got = build_draft_tree(lp, ids, roots, budget, out)
+        assert_same_tree(got, want)
+        if fits(L, K, budget):  # the kernel itself (build_draft_tree took it)
+            out.mask.zero_()
+            assert_same_tree(build_tree_fused(lp, ids, roots, budget, out), want)
+        accepted += assert_same_walk(got, random_targets(g, got), L).accepted.tolist()
+    assert max(accepted) >= 1  # the targets follow the tree
+
+
+@pytest.mark.parametrize("bs, L, budget", [(1, 15, 32), (4, 15, 64), (4, 7, 16), (2, 15, 128)])
+def test_fused_stages_sync_never_and_replay_in_a_cuda_graph(bs, L, budget):
+    K, N = budget, budget + 1
+    g = torch.Generator(device="cuda").manual_seed(budget + bs)
+    lp = torch.empty(bs, L, K, device="cuda")
+    ids = torch.empty(bs, L, K, dtype=torch.int64, device="cuda")
+    block = torch.zeros(
+        bs, 16, dtype=torch.int64, device="cuda"
+    )  # roots: a column, as the worker's draft block
+    block[:, 0] = torch.arange(5, 5 + bs, device="cuda")
+    roots = block[:, 0]
+    target = torch.zeros(bs, N, dtype=torch.int64, device="cuda")
+    tree = TreeBuffers(bs, L, K, budget, "cuda")
+    acc = AcceptBuffers(bs, N, L, "cuda")
+
+    def step():
+        build_draft_tree(lp, ids, roots, budget, tree)
+        accept_walk(tree.parents, tree.candidates, target, L, acc)
+
+    fill_inputs(g, lp, ids, "real")
+    step()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    for i, kind in enumerate(("real", "ties", "absent", "real")):
+        fill_inputs(g, lp, ids, kind)
+        want_tree = build_tree(lp, ids, roots, budget)
+        target.copy_(random_targets(g, want_tree))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_tree(tree, want_tree)
+        want = follow_tree(
+            want_tree.parents, want_tree.candidates, target, L, AcceptBuffers(bs, N, L, "cuda")
+        )
+        for name in ("path", "accepted", "bonus", "out_tokens"):
+            assert torch.equal(getattr(acc, name), getattr(want, name)), (i, name)
+        assert torch.equal(acc.perm, window_permutation(want))
+        assert torch.equal(acc.rows, path_rows(want))
+    del want_tree, want
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated
