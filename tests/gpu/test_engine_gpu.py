@@ -407,7 +407,10 @@ FLIPS = {  # from each live start through the other two live modes and back
 }
 
 
-@pytest.mark.parametrize("name", [n for n in BF16 if SPECS[n].mode is not Mode.OFF])
+@pytest.mark.parametrize(
+    "name",  # the servers that captured graphs (not ddtree-b8-eager-on)
+    [n for n in BF16 if SPECS[n].mode is not Mode.OFF and "--disable-cuda-graph" not in SPECS[n].extra_args],
+)
 def test_live_flips_serve_every_mode_from_the_graphs_captured_at_start(fleet, name):
     server = fleet[name]
     reference = fleet[f"{server.spec.algorithm.lower()}-off"]
