@@ -12,7 +12,7 @@ the buffers' global workspace:
 3. the global cut: one tl.sort of the union's keys (-score image, preorder, union index), the first `budget`;
 4. the ancestor-or-self mask, L parent hops per node.
 Which shapes: `fits` (blocks padded to powers of two: L * budget and the merge at most SORT_BLOCK, budget * K at
-most FUSED_MAX_CANDIDATES, a speed limit: at K = budget, budgets up to 128). `build_draft_tree` gives every other
+most FUSED_MAX_CANDIDATES, a speed limit: at K = budget, budgets up to 32). `build_draft_tree` gives every other
 shape, and CPU tensors, to build_tree (torch ops, the same values).
 
 `walk_kernel` does `kdtree.ddtree.accept.follow_tree`, `window_permutation` and `path_rows` for one request per
@@ -31,7 +31,10 @@ from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_p
 from kdtree.ddtree.tree import TreeBuffers, build_tree
 
 SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
-FUSED_MAX_CANDIDATES = 16384  # budget * K (padded) above which build_draft_tree keeps build_tree (speed)
+# budget * K (padded) above which build_draft_tree keeps build_tree. Measured on an H200 (bs 1, L 15, graph replays;
+# tuning/ddtree_stages.py): fused 46 / 201 / 1307 / 5104 us against torch's 955 / 1002 / 1129 / 1554 at budgets
+# 16 / 32 / 64 / 128 (K = budget): the fused sorts grow as budget * K, so it takes budgets up to 32.
+FUSED_MAX_CANDIDATES = 1024
 _MIN_BLOCK = 16
 NUM_WARPS = 4
 

@@ -94,7 +94,8 @@ def test_the_fused_tree_pads_past_the_reachable_nodes_and_breaks_ties_by_rank(fu
 
 
 def test_the_fused_tree_sorts_large_candidate_sets_in_chunks_and_merges_them(fused, monkeypatch):
-    """With a small SORT_BLOCK the same kernel path that budgets 128 and 256 take on the GPU: several chunks."""
+    """With a small SORT_BLOCK: several chunks merged (the path of candidate sets above SORT_BLOCK, which a raised
+    FUSED_MAX_CANDIDATES sends to the kernel; tuning/ddtree_stages.py --max-candidates)."""
     monkeypatch.setattr(fused, "SORT_BLOCK", 128)
     rng = random.Random(4)
     for bs, L, K, budget in ((2, 3, 6, 20), (1, 2, 5, 12)):
@@ -104,9 +105,9 @@ def test_the_fused_tree_sorts_large_candidate_sets_in_chunks_and_merges_them(fus
         check_tree(fused, lp, ids, budget)
 
 
-def test_fits_takes_the_worker_budgets_up_to_128_and_the_rest_goes_to_build_tree(fused):
-    assert fused.fits(15, 64, 64) and fused.fits(7, 8, 8) and fused.fits(15, 128, 128)
-    assert not fused.fits(15, 256, 256) and not fused.fits(7, 256, 256)
+def test_fits_takes_the_worker_budgets_up_to_32_and_the_rest_goes_to_build_tree(fused):
+    assert fused.fits(15, 32, 32) and fused.fits(7, 8, 8) and fused.fits(15, 16, 16)
+    assert not fused.fits(15, 64, 64) and not fused.fits(15, 256, 256) and not fused.fits(7, 256, 256)
     lp = torch.zeros(1, 15, 256)
     with pytest.raises(ValueError, match="does not fit one program"):
         fused.build_tree_fused(lp, lp.long(), torch.zeros(1).long(), 256, TreeBuffers(1, 15, 256, 256))
