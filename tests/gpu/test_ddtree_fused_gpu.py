@@ -43,7 +43,8 @@ def assert_same_tree(got: TreeBuffers, want: TreeBuffers):
 
 
 def random_targets(g, tree: TreeBuffers, follow: float = 0.85):
-    """[bs, N]: at each node the token of one of its children (so the walk descends), else a random token."""
+    """[bs, N]: at each node the token of one of its children (so the walk descends), else (below the root, with
+    probability 1 - follow) a random token."""
     bs, N = tree.parents.shape
     target = torch.randint(0, 1000, (bs, N), generator=g, device=tree.parents.device)
     real = tree.candidates[:, 1:] >= 0
@@ -51,6 +52,7 @@ def random_targets(g, tree: TreeBuffers, follow: float = 0.85):
     src = torch.where(real, tree.candidates[:, 1:], target.gather(1, parent))
     target.scatter_(1, parent, src)
     keep = torch.rand(bs, N, generator=g, device=target.device) < follow
+    keep[:, 0] = True  # the root follows: every tree with a real node accepts at least one token
     return torch.where(keep, target, torch.randint(0, 1000, (bs, N), generator=g, device=target.device))
 
 
