@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (the server extra)")
 pytest.importorskip("triton", reason="triton is not installed (the server extra)")
 
+from kdtree.bench import capture_graph  # noqa: E402
 from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation  # noqa: E402
 from kdtree.ddtree.fused import accept_walk, build_draft_tree, build_tree_fused, fits  # noqa: E402
 from kdtree.ddtree.tree import TreeBuffers, build_tree  # noqa: E402
@@ -117,15 +118,7 @@ def test_fused_stages_sync_never_and_replay_in_a_cuda_graph(bs, L, budget):
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    torch.cuda.synchronize()
+    graph, _, _ = capture_graph(step)
     allocated = torch.cuda.memory_allocated()
     for i, kind in enumerate(("real", "ties", "absent", "real")):
         fill_inputs(g, lp, ids, kind)

@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from kdtree.bench import capture_graph, replay_us
 from kdtree.ddtree import fused
 from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
 from kdtree.ddtree.tree import TreeBuffers, build_tree
@@ -21,24 +22,11 @@ REPLAYS = 200
 
 
 def graph_us(fn) -> float:
-    """Mean GPU time of one replay of fn captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """GPU time of one replay of fn captured in a CUDA graph (the benchmarks' capture and timing, kdtree.bench)."""
+    graph, _, _ = capture_graph(fn)
     for _ in range(10):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPLAYS * 1e3
+    return replay_us(graph, REPLAYS, 1)
 
 
 def row(bs: int, L: int, budget: int) -> str:

@@ -23,14 +23,9 @@ def random_trees(seed: int, bs: int, L: int, K: int, budget: int):
     return build_tree(lp, ids, torch.arange(bs, dtype=torch.int64) + 100, budget)
 
 
-@pytest.mark.parametrize(
-    "seed, bs, L, K, budget", [(0, 4, 3, 2, 5), (1, 8, 7, 4, 16), (2, 6, 15, 8, 32), (3, 3, 2, 1, 9)]
-)
-def test_the_walk_and_the_commit_match_the_reference_walk(seed, bs, L, K, budget):
-    tree = random_trees(seed, bs, L, K, budget)
-    N = budget + 1
-    rng = random.Random(seed)
-    # targets that follow the tree for a while, then leave it (and some that never enter it)
+def following_targets(tree, L: int, seed: int, rng: random.Random):
+    """[bs, N] targets that follow the tree for a while, then leave it (and some that never enter it)."""
+    bs, N = tree.parents.shape
     target = torch.randint(0, 50, (bs, N), generator=torch.Generator().manual_seed(seed + 7))
     for b in range(bs):
         node = 0
@@ -40,6 +35,17 @@ def test_the_walk_and_the_commit_match_the_reference_walk(seed, bs, L, K, budget
                 break
             node = rng.choice(kids)
             target[b, tree.parents[b, node]] = tree.candidates[b, node]
+    return target
+
+
+@pytest.mark.parametrize(
+    "seed, bs, L, K, budget", [(0, 4, 3, 2, 5), (1, 8, 7, 4, 16), (2, 6, 15, 8, 32), (3, 3, 2, 1, 9)]
+)
+def test_the_walk_and_the_commit_match_the_reference_walk(seed, bs, L, K, budget):
+    tree = random_trees(seed, bs, L, K, budget)
+    N = budget + 1
+    rng = random.Random(seed)
+    target = following_targets(tree, L, seed, rng)
     out = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L))
     perm = window_permutation(out)
     seen_lengths = set()

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the fused kernels need torch (the server extra)")
 pytest.importorskip("triton", reason="the fused kernels need triton (the server extra)")
 
-from test_ddtree_accept import random_trees  # noqa: E402
+from test_ddtree_accept import following_targets, random_trees  # noqa: E402
 from test_ddtree_tree import assert_matches, random_lp  # noqa: E402
 
 from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation  # noqa: E402
@@ -123,15 +123,7 @@ def test_the_fused_walk_is_follow_tree_with_its_permutation_and_rows(fused, seed
     tree = random_trees(seed, bs, L, K, budget)
     N = budget + 1
     rng = random.Random(seed)
-    target = torch.randint(0, 50, (bs, N), generator=torch.Generator().manual_seed(seed + 7))
-    for b in range(bs):  # follow the tree for a while, then leave it
-        node = 0
-        for _ in range(rng.randint(0, L)):
-            kids = [i for i in range(1, N) if tree.parents[b, i] == node and tree.candidates[b, i] >= 0]
-            if not kids:
-                break
-            node = rng.choice(kids)
-            target[b, tree.parents[b, node]] = tree.candidates[b, node]
+    target = following_targets(tree, L, seed, rng)
     want = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L))
     got = fused.accept_walk(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L))
     for name in ("path", "accepted", "bonus", "out_tokens"):
