@@ -42,7 +42,6 @@ def make_settings(state_dir, port, **overrides) -> SidecarSettings:
         bake_interval_s=0.1,
         restart_stop_timeout_s=2,
         gate_min_calls=100,
-        gate_max_rel_err=0.02,
     )
     return SidecarSettings(**{**base, **overrides})
 

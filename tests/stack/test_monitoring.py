@@ -390,6 +390,14 @@ def test_not_ready_pages_only_past_the_startup_budget():
     assert 'kdtree_condition{kdtree_condition="not_ready_yet"}' in rule["expr"]
 
 
+def test_the_parity_alert_fires_past_the_gates_tolerance():
+    """KdtreeParityOverTolerance's threshold is the gate's (KDTREE_GATE_MAX_REL_ERR's default): with another, the
+    alert fires where the gate passes, or stays quiet where it refuses."""
+    (rule,) = [r for r in alert_rules() if r["alert"] == "KdtreeParityOverTolerance"]
+    (threshold,) = re.findall(r"kdtree_rank_parity_max_rel_l2 > ([0-9.e-]+)", rule["expr"])
+    assert float(threshold) == SidecarSettings.model_fields["gate_max_rel_err"].default
+
+
 def test_a_healthy_cold_start_case_checks_every_alert():
     """tests/stack/monitoring_alerts_test.yml's 20-minute cold start: every alert is evaluated over it, none fires."""
     (case,) = [
