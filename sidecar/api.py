@@ -7,6 +7,7 @@ carries only the fields its case sets (model_dump(exclude_unset=True)), as befor
 
 from __future__ import annotations
 
+import asyncio
 import math
 import operator
 from typing import Any, Literal
@@ -17,7 +18,7 @@ from kdtree.config import Mode
 from kdtree.state.rank_records import RankView
 
 from .probe import HealthResult, ProbeResult
-from .server_control import ServerState
+from .server_control import ServerControl, ServerControlError, ServerMissing, ServerState
 from .server_log import LogMarker
 from .store import DesiredHold, Transition
 from .vocabulary import Condition, DesiredState, Method, Phase
@@ -124,6 +125,16 @@ class ServerView(BaseModel):
     state: ServerState | None = None
     error: str | None = None
     missing: bool = False  # the control answered: there is no server (no such container, no start yet)
+
+    @classmethod
+    async def inspect(cls, server: ServerControl | None) -> ServerView:
+        """Ask the control (on a thread: Docker or the process table) and keep its answer or its error."""
+        if server is None:  # docker control with no container named (sidecar.app.server_control)
+            return cls(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
+        try:
+            return cls(state=await asyncio.to_thread(server.inspect))
+        except ServerControlError as e:
+            return cls(error=str(e), missing=isinstance(e, ServerMissing))
 
 
 class ModeStatus(BaseModel):

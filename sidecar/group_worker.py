@@ -36,7 +36,7 @@ from kdtree.state.rank_records import RankView
 from .api import ServerView
 from .metrics import Metrics
 from .rank_evidence import check_ranks, read_volume
-from .server_control import ServerControl, ServerControlError, ServerMissing
+from .server_control import ServerControl, ServerControlError
 from .settings import SidecarSettings
 from .volume import StateVolume, VolumeWriteFailed
 
@@ -96,12 +96,7 @@ class WorkerNode:
         self.restarting = asyncio.Lock()
 
     async def inspect(self) -> ServerView:
-        if self.server is None:
-            return ServerView(error="no server control configured")
-        try:
-            return ServerView(state=await asyncio.to_thread(self.server.inspect))
-        except ServerControlError as e:
-            return ServerView(error=str(e), missing=isinstance(e, ServerMissing))
+        return await ServerView.inspect(self.server)
 
     async def report(self) -> NodeReport:
         s = self.settings

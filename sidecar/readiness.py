@@ -36,7 +36,7 @@ from .rank_evidence import (
     node_mode_file_problems,
     read_volume,
 )
-from .server_control import ServerControl, ServerControlError, ServerMissing, ServerState
+from .server_control import ServerControl, ServerState
 from .settings import SidecarSettings
 from .store import SidecarState, Store
 from .vocabulary import Condition, Method, Phase, Step
@@ -148,12 +148,7 @@ class Readiness:
             self.metrics.probe_failures.labels(reason=result.reason).inc()
 
     async def inspect(self) -> ServerView:
-        if self.server is None:
-            return ServerView(error="no server container configured (set KDTREE_SERVER_CONTAINER)")
-        try:
-            return ServerView(state=await asyncio.to_thread(self.server.inspect))
-        except ServerControlError as e:
-            return ServerView(error=str(e), missing=isinstance(e, ServerMissing))
+        return await ServerView.inspect(self.server)
 
     async def _probe_for(self, fresh: bool) -> ProbeResult | None:
         """A probe of its own (fresh), or the background probe's latest verdict (the first one, waited for)."""
