@@ -121,8 +121,8 @@ class TreeDraftSampler:
 
 
 class DDTreeWorker(DFlashWorkerV2):
-    """DFlashWorkerV2 with a budgeted draft tree; see the module. Synchronous scheduling only (the launcher
-    refuses overlap), page size 1, no DP attention, no compact draft window."""
+    """DFlashWorkerV2 with a budgeted draft tree; see the module. Overlap scheduling on or off (as DFlash), page
+    size 1, no DP attention, no compact draft window."""
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
@@ -140,7 +140,11 @@ class DDTreeWorker(DFlashWorkerV2):
         )
         self.speculative_num_draft_tokens = self.verify_width
         self._tree_sampler: TreeDraftSampler | None = None
-        self._accept: dict[int, AcceptBuffers] = {}
+        # two sets of the walk's outputs a batch size, used in turn: under overlap scheduling the scheduler still
+        # reads a step's tokens and bonus (its result and next draft input) while the next step runs, as DFlash's
+        # two accept/bonus slots allow
+        self._accept: dict[tuple[int, int], AcceptBuffers] = {}
+        self._accept_slot = 0
         self._window_offsets = torch.arange(self.verify_width, dtype=torch.int64, device=self.device)
 
     # -- the draft head ----------------------------------------------------------------------------------------
@@ -306,14 +310,15 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tp_sync.sync(
             SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, target
         )
-        acc = self._accept.get(bs)
+        key, self._accept_slot = (bs, self._accept_slot), 1 - self._accept_slot
+        acc = self._accept.get(key)
         if acc is None:
-            acc = self._accept[bs] = AcceptBuffers(bs, N, L, device)
+            acc = self._accept[key] = AcceptBuffers(bs, N, L, device)
         accept_walk(parents, cands, target, L, acc)
         if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
             compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=acc.rows)
-        commit_lens = (acc.accepted + 1).to(torch.int32)
-        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
+        commit_lens = torch.add(acc.accepted, 1, out=acc.commit_lens)
+        new_seq_lens = torch.add(prefix, commit_lens, out=acc.new_seq_lens)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
