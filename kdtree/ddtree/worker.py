@@ -273,7 +273,10 @@ class DDTreeWorker(DFlashWorkerV2):
 
         # 2. the verify of the tree's N tokens, mask into the backend's verify-mask buffer
         positions = (prefix[:, None] + depths).reshape(-1)
-        custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, batch)
+        # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
+        # scheduler's reserved bound: an eager batch's mask buffer is sized from it
+        host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
+        custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, host_sum)
         verify_input = DFlashVerifyInput(
             draft_token=tree_ids.reshape(-1),
             positions=positions,
@@ -359,7 +362,7 @@ class DDTreeWorker(DFlashWorkerV2):
             indexer_topk_output=target_out.indexer_topk_output,
         )
 
-    def _write_verify_mask(self, mask: torch.Tensor, prefix: torch.Tensor, batch) -> torch.Tensor:
+    def _write_verify_mask(self, mask: torch.Tensor, prefix: torch.Tensor, host_sum: int) -> torch.Tensor:
         """The ancestor mask in SGLang's FULL layout (request b's N rows of prefix_b + N columns, from
         mask_indptr[b]); only the tree block (the last N columns) is read, by Triton and by kdtree. Written in
         place into the backend's verify-mask buffer when the batch fits it, as EAGLE does, so a graph replay's
@@ -369,7 +372,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if vm is not None and vm.fits(bs):
             buf = vm.buffer
         else:  # an eager batch above the captured sizes: a buffer of its own (host lengths known here)
-            buf = torch.zeros(N * int(batch.seq_lens_sum) + N * N * bs, dtype=torch.uint8, device=mask.device)
+            buf = torch.zeros(N * host_sum + N * N * bs, dtype=torch.uint8, device=mask.device)
         row = prefix.to(torch.int64) + N  # columns a row has
         start = torch.cumsum(N * row, 0) - N * row  # exclusive: where request b's rows begin
         i = self._window_offsets
