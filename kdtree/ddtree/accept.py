@@ -34,6 +34,8 @@ class AcceptBuffers:
         self.accepted = torch.zeros(bs, **i64)  # a: drafted tokens accepted (path length - 1)
         self.bonus = torch.zeros(bs, **i64)
         self.out_tokens = torch.zeros(bs, L + 1, **i64)  # the a accepted tokens, then the bonus
+        self.commit_lens = torch.zeros(bs, dtype=torch.int32, device=device)  # a + 1 (the worker writes it)
+        self.new_seq_lens = torch.zeros(bs, **i64)  # prefix + a + 1 (likewise)
         self.perm = torch.zeros(bs, N, **i64)  # window_permutation (fused.accept_walk writes it)
         self.rows = torch.zeros(bs, L + 1, **i64)  # path_rows (likewise)
         self.cur = torch.zeros(bs, **i64)

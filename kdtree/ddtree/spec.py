@@ -36,8 +36,6 @@ def validate_server_args(cfg) -> None:
         )
     if getattr(cfg, "speculative_draft_window_size", None) is not None:
         problems.append("DDTREE v1 keeps the drafter's whole cache: drop --speculative-draft-window-size")
-    if not cfg.disable_overlap_schedule:
-        problems.append("DDTREE v1 runs synchronously: pass --disable-overlap-schedule")
     if cfg.grammar_backend not in (None, "none"):
         problems.append(
             f"DDTREE v1 has no grammar-constrained decoding: pass --grammar-backend none "
@@ -149,7 +147,7 @@ def register() -> bool:
     except ValueError:
         pass
     SpeculativeAlgorithm.register(
-        NAME, supports_overlap=False, validate_server_args=validate_server_args, spec_class=DDTreeSpec
+        NAME, supports_overlap=True, validate_server_args=validate_server_args, spec_class=DDTreeSpec
     )(_worker_class)
     HookRegistry.register(CAPTURE_HOOK_TARGET, spec_info_with_tree_mask, HookType.AROUND)
     return True

@@ -121,8 +121,8 @@ class TreeDraftSampler:
 
 
 class DDTreeWorker(DFlashWorkerV2):
-    """DFlashWorkerV2 with a budgeted draft tree; see the module. Synchronous scheduling only (the launcher
-    refuses overlap), page size 1, no DP attention, no compact draft window."""
+    """DFlashWorkerV2 with a budgeted draft tree; see the module. Overlap scheduling on or off (as DFlash), page
+    size 1, no DP attention, no compact draft window."""
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
@@ -140,7 +140,11 @@ class DDTreeWorker(DFlashWorkerV2):
         )
         self.speculative_num_draft_tokens = self.verify_width
         self._tree_sampler: TreeDraftSampler | None = None
-        self._accept: dict[int, AcceptBuffers] = {}
+        # two sets of the walk's outputs a batch size, used in turn: under overlap scheduling the scheduler still
+        # reads a step's tokens and bonus (its result and next draft input) while the next step runs, as DFlash's
+        # two accept/bonus slots allow
+        self._accept: dict[tuple[int, int], AcceptBuffers] = {}
+        self._accept_slot = 0
         self._window_offsets = torch.arange(self.verify_width, dtype=torch.int64, device=self.device)
 
     # -- the draft head ----------------------------------------------------------------------------------------
@@ -269,7 +273,10 @@ class DDTreeWorker(DFlashWorkerV2):
 
         # 2. the verify of the tree's N tokens, mask into the backend's verify-mask buffer
         positions = (prefix[:, None] + depths).reshape(-1)
-        custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, batch)
+        # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
+        # scheduler's reserved bound: an eager batch's mask buffer is sized from it
+        host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
+        custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, host_sum)
         verify_input = DFlashVerifyInput(
             draft_token=tree_ids.reshape(-1),
             positions=positions,
@@ -306,14 +313,15 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tp_sync.sync(
             SpecTpSyncSite.DFLASH_ACCEPT_GREEDY if greedy else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, target
         )
-        acc = self._accept.get(bs)
+        key, self._accept_slot = (bs, self._accept_slot), 1 - self._accept_slot
+        acc = self._accept.get(key)
         if acc is None:
-            acc = self._accept[bs] = AcceptBuffers(bs, N, L, device)
+            acc = self._accept[key] = AcceptBuffers(bs, N, L, device)
         accept_walk(parents, cands, target, L, acc)
         if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
             compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=acc.rows)
-        commit_lens = (acc.accepted + 1).to(torch.int32)
-        new_seq_lens = prefix + commit_lens.to(prefix.dtype)
+        commit_lens = torch.add(acc.accepted, 1, out=acc.commit_lens)
+        new_seq_lens = torch.add(prefix, commit_lens, out=acc.new_seq_lens)
         if on_publish is not None:
             on_publish(new_seq_lens)
 
@@ -354,7 +362,7 @@ class DDTreeWorker(DFlashWorkerV2):
             indexer_topk_output=target_out.indexer_topk_output,
         )
 
-    def _write_verify_mask(self, mask: torch.Tensor, prefix: torch.Tensor, batch) -> torch.Tensor:
+    def _write_verify_mask(self, mask: torch.Tensor, prefix: torch.Tensor, host_sum: int) -> torch.Tensor:
         """The ancestor mask in SGLang's FULL layout (request b's N rows of prefix_b + N columns, from
         mask_indptr[b]); only the tree block (the last N columns) is read, by Triton and by kdtree. Written in
         place into the backend's verify-mask buffer when the batch fits it, as EAGLE does, so a graph replay's
@@ -364,7 +372,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if vm is not None and vm.fits(bs):
             buf = vm.buffer
         else:  # an eager batch above the captured sizes: a buffer of its own (host lengths known here)
-            buf = torch.zeros(N * int(batch.seq_lens_sum) + N * N * bs, dtype=torch.uint8, device=mask.device)
+            buf = torch.zeros(N * host_sum + N * N * bs, dtype=torch.uint8, device=mask.device)
         row = prefix.to(torch.int64) + N  # columns a row has
         start = torch.cumsum(N * row, 0) - N * row  # exclusive: where request b's rows begin
         i = self._window_offsets

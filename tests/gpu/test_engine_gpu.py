@@ -13,7 +13,8 @@ starts (a start takes about a minute; in parallel the starts overlap):
   verify of 8 / 16 tokens): off, validate, on, standby, per block size
 
   DDTREE (kdtree's plugin: the block-8 drafter, a tree of 16 nodes verified as 17 tokens with its ancestor mask):
-  off, validate, on, standby; its greedy outputs equal the DFlash chain's (both the target's greedy decode)
+  off, validate, on, standby, under SGLang's overlap scheduler; on with graphs off, and on synchronously; its greedy
+  outputs equal the DFlash chain's (both the target's greedy decode)
 
 The DFLASH and DDTREE servers are tests of their own (`-k "dflash or ddtree"`: kernel_build/bench/device_run.sh
 engine-spec), so that each device call stays under its limit; `engine-tests` runs the rest.
@@ -87,6 +88,8 @@ SPECS = {
         ServerSpec("ddtree-b8-standby", "DDTREE-B8", Mode.STANDBY),
         # CUDA graphs off: the draft's tree and the verify run eagerly at every batch size
         ServerSpec("ddtree-b8-eager-on", "DDTREE-B8", Mode.ON, extra_args=("--disable-cuda-graph",)),
+        # the others run under SGLang's overlap scheduler (its default); this one synchronously
+        ServerSpec("ddtree-b8-sync-on", "DDTREE-B8", Mode.ON, extra_args=("--disable-overlap-schedule",)),
         # the oracle (kernel_build/bench/harness/ddtree_oracle.py): a bigram target, scripted draft ranks
         ServerSpec(
             "ddtree-b8-oracle-on",
@@ -236,6 +239,7 @@ def test_on_serves_every_verify_step_and_matches_off_token_for_token(fleet, algo
         ("ddtree-b8-off", "dflash-b8-off"),
         ("ddtree-b8-on", "dflash-b8-off"),
         ("ddtree-b8-eager-on", "dflash-b8-off"),
+        ("ddtree-b8-sync-on", "dflash-b8-off"),
     ],
 )
 def test_ddtree_greedy_outputs_equal_dflash_chain(fleet, servers):

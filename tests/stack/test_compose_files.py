@@ -166,7 +166,6 @@ def test_kimi_ddtree_file_runs_ddtree_on_kimi_k25_with_its_dflash_drafter(compos
         speculative_draft_model_path="unused",
         speculative_num_draft_tokens=int(arg(argv, "--speculative-num-draft-tokens")),
         speculative_dflash_block_size=int(arg(argv, "--speculative-dflash-block-size")),
-        disable_overlap_schedule="--disable-overlap-schedule" in argv,
         **flags,
     )
     record_foreign_defaults(args, "test", validate_server_args)  # raises on what DDTREE v1 refuses

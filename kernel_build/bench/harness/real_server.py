@@ -74,13 +74,13 @@ SPECULATIVE = {
         for b in (8, 16)
     },
     # kdtree's DDTREE (kdtree.ddtree): the same drafter's block, a best-first tree of N - 1 nodes verified as N
-    # tokens with the ancestor mask (block 8: 16 nodes; block 16: 32, the budget); v1 runs synchronously
-    # at page size 1
+    # tokens with the ancestor mask (block 8: 16 nodes; block 16: 32, the budget); page size 1, overlap
+    # scheduling on (SGLang's default, as DFLASH runs)
     **{
         f"DDTREE-B{b}": (
             "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(n),
             "--speculative-dflash-block-size", str(b), "--speculative-draft-load-format", "dummy",
-            "--speculative-draft-attention-backend", "triton", "--disable-overlap-schedule", "--page-size", "1",
+            "--speculative-draft-attention-backend", "triton", "--page-size", "1",
         )
         for b, n in ((8, 17), (16, 33))
     },

@@ -31,7 +31,6 @@ GOOD = dict(
     speculative_algorithm="DDTREE",
     speculative_draft_model_path="unused-drafter",
     page_size=1,
-    disable_overlap_schedule=True,
     grammar_backend="none",
     speculative_num_draft_tokens=33,
     speculative_dflash_block_size=16,
@@ -48,6 +47,7 @@ def test_a_supported_launch_passes():
     check(speculative_num_draft_tokens=16)  # budget B-1: the chain's size
     check(speculative_num_draft_tokens=1024, speculative_dflash_block_size=2)
     check(page_size=None, grammar_backend=None)  # unresolved: nothing known to refuse
+    check(disable_overlap_schedule=True)  # overlap scheduling on (SGLang's default) or off
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,6 @@ def test_a_supported_launch_passes():
         (dict(page_size=16), "pass --page-size 1 (got 16)"),
         (dict(enable_dp_attention=True, dp_size=2, tp_size=2), "drop --enable-dp-attention"),
         (dict(pp_size=2), "pass --pp-size 1 (got 2)"),
-        (dict(disable_overlap_schedule=False), "pass --disable-overlap-schedule"),
         (dict(grammar_backend="xgrammar"), "pass --grammar-backend none (got 'xgrammar'"),
         (dict(speculative_draft_model_path=None), "pass --speculative-draft-model-path"),
         (dict(speculative_dflash_block_size=None), "--speculative-dflash-block-size B (the drafter's block)"),
@@ -76,10 +75,10 @@ def test_each_unsupported_setting_is_refused_in_one_line_naming_the_fix(changes,
 
 def test_several_problems_come_in_one_line():
     with pytest.raises(ValueError) as err:
-        check(page_size=64, pp_size=2, disable_overlap_schedule=False)
+        check(page_size=64, pp_size=2, grammar_backend="xgrammar")
     message = str(err.value)
     assert "\n" not in message and message.count("; ") == 2
-    assert "--page-size 1" in message and "--pp-size 1" in message and "--disable-overlap-schedule" in message
+    assert "--page-size 1" in message and "--pp-size 1" in message and "--grammar-backend none" in message
 
 
 # Registers DDTREE through SGLang's public API, resolves it, runs the real speculative hook (which calls the
@@ -120,6 +119,7 @@ for name in ("is_dflash_family", "supports_target_verify_for_draft", "is_dflash"
              "need_topk", "carries_draft_hidden_states", "supports_grammar_overlap", "is_speculative", "has_draft_kv"):
     out[name] = getattr(algo, name)()
 out["platform_worker"] = algo.get_platform_worker_cls()
+out["supports_overlap"] = algo.supports_overlap
 out["worker"] = algo.create_worker(args).__name__
 
 class Pool:  # stand-in: the two attributes FutureMap reads from SGLang's ReqToTokenPool
@@ -178,5 +178,6 @@ def test_registered_through_sglangs_registry_the_spec_answers_as_the_design_says
     for name in ("is_dflash", "is_eagle", "is_ngram", "need_topk", "carries_draft_hidden_states"):
         assert out[name] is False, name
     assert out["supports_grammar_overlap"] is False
+    assert out["supports_overlap"] is True  # the worker runs under overlap scheduling (GOOD leaves it on)
     assert out["platform_worker"] is None
     assert out["future_map"] == ["FutureMap", True]
