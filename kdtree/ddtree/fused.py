@@ -5,9 +5,15 @@ order and tie rule: see that module), one program per request, in four phases se
 the buffers' global workspace:
 1. per depth d, the beam C_d: every candidate (parent slot p, rank r) of C_{d-1} x K gets an int64 key, the
    order-preserving int32 image of -score in the high bits and its flat index p * KP + r in the low bits (flat
-   order = lexicographic order, as in build_tree); tl.sort in chunks of at most SORT_BLOCK, the first `budget`
-   of each chunk merged by one more sort; the first `budget` keys are C_d, sorted again by flat index
-   (lexicographic order). Scores are recomputed as parent score + log-prob, the same float32 add;
+   order = lexicographic order, as in build_tree); the first `budget` keys are C_d, sorted again by flat index
+   (lexicographic order). Scores are recomputed as parent score + log-prob, the same float32 add.
+   The first `budget` keys come from the pair set S: with the parents ranked by key, the pairs (rank i, r) with
+   (i + 1)(r + 1) <= budget, about budget * ln(budget) of the budget * K candidates. A candidate outside S has
+   at least `budget` pairs of S at or above it in score (its row and column are sorted), so S holds C_d unless
+   float32 rounding ties reorder them; the kernel checks that exactly (each row's first pair outside S against
+   the budget-th key of S) and otherwise sorts that depth's candidates whole: tl.sort in chunks of at most
+   SORT_BLOCK, the first `budget` of each chunk merged by one more sort (`TreeBuffers.full_sorts` counts those
+   depths);
 2. subtree sizes bottom-up and preorder top-down, cumsums over each beam (children of a parent are contiguous);
 3. the global cut: one tl.sort of the union's keys (-score image, preorder, union index), the first `budget`;
 4. the ancestor-or-self mask, L parent hops per node.
@@ -33,7 +39,8 @@ from kdtree.ddtree.tree import TreeBuffers, build_tree
 SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
 # budget * K (padded) above which build_draft_tree keeps build_tree. Measured on an H200 (bs 1, L 15, graph replays;
 # tuning/ddtree_stages.py): fused 46 / 201 / 1307 / 5104 us against torch's 955 / 1002 / 1129 / 1554 at budgets
-# 16 / 32 / 64 / 128 (K = budget): the fused sorts grow as budget * K, so it takes budgets up to 32.
+# 16 / 32 / 64 / 128 (K = budget): the fused sorts grew as budget * K, so it takes budgets up to 32. (Measured
+# before the pair set S, which sorts about budget * ln(budget) candidates a depth: not yet measured.)
 FUSED_MAX_CANDIDATES = 1024
 _MIN_BLOCK = 16
 NUM_WARPS = 4
@@ -43,11 +50,17 @@ def _p2(n: int) -> int:
     return max(_MIN_BLOCK, triton.next_power_of_2(n))
 
 
+def pair_count(K: int, budget: int) -> int:
+    """|S|: the candidates (parent of score rank i, rank r) with (i + 1)(r + 1) <= budget and r < K, about
+    budget * ln(budget) of the budget * K (see the module)."""
+    return sum(min(budget // (i + 1), K) for i in range(budget))
+
+
 def _blocks(L: int, K: int, budget: int) -> dict:
     WP, KP = _p2(budget), _p2(K)
     CH = min(WP * KP, SORT_BLOCK)
     NC = WP * KP // CH
-    return dict(WP=WP, KP=KP, CH=CH, NC=NC, MP=NC * WP, LWP=_p2(L * budget))
+    return dict(WP=WP, KP=KP, CH=CH, NC=NC, MP=NC * WP, LWP=_p2(L * budget), SP=_p2(pair_count(K, budget)))
 
 
 def fits(L: int, K: int, budget: int) -> bool:
@@ -58,6 +71,7 @@ def fits(L: int, K: int, budget: int) -> bool:
         and s["MP"] <= SORT_BLOCK
         and s["NC"] <= K  # the merge area lives in TreeBuffers.cand_order, [bs, budget * K]
         and s["LWP"] <= SORT_BLOCK
+        and s["SP"] <= SORT_BLOCK
         and s["WP"] * s["KP"] <= FUSED_MAX_CANDIDATES
     )
 
@@ -96,6 +110,7 @@ def tree_kernel(
     scores_ptr,  # [bs, N] float32
     mask_ptr,  # [bs, N, N] bool
     num_nodes_ptr,  # [bs] int64
+    full_sorts_ptr,  # [bs] int64: depths whose beam S did not hold
     L: tl.constexpr,
     K: tl.constexpr,
     W: tl.constexpr,
@@ -105,6 +120,7 @@ def tree_kernel(
     NC: tl.constexpr,  # chunks: WP * KP = NC * CH
     MP: tl.constexpr,  # merge block, NC * WP
     LWP: tl.constexpr,
+    SP: tl.constexpr,  # block of the pair set S, pair_count padded
     UB: tl.constexpr,  # bits of a union index / preorder field in the cut's key
     NP: tl.constexpr,
     RB: tl.constexpr,  # mask rows per block
@@ -120,31 +136,70 @@ def tree_kernel(
     w = tl.arange(0, WP)
     wm = w < W
 
-    # 1. the beams, each in lexicographic order; depth 0 = the root in slot 0. The candidates are sorted in NC
-    # chunks of CH; the first W of each chunk go to the merge area, whose first W (sorted again) are the beam's.
+    # 1. the beams, each in lexicographic order; depth 0 = the root in slot 0. First the pair set S: pair j is
+    # (parent of score rank srow[j], rank sr[j]), rows of min(W // (i + 1), K) pairs one after another. A
+    # candidate outside S is worse than every pair of S before it in its row and in its column, at least W of
+    # them, so S holds the beam unless rounding ties say otherwise; the check below decides exactly, and when it
+    # fails the depth sorts all candidates: in NC chunks of CH, the first W of each chunk to the merge area,
+    # whose first W (sorted again) are the beam's.
+    j = tl.arange(0, SP)
+    srow = tl.zeros([SP], dtype=tl.int64)
+    sstart = tl.zeros([SP], dtype=tl.int64)
+    total = 0
+    for i in range(0, W):
+        cnt = tl.minimum(W // (i + 1), K)
+        inrow = (j >= total) & (j < total + cnt)
+        srow = tl.where(inrow, i, srow)
+        sstart = tl.where(inrow, total, sstart)
+        total += cnt
+    sm = j < total
+    sr = j - sstart
+    er = W // (w + 1)  # the first rank of row w outside S
+    em = wm & (er < K)
+    full = 0
     tl.store(beam_score_ptr + beam + w, tl.where(w == 0, 0.0, NEG_INF), mask=wm)
     for d in range(1, L + 1):
         tl.debug_barrier()
-        for c in range(NC):
-            f = c * CH + tl.arange(0, CH)
-            fp = f // KP
-            fr = f % KP
-            fm = (fp < W) & (fr < K)
-            s = tl.load(beam_score_ptr + beam + (d - 1) * W + fp, mask=fm, other=0.0)
-            x = tl.load(lp_row + (d - 1) * K + fr, mask=fm, other=0.0)
-            key = (_neg_score_image(s + x) << 31) | f.to(tl.int64)
-            key = tl.sort(tl.where(fm, key, MAXKEY))
-            ci = tl.arange(0, CH)
-            if NC == 1:
-                tl.store(sel_ptr + b * W + ci, key, mask=ci < W)
-            else:
-                tl.store(merge_ptr + b * NC * W + c * W + ci, key, mask=ci < W)
-        if NC > 1:
-            tl.debug_barrier()
-            mi = tl.arange(0, MP)
-            mk = tl.load(merge_ptr + b * NC * W + mi, mask=mi < NC * W, other=MAXKEY)
-            mk = tl.sort(mk)
-            tl.store(sel_ptr + b * W + mi, mk, mask=mi < W)
+        prev = tl.load(beam_score_ptr + beam + (d - 1) * W + w, mask=wm, other=NEG_INF)
+        rank = tl.sort(tl.where(wm, (_neg_score_image(prev) << 31) | w.to(tl.int64), MAXKEY))
+        tl.store(t1_ptr + b * W + w, rank & LOW31, mask=wm)  # the slot of score rank w (ties: lower slot)
+        tl.debug_barrier()
+        sslot = tl.load(t1_ptr + b * W + srow, mask=sm, other=0)
+        ss = tl.load(beam_score_ptr + beam + (d - 1) * W + sslot, mask=sm, other=0.0)
+        sx = tl.load(lp_row + (d - 1) * K + sr, mask=sm, other=0.0)
+        skey = tl.sort(tl.where(sm, (_neg_score_image(ss + sx) << 31) | (sslot * KP + sr), MAXKEY))
+        kw = tl.max(tl.where(j == W - 1, skey, 0), 0)  # the beam's last key if S holds it
+        eslot = tl.load(t1_ptr + b * W + w, mask=em, other=0)
+        es = tl.load(beam_score_ptr + beam + (d - 1) * W + eslot, mask=em, other=0.0)
+        ex = tl.load(lp_row + (d - 1) * K + er, mask=em, other=0.0)
+        ekey = (_neg_score_image(es + ex) << 31) | (eslot * KP + er)
+        # rows are sorted (lp descending, flat ascending): S holds the beam iff no row's first pair outside S
+        # comes before its last key
+        outside = tl.sum((em & (ekey < kw)).to(tl.int32), 0)
+        full += (outside > 0).to(tl.int32)
+        if outside == 0:
+            tl.store(sel_ptr + b * W + j, skey, mask=j < W)
+        else:
+            for c in range(NC):
+                f = c * CH + tl.arange(0, CH)
+                fp = f // KP
+                fr = f % KP
+                fm = (fp < W) & (fr < K)
+                s = tl.load(beam_score_ptr + beam + (d - 1) * W + fp, mask=fm, other=0.0)
+                x = tl.load(lp_row + (d - 1) * K + fr, mask=fm, other=0.0)
+                key = (_neg_score_image(s + x) << 31) | f.to(tl.int64)
+                key = tl.sort(tl.where(fm, key, MAXKEY))
+                ci = tl.arange(0, CH)
+                if NC == 1:
+                    tl.store(sel_ptr + b * W + ci, key, mask=ci < W)
+                else:
+                    tl.store(merge_ptr + b * NC * W + c * W + ci, key, mask=ci < W)
+            if NC > 1:
+                tl.debug_barrier()
+                mi = tl.arange(0, MP)
+                mk = tl.load(merge_ptr + b * NC * W + mi, mask=mi < NC * W, other=MAXKEY)
+                mk = tl.sort(mk)
+                tl.store(sel_ptr + b * W + mi, mk, mask=mi < W)
         tl.debug_barrier()
         flat = tl.load(sel_ptr + b * W + w, mask=wm, other=MAXKEY) & LOW31
         flat = tl.sort(tl.where(wm, flat, MAXKEY))
@@ -228,6 +283,7 @@ def tree_kernel(
     tl.store(depths_ptr + out, tl.where(valid, dm1 + 1, 1), mask=wm)
     tl.store(parents_ptr + out, tl.where(deep, parent, 0), mask=wm)
     tl.store(num_nodes_ptr + b, tl.sum(valid.to(tl.int64), 0))
+    tl.store(full_sorts_ptr + b, full.to(tl.int64))
     root = tl.load(root_ptr + b * root_stride)
     tl.store(scores_ptr + b * N, 0.0)
     tl.store(parents_ptr + b * N, -1)
@@ -270,6 +326,7 @@ def build_tree_fused(
         lp, ids, root_ids, root_ids.stride(0),
         t.beam_score, t.beam_parent, t.beam_token, t.size, t.pre, t.sel, t.cand_order, t.t1, t.t2, t.t3,
         t.order, t.inv, t.input_ids, t.candidates, t.parents, t.depths, t.scores, t.mask, t.num_nodes,
+        t.full_sorts,
         L=L, K=K, W=W, UB=max(blocks["LWP"], L * W + 2).bit_length(), NP=NP, RB=min(NP, max(1, 4096 // NP)),
         **blocks, num_warps=NUM_WARPS,
     )  # fmt: skip

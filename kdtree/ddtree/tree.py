@@ -67,6 +67,7 @@ class TreeBuffers:
         self.scores = torch.zeros(bs, N, **f32)  # σ; root 0, padding -inf
         self.mask = torch.zeros(bs, N, N, **booln)  # mask[b, i, j]: j is i or an ancestor of i
         self.num_nodes = torch.zeros(bs, **i64)  # real nodes besides the root
+        self.full_sorts = torch.zeros(bs, **i64)  # depths the fused kernel sorted whole (kdtree.ddtree.fused)
         # workspace: beams [bs, L + 1, W] (depth 0 = the root), candidates [bs, W * K], the union [bs, L * W]
         self.beam_score = torch.empty(bs, L + 1, W, **f32)
         self.beam_parent = torch.zeros(bs, L + 1, W, **i64)  # slot in the beam one depth up

@@ -52,7 +52,12 @@ def row(bs: int, L: int, budget: int) -> str:
             same = all(
                 torch.equal(getattr(old_t, f), getattr(new_t, f)) for f in ("parents", "scores", "mask")
             )
-            tree_new_s = f"{tree_new:9.1f}" + ("" if same else " WRONG")
+            # depths whose beam the pair set S did not hold (sorted whole): 0 on log-probs without rounding ties
+            tree_new_s = (
+                f"{tree_new:9.1f}"
+                + ("" if same else " WRONG")
+                + f" (full sorts {int(new_t.full_sorts.sum())})"
+            )
         except Exception as e:  # noqa: BLE001 - a shape above what one program takes: say why
             tree_new_s = f"  error: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
     else:

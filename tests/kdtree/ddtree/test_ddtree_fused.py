@@ -93,6 +93,30 @@ def test_the_fused_tree_pads_past_the_reachable_nodes_and_breaks_ties_by_rank(fu
     check_tree(fused, [[[0.0, -1.0], [-1.0, -2.0]]], [[[1, 2], [3, 4]]], budget=2)  # a tie across depths
 
 
+def test_the_fused_tree_takes_each_beam_from_the_pair_set_when_it_holds_it(fused):
+    """Log-probs whose sums float32 holds exactly (multiples of 2^-10): every depth's beam comes from S, the
+    (score rank i, rank r) pairs with (i + 1)(r + 1) <= budget, with no full sort; the tree is build_tree's."""
+    rng = random.Random(7)
+    for bs, L, K, budget in ((2, 4, 24, 24), (1, 3, 9, 20)):
+        lp = [
+            [sorted((-rng.randrange(8192) / 1024 for _ in range(K)), reverse=True) for _ in range(L)]
+            for _ in range(bs)
+        ]
+        ids = [[rng.sample(range(100), K) for _ in range(L)] for _ in range(bs)]
+        assert fused.pair_count(K, budget) < budget * K // 2
+        got = check_tree(fused, lp, ids, budget)
+        assert got.full_sorts.tolist() == [0] * bs
+
+
+def test_the_fused_tree_sorts_a_depth_whole_when_a_rounding_tie_puts_its_beam_outside_the_pair_set(fused):
+    """Parents whose scores differ by less than the rounding of their children's sums (depth 3's log-probs are
+    large): children tie in float32, the lower slot goes first, and a higher-ranked parent's children no longer
+    come first. The check sees the beam leave S and sorts that depth whole; the tree is still build_tree's."""
+    lp = [[[-3e-08, -0.5, -0.5000000596046448, -1.5], [-3e-08, -0.5000000596046448, -1.0, -1.5], [-16.0] * 4]]
+    got = check_tree(fused, lp, [[[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]], budget=7)
+    assert got.full_sorts.tolist() == [1]
+
+
 def test_the_fused_tree_sorts_large_candidate_sets_in_chunks_and_merges_them(fused, monkeypatch):
     """With a small SORT_BLOCK: several chunks merged (the path of candidate sets above SORT_BLOCK, which a raised
     FUSED_MAX_CANDIDATES sends to the kernel; tuning/ddtree_stages.py --max-candidates)."""
