@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|engine-profile|fp8|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|oracle|engine-profile|fp8|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
@@ -17,6 +17,10 @@
 # prompts 2048 and 32768, batch 1, 2 rounds; args after the mode go to the tests). The tail of each server's log goes
 # to $OUT/spec-logs.
 #        bash kernel_build/bench/device_run.sh userbench [kdtree.bench args...]
+# 'oracle' (one call of under 560 s, build included: KDTREE_ORACLE_BUDGET_S ends it) runs the oracle benchmark
+# (bench_oracle.py: DFlash's chain against DDTREE's fixed budgets at two scripted acceptance profiles, 61 layers;
+# oracle.md + .json, rewritten after every row; args after the mode go to it, e.g. --prompts 2048), the tail of each
+# server's log into $OUT/oracle-logs.
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
 # 'ddtree-grid' (one call of under 8 minutes on an H200, build included: KDTREE_DDTREE_BUDGET_S, default 470, ends the
@@ -84,6 +88,18 @@ if [ "$what" = engine-spec ]; then
   mkdir -p "$out/spec-logs"
   for f in /tmp/engine-spec/*/*/state/server.log /tmp/engine-spec-bench/*/state/server.log; do
     [ -f "$f" ] && tail -150 "$f" >"$out/spec-logs/$(basename "$(dirname "$(dirname "$f")")").log"
+  done
+fi
+if [ "$what" = oracle ]; then
+  install_site
+  budget=${KDTREE_ORACLE_BUDGET_S:-560}
+  timeout -s INT -k 10 $((budget - (SECONDS - t0))) python3 kernel_build/bench/benchmarks/bench_oracle.py \
+    --out "$out/oracle.md" --time-budget-s $((budget - (SECONDS - t0) - 90)) "$@" 2>&1 | tee "$out/oracle.log"
+  rc=${PIPESTATUS[0]}
+  echo "oracle benchmark: $((SECONDS - t0)) s (rc=$rc)"
+  mkdir -p "$out/oracle-logs"
+  for f in /tmp/kdtree-bench-oracle/*/state/server.log; do
+    [ -f "$f" ] && tail -150 "$f" >"$out/oracle-logs/$(basename "$(dirname "$(dirname "$f")")").log"
   done
 fi
 if [ "$what" = engine-profile ]; then

@@ -9,9 +9,8 @@ import sys
 
 import sglang_stubs  # noqa: F401
 
-if os.environ.get(
-    "DDTREE_ORACLE_RANKS"
-):  # the DDTREE oracle servers (kernel_build/bench/harness/ddtree_oracle.py)
+# the oracle servers and the sync report (kernel_build/bench/harness/ddtree_oracle.py)
+if any(os.environ.get(v) for v in ("DDTREE_ORACLE_RANKS", "DDTREE_ORACLE_PROFILE", "DDTREE_SYNC_REPORT")):
     import ddtree_oracle
 
     ddtree_oracle.install_after_import()

@@ -100,6 +100,8 @@ SPECS = {
         ServerSpec(
             "ddtree-b8-oracle-off", "DDTREE-B8", Mode.OFF, env={"DDTREE_ORACLE_RANKS": "0,0,1,0,0,2,0"}
         ),
+        # the same target under DFlash's chain, its draft head scripted (rank 0 at depths 1-3, not at 4: 3 a step)
+        ServerSpec("dflash-b8-oracle-on", "DFLASH-B8", Mode.ON, env={"DDTREE_ORACLE_RANKS": "0,0,0,1,0,0,0"}),
     )
 }
 ALGOS = [
@@ -299,6 +301,25 @@ def test_ddtree_oracle_accepts_what_the_reference_walk_predicts_and_emits_the_ta
     if server.spec.mode is Mode.ON:
         served, _, original, fallbacks = verify_counts(server)
         assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
+
+
+@pytest.mark.parametrize("servers", [("dflash-b8-oracle-on",)])
+def test_the_dflash_oracle_chain_accepts_its_rank_0_run_and_emits_the_targets_greedy_tokens(fleet, servers):
+    """The oracle under SGLang's own DFlash worker (the benchmark's chain, kernel_build/bench/harness/ddtree_oracle.py):
+    its captured draft head drafts the true token where the script puts it at rank 0, so every step accepts the
+    leading run of zeros (3 here) and the bonus; outputs are the bigram's continuation, served by kdtree. Captured
+    batch sizes only: the script replaces the head inside the draft graph."""
+    server = fleet[servers[0]]
+    ranks = [int(r) for r in server.spec.env["DDTREE_ORACLE_RANKS"].split(",")]
+    accepted = ranks.index(1)
+    prompts = [[11, 22, 500 + 37 * i] for i in range(4)]
+    for batch in (prompts[:1], prompts[:3], prompts):
+        streams, accept = server.stream(batch, 33)
+        for prompt, got in zip(batch, streams, strict=True):
+            assert got.token_ids == continuation(prompt[-1], 33, 8192), (prompt, got.token_ids)
+        assert all(accepted + 1 - 1.5 <= a <= accepted + 1 + 1e-6 for a in accept), (accepted, accept)
+    served, _, original, fallbacks = verify_counts(server)
+    assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
 
 
 @pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",)])

@@ -29,7 +29,8 @@ def test_scripted_candidates_accept_what_the_reference_predicts(monkeypatch, ran
 
     monkeypatch.setenv(oracle.ENV, ",".join(map(str, ranks)))
     module = types.SimpleNamespace(
-        TreeDraftSampler=type("S", (worker.TreeDraftSampler,), {}), DDTreeWorker=type("W", (), {})
+        TreeDraftSampler=type("S", (worker.TreeDraftSampler,), {}),
+        DDTreeWorker=type("W", (), {"forward_batch_generation": None}),
     )
     oracle.install(module)
     sampler = object.__new__(module.TreeDraftSampler)
@@ -45,3 +46,121 @@ def test_scripted_candidates_accept_what_the_reference_predicts(monkeypatch, ran
     assert out.accepted.tolist() == [a] * 3
     for b, r in enumerate(root.tolist()):
         assert out.out_tokens[b, : a + 1].tolist() == oracle.continuation(r, a + 1, vocab)
+
+
+# -- the rank profiles of the oracle benchmark (kernel_build/bench/benchmarks/bench_oracle.py) ------------------------
+
+
+def _profile_file(tmp_path, text: str) -> str:
+    path = tmp_path / "profile"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text", ["", "0.5,x", "0.3,0.5", "0.7,0.4", "0,0.1", "1.5", ",".join(["0.01"] * 17)])
+def test_a_profile_that_is_not_probabilities_in_rank_order_is_refused_naming_the_file(tmp_path, text):
+    path = _profile_file(tmp_path, text)
+    with pytest.raises(ValueError, match="profile"):
+        oracle.read_profile(path)
+
+
+def test_the_profiles_expected_accept_lengths_are_those_the_benchmark_documents():
+    paper, weak = oracle.PROFILES["paper"], oracle.PROFILES["pessimistic"]
+    assert oracle.expected_chain_accepted(paper, 15) == pytest.approx(5.86, abs=0.01)
+    assert oracle.expected_tree_accepted(paper, 256, 256, 15) == pytest.approx(9.12, abs=0.01)
+    assert oracle.expected_chain_accepted(weak, 15) == pytest.approx(1.5, abs=0.01)
+    # a certain drafter: the chain and any tree of at least L nodes accept every depth
+    assert oracle.expected_chain_accepted((1.0,), 7) == 7
+    assert oracle.expected_tree_accepted((1.0,), 16, 16, 7) == pytest.approx(7)
+    # the best tree of L or more nodes holds the chain, so it never expects less
+    for profile in (paper, weak):
+        for budget in (15, 16, 32, 64):
+            assert oracle.expected_tree_accepted(
+                profile, budget, budget, 15
+            ) >= oracle.expected_chain_accepted(profile, 15)
+
+
+def test_a_profile_draws_each_rank_as_often_as_it_says_and_the_rest_off_the_candidates(tmp_path):
+    torch.manual_seed(0)
+    script = oracle.Script(profile_path=_profile_file(tmp_path, "0.6,0.15,0.05"))
+    ranks = script.ranks(20000, 10, "cpu").flatten()
+    n = ranks.numel()
+    for r, p in enumerate((0.6, 0.15, 0.05)):
+        assert (ranks == r).sum().item() / n == pytest.approx(p, abs=0.01)
+    assert (ranks == oracle.Script.MAX_RANKS).sum().item() / n == pytest.approx(0.2, abs=0.01)
+    assert ((ranks >= 3) & (ranks < oracle.Script.MAX_RANKS)).sum().item() == 0
+
+
+def test_a_changed_profile_file_is_read_again_between_steps(tmp_path):
+    import os
+
+    path = _profile_file(tmp_path, "0.6,0.15,0.05")
+    script = oracle.Script(profile_path=path)
+    assert script.refresh("cpu") is True
+    assert script.refresh("cpu") is False  # unchanged: no copy
+    cdf = script._cdf
+    (tmp_path / "profile").write_text("1.0")
+    os.utime(path, ns=(1, 1))  # a new mtime even on a coarse clock
+    assert script.refresh("cpu") is True
+    assert script._cdf is cdf  # the same tensor (captured graphs read its address), new values
+    assert script.ranks(1000, 5, "cpu").eq(0).all()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ddtree_under_a_profile_accepts_on_average_what_the_tree_expects(monkeypatch, tmp_path):
+    """Many requests, one step each: the mean accepted length of the scripted tree walked with the bigram target's
+    tokens is the expectation over the tree's nodes (statistical: 4 standard errors)."""
+    from kdtree.ddtree import worker
+    from kdtree.ddtree.accept import AcceptBuffers, follow_tree
+    from kdtree.ddtree.tree import build_tree
+
+    profile = oracle.PROFILES["paper"]
+    monkeypatch.setenv(oracle.PROFILE_ENV, _profile_file(tmp_path, ",".join(map(str, profile))))
+    module = types.SimpleNamespace(
+        TreeDraftSampler=type("S", (worker.TreeDraftSampler,), {}),
+        DDTreeWorker=type("W", (), {"forward_batch_generation": None}),
+    )
+    oracle.install(module)
+    L, K, budget, vocab, bs = 7, 16, 16, 8192, 4000
+    sampler = object.__new__(module.TreeDraftSampler)
+    sampler.L, sampler.K = L, K
+    sampler.lm_head = types.SimpleNamespace(org_vocab_size=vocab)
+    sampler.oracle_lp = torch.tensor(oracle.profile_lp(profile, K), dtype=torch.float32)
+    torch.manual_seed(1)
+    root = torch.randint(0, vocab, (bs,))
+    lp, ids = sampler.candidates(None, root)
+    tree = build_tree(lp, ids, root, budget)
+    target = (oracle.A * tree.candidates + oracle.C) % vocab
+    out = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, budget + 1, L))
+    acc = out.accepted.double()
+    assert acc.mean().item() == pytest.approx(
+        oracle.expected_tree_accepted(profile, K, budget, L), abs=4 * acc.std().item() / bs**0.5
+    )
+    for b in range(5):  # and what a step emits is the target's own continuation
+        a = out.accepted[b].item()
+        assert out.out_tokens[b, : a + 1].tolist() == oracle.continuation(root[b].item(), a + 1, vocab)
+
+
+def test_the_dflash_chain_under_a_profile_accepts_on_average_its_rank_0_run(monkeypatch, tmp_path):
+    """The scripted DFLASH draft head: the chain holds the true token where the draw put it at rank 0, so the
+    accepted length (the run of true tokens from depth 1) averages sum_d p0^d; fixed ranks give that run exactly."""
+    profile = oracle.PROFILES["pessimistic"]
+    monkeypatch.setenv(oracle.PROFILE_ENV, _profile_file(tmp_path, ",".join(map(str, profile))))
+    module = types.SimpleNamespace(
+        DFlashWorkerV2=type("W", (), {"__init__": lambda self: None, "forward_batch_generation": None}),
+        _DflashDraftSampler=type("D", (), {}),
+    )
+    oracle.install_dflash(module)
+    B, bs, vocab = 8, 4000, 8192
+    head = module._DflashDraftSampler()
+    head.block_size, head.tp_size, head.org_vocab_start, head.num_org = B, 1, 0, vocab
+    head.out = torch.empty(bs * (B - 1), dtype=torch.int64)
+    torch.manual_seed(2)
+    ids = torch.randint(0, vocab, (bs, B))
+    head(torch.empty(bs * B, 4), ids.flatten())
+    chain = head.out.view(bs, B - 1)
+    truth = torch.tensor([oracle.continuation(r, B - 1, vocab) for r in ids[:, 0].tolist()])
+    run = (chain == truth).int().cumprod(1).sum(1).double()
+    assert run.mean().item() == pytest.approx(
+        oracle.expected_chain_accepted(profile, B - 1), abs=4 * run.std().item() / bs**0.5
+    )

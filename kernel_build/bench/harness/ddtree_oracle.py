@@ -1,5 +1,5 @@
-"""An oracle set-up for DDTREE in the real server (GPU tests only): a target whose greedy continuation is known and a
-drafter whose top-K is scripted, so that accepted lengths and tokens can be predicted exactly.
+"""An oracle set-up for DDTREE and DFLASH in the real server (GPU only): a target whose greedy continuation is known and
+a drafter whose candidates are scripted, so that accepted lengths and tokens can be predicted.
 
 - The target becomes a bigram map: every attention and MLP output projection is zeroed (o_proj, down_proj, the
   experts' w2), so each position's last hidden state is its token's embedding; the final norm's weight is set to
@@ -7,17 +7,22 @@ drafter whose top-K is scripted, so that accepted lengths and tokens can be pred
   (A x + C) mod V. The greedy continuation of a prompt ending in x is perm(x), perm(perm(x)), ... The scale makes
   perm(x)'s logit hundreds above any other (dummy weights are ~1e-3), so a sampled request (temperature 1, any
   top-p or top-k) draws that continuation too.
-- The drafter's candidates (`TreeDraftSampler.candidates`) are scripted: at depth d the true token perm^d(root) sits
-  at rank RANKS[d-1], the other K-1 ranks carry other tokens, and the log-probs are the same at every step
-  (log-softmax of -STEEP * rank). The tree is then the same at every step, and how deep the true path reaches into
-  it is what `expected_accepted` computes with the reference heap (kdtree.ddtree.reference).
+- The drafter is scripted by where the true token perm^d(root) sits among depth d's candidates (`Script`):
+  - fixed ranks (DDTREE_ORACLE_RANKS, comma-separated, one a drafted depth): the same every step, log-probs
+    log-softmax(-STEEP * rank); the tree is the same every step and how deep the true path reaches into it is what
+    `expected_accepted` computes with the reference heap (kdtree.ddtree.reference): the tests' exact checks;
+  - a rank profile (DDTREE_ORACLE_PROFILE, a file: P(rank r) for r = 0, 1, ...; PROFILES): every step draws each
+    depth's rank anew, on the device; the log-probs are the profile's, so the tree is the best one for it. Accepted
+    lengths then average `expected_tree_accepted` (DDTREE) or `expected_chain_accepted` (DFLASH): the benchmark's.
+  DDTREE's candidates are `TreeDraftSampler.candidates`; DFLASH's chain is its captured draft head
+  (`_DflashDraftSampler`), which drafts the true token where the script puts it at rank 0 and another one elsewhere.
 
 It says what it measures: the system (the tree, the verify, the walk, the commit's bookkeeping and the scheduler's
 handling of accepted tokens), not a drafter. With the attention's output zeroed, the verify's attention does not
-reach the outputs, so the KV cache's contents are not what this checks.
+reach the outputs (it still runs, at its full cost), so the KV cache's contents are not what this checks.
 
-Enabled in a server process by DDTREE_ORACLE_RANKS (comma-separated ranks, one a drafted depth): the engine site's
-sitecustomize calls `install_after_import()`, which patches kdtree.ddtree.worker as it is imported.
+Enabled in a server process by either variable: the engine site's sitecustomize calls `install_after_import()`, which
+patches SGLang's DFlash worker module and kdtree.ddtree.worker as they are imported.
 
 Apart from the oracle, DDTREE_SYNC_REPORT=<file> (any DDTREE server) runs every decode step of DDTreeWorker under
 torch.cuda.set_sync_debug_mode("warn") and keeps in that file (JSON) the steps seen and each host synchronisation
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import math
 import os
 import sys
 
@@ -35,7 +41,13 @@ A, C = 7, 13  # perm(x) = (A x + C) mod V: a permutation when A is prime to V (V
 STEEP = 1.0
 HEAD_SCALE = 1000.0
 ENV = "DDTREE_ORACLE_RANKS"
+PROFILE_ENV = "DDTREE_ORACLE_PROFILE"
 SYNC_ENV = "DDTREE_SYNC_REPORT"
+# The benchmark's two acceptance profiles (P(the true token at rank r) at every drafted depth, independently).
+# "paper": matched to the mean acceptance lengths the DDTree paper reports, not to per-depth rates: a block-16 chain
+# accepts 5.86 drafted tokens a step (tau 6.86, DFlash's range on math and code) and the best tree of 256 nodes 9.12
+# (tau 10.1, DDTree's at its best budgets). "pessimistic": a weak drafter, where a chain accepts 1.5 a step.
+PROFILES = {"paper": (0.87, 0.06, 0.025, 0.01, 0.005), "pessimistic": (0.6, 0.15, 0.05)}
 
 
 def perm(x: int, vocab: int) -> int:
@@ -51,8 +63,6 @@ def continuation(last_token: int, n: int, vocab: int) -> list[int]:
 
 
 def scripted_lp(K: int) -> list[float]:
-    import math
-
     logits = [-STEEP * k for k in range(K)]
     top = max(logits)
     lse = top + math.log(sum(math.exp(v - top) for v in logits))
@@ -75,6 +85,128 @@ def expected_accepted(ranks: list[int], K: int, budget: int) -> int:
     target = [ranks[depth[i]] if depth[i] < L else -2 for i in range(len(parents))]
     path, _ = follow_verified_tree(parents, tokens, target)
     return len(path) - 1
+
+
+class Script:
+    """Where the true token sits among each drafted depth's candidates: fixed ranks (ENV: the same every step), or
+    a rank profile (PROFILE_ENV: a file; each step draws every depth's rank independently, P(rank r) = profile[r],
+    and with the remaining probability the true token is not a candidate). The file is read again when it changes
+    (a host-to-device copy between steps), so one server serves several profiles in turn."""
+
+    MAX_RANKS = 16
+
+    def __init__(self, ranks: list[int] | None = None, profile_path: str | None = None):
+        self.fixed, self.path = ranks, profile_path
+        self.profile: tuple[float, ...] | None = None
+        self._seen = None  # the profile file's (mtime, size) last read
+        self._cdf = None  # device float32 [MAX_RANKS]: the profile's cumulative sums, padded with the total
+        self._fixed_dev = None
+        if self.path is not None:
+            self.profile = read_profile(self.path)
+
+    def check(self, L: int, K: int | None) -> None:
+        if self.fixed is not None and (len(self.fixed) != L or (K is not None and max(self.fixed) >= K)):
+            raise ValueError(f"{ENV}={self.fixed}: one rank below K={K} for each of the L={L} drafted depths")
+
+    def lp(self, K: int) -> list[float]:
+        return scripted_lp(K) if self.profile is None else profile_lp(self.profile, K)
+
+    def prepare(self, device) -> None:
+        """Before any capture (a host-to-device copy cannot run inside one): the device tensors the draws read."""
+        import torch
+
+        if self.fixed is not None:
+            self._fixed_dev = torch.tensor(self.fixed, dtype=torch.int64, device=device)
+        else:
+            self.refresh(device)
+
+    def refresh(self, device) -> bool:
+        """Between steps (host code): re-read a changed profile file into the device. True if it changed."""
+        import torch
+
+        if self.path is None:
+            return False
+        st = os.stat(self.path)
+        if self._cdf is not None and (st.st_mtime_ns, st.st_size) == self._seen:
+            return False
+        self.profile = read_profile(self.path)
+        cdf = [sum(self.profile[: r + 1]) for r in range(len(self.profile))]
+        cdf += [cdf[-1]] * (self.MAX_RANKS - len(cdf))
+        host = torch.tensor(cdf, dtype=torch.float32)
+        if self._cdf is None:
+            self._cdf = host.to(device)
+        else:
+            self._cdf.copy_(host)
+        self._seen = (st.st_mtime_ns, st.st_size)
+        return True
+
+    def ranks(self, bs: int, L: int, device):
+        """int64 [bs, L]: the true token's rank at each drafted depth (MAX_RANKS: not a candidate). Drawn on the
+        device (graph-safe: no host read), so that a captured draft draws anew at every replay."""
+        import torch
+
+        if self._fixed_dev is None and self._cdf is None:
+            self.prepare(device)
+        if self.fixed is not None:
+            return self._fixed_dev.expand(bs, L)
+        u = torch.rand(bs, L, device=device)
+        return torch.searchsorted(self._cdf, u, right=True)
+
+
+def read_profile(path: str) -> tuple[float, ...]:
+    """A profile file: one line of comma-separated probabilities, rank 0 first, non-increasing, summing to at most
+    1 (the rest: the true token is not a candidate)."""
+    text = open(path).read().strip()
+    try:
+        p = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"{path}: a profile is comma-separated probabilities, rank 0 first (got {text!r})"
+        ) from None
+    if not (
+        0 < len(p) <= Script.MAX_RANKS
+        and all(0 < x <= 1 for x in p)
+        and all(p[i] >= p[i + 1] for i in range(len(p) - 1))
+        and sum(p) <= 1 + 1e-9
+    ):
+        raise ValueError(
+            f"{path}: a profile is 1 to {Script.MAX_RANKS} probabilities in (0, 1], non-increasing, summing to at "
+            f"most 1 (got {text!r})"
+        )
+    return p
+
+
+def profile_lp(profile: tuple[float, ...], K: int) -> list[float]:
+    """The drafter's log-probs under a profile (each depth alike): log profile[r], then the remaining probability
+    spread over the other K - R ranks (kept non-increasing). The tree built from them is the tree that maximises
+    the expected accepted length under the profile (the paper's Prop. 2 with q the true distribution)."""
+    R = len(profile)
+    rest = max(1.0 - sum(profile), 1e-30) / max(K - R, 1)
+    return [math.log(x) for x in profile[:K]] + [math.log(min(profile[-1], rest))] * max(K - R, 0)
+
+
+def expected_chain_accepted(profile: tuple[float, ...], L: int) -> float:
+    """Drafted tokens a DFLASH chain of L depths accepts per step on average: sum over d of profile[0]^d."""
+    return sum(profile[0] ** d for d in range(1, L + 1))
+
+
+def expected_tree_accepted(profile: tuple[float, ...], K: int, budget: int, L: int) -> float:
+    """Drafted tokens a DDTREE step accepts on average: the sum over the tree's nodes of the probability that the
+    true path passes through the node (the paper's Prop. 1), the tree built by the reference heap."""
+    from kdtree.ddtree.reference import build_ddtree_tree
+
+    tree = build_ddtree_tree([profile_lp(profile, K)] * L, [list(range(K))] * L, budget)
+    return sum(math.prod(profile[r] if r < len(profile) else 0.0 for r in ranks) for ranks in tree.ranks[1:])
+
+
+def _script_from_env() -> Script | None:
+    if os.environ.get(ENV) and os.environ.get(PROFILE_ENV):
+        raise ValueError(f"set one of {ENV} (fixed ranks) and {PROFILE_ENV} (a profile file), not both")
+    if os.environ.get(ENV):
+        return Script(ranks=[int(r) for r in os.environ[ENV].split(",")])
+    if os.environ.get(PROFILE_ENV):
+        return Script(profile_path=os.environ[PROFILE_ENV])
+    return None
 
 
 def _make_bigram(model, vocab: int) -> None:
@@ -131,57 +263,112 @@ def install_sync_report(worker_module, path: str) -> None:
 
 
 def install(worker_module) -> None:
-    import torch
-
+    """kdtree.ddtree.worker, just imported: the sync report, and the scripted tree candidates."""
     if os.environ.get(SYNC_ENV):
         install_sync_report(worker_module, os.environ[SYNC_ENV])
-    if not os.environ.get(ENV):
+    script = _script_from_env()
+    if script is None:
         return
-    ranks = [int(r) for r in os.environ[ENV].split(",")]
+    import torch
+
     sampler_cls, worker_cls = worker_module.TreeDraftSampler, worker_module.DDTreeWorker
 
     def candidates(self, hs, root):
         bs, L, K = root.shape[0], self.L, self.K
-        if len(ranks) != L or max(ranks) >= K:
-            raise ValueError(f"{ENV}={ranks}: one rank below K={K} for each of the L={L} drafted depths")
         vocab = int(self.lm_head.org_vocab_size)
         ks = torch.arange(K, device=root.device)
+        rank = script.ranks(bs, L, root.device)  # [bs, L]; K or more: the true token is not among the K
         lp = self.oracle_lp.expand(bs, L, K).contiguous()
         ids = torch.empty(bs, L, K, dtype=torch.int64, device=root.device)
         tok = root
         for d in range(L):
             tok = (A * tok + C) % vocab
             row = (tok[:, None] + 1 + ks) % vocab  # K tokens other than the true one
-            row[:, ranks[d]] = tok
-            ids[:, d].copy_(row)
+            ids[:, d].copy_(torch.where(ks == rank[:, d, None], tok[:, None], row))
         return lp, ids
 
     sampler_init = sampler_cls.__init__
 
     def sampler_init_with_lp(self, *args, **kwargs):
         sampler_init(self, *args, **kwargs)
-        # made before any capture: a host-to-device copy cannot run inside one
+        script.check(self.L, self.K)
+        script.prepare(self.captured.parents.device)
+        # made before any capture (a host-to-device copy cannot run inside one); a profile rewrites it in place
         self.oracle_lp = torch.tensor(
-            scripted_lp(self.K), dtype=torch.float32, device=self.captured.parents.device
+            script.lp(self.K), dtype=torch.float32, device=self.captured.parents.device
         )
 
-    original_init = worker_cls.__init__
+    step = worker_cls.forward_batch_generation
 
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        model = self.target_worker.model_runner.model
-        _make_bigram(model, int(self.target_worker.model_runner.model_config.vocab_size))
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        if script.refresh(self.device) and self._tree_sampler is not None:  # a new profile: its log-probs too
+            lp = self._tree_sampler.oracle_lp
+            lp.copy_(torch.tensor(script.lp(int(lp.numel())), dtype=lp.dtype))
+        return step(self, batch, *args, **kwargs)
 
     sampler_cls.__init__ = sampler_init_with_lp
     sampler_cls.candidates = candidates
+    worker_cls.forward_batch_generation = forward_batch_generation
+
+
+def install_dflash(dflash_module) -> None:
+    """sglang.srt.speculative.dflash_worker_v2, just imported: the bigram target (for DFLASH and DDTREE, whose worker
+    is a DFlashWorkerV2) and, for DFLASH, a scripted chain: at depth d the captured draft head proposes the true
+    token perm^d(root) where the script puts it at rank 0, else another token (a chain drafts its rank-0 tokens)."""
+    script = _script_from_env()
+    if script is None:
+        return
+    import torch
+
+    worker_cls, sampler_cls = dflash_module.DFlashWorkerV2, dflash_module._DflashDraftSampler
+    original_init = worker_cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        script.prepare(torch.device("cuda", torch.cuda.current_device()))  # before the draft graphs' capture
+        original_init(self, *args, **kwargs)
+        _make_bigram(
+            self.target_worker.model_runner.model,
+            int(self.target_worker.model_runner.model_config.vocab_size),
+        )
+
+    def draft_chain(self, hidden_states, input_ids=None):
+        if self.tp_size != 1 or self.org_vocab_start:
+            raise ValueError("the DFLASH oracle scripts a tp-1 draft head")
+        B, L = self.block_size, self.block_size - 1
+        bs = hidden_states.shape[0] // B
+        script.check(L, None)
+        tok = input_ids.view(bs, B)[:, 0].to(torch.int64)
+        rank = script.ranks(bs, L, tok.device)
+        out = self.out[: bs * L].view(bs, L)
+        for d in range(L):
+            tok = (A * tok + C) % self.num_org
+            out[:, d].copy_(torch.where(rank[:, d] == 0, tok, (tok + 1) % self.num_org))
+
+    step = worker_cls.forward_batch_generation
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        script.refresh(self.device)
+        return step(self, batch, *args, **kwargs)
+
+    def eager_head(self, *args, **kwargs):
+        raise RuntimeError(
+            "the DFLASH oracle scripts the captured draft head: keep CUDA graphs on and batches within the captured sizes"
+        )
+
     worker_cls.__init__ = __init__
+    sampler_cls.__call__ = draft_chain
+    worker_cls.forward_batch_generation = forward_batch_generation
+    worker_cls._greedy_sample_from_vocab_parallel_head = eager_head
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `install` on kdtree.ddtree.worker right after the module executes."""
+    """Runs `then(module)` right after the module `name` executes."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != "kdtree.ddtree.worker":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -189,12 +376,15 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            install(module)
+            self.then(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install_after_import() -> None:
-    if os.environ.get(ENV) or os.environ.get(SYNC_ENV):
-        sys.meta_path.insert(0, _AfterImport())
+    """In a server process (the engine site's sitecustomize): the oracle's patches, as their modules are imported."""
+    if os.environ.get(ENV) or os.environ.get(PROFILE_ENV):
+        sys.meta_path.insert(0, _AfterImport("sglang.srt.speculative.dflash_worker_v2", install_dflash))
+    if os.environ.get(ENV) or os.environ.get(PROFILE_ENV) or os.environ.get(SYNC_ENV):
+        sys.meta_path.insert(0, _AfterImport("kdtree.ddtree.worker", install))

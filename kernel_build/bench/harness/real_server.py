@@ -84,9 +84,21 @@ SPECULATIVE = {
         )
         for b, n in ((8, 17), (16, 33))
     },
+    # the same on block 16 with trees of T nodes (the oracle benchmark's fixed budgets; DDTREE-B16 is T32)
+    **{
+        f"DDTREE-B16-T{t}": (
+            "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(t + 1),
+            "--speculative-dflash-block-size", "16", "--speculative-draft-load-format", "dummy",
+            "--speculative-draft-attention-backend", "triton", "--page-size", "1",
+        )
+        for t in (16, 64, 128)
+    },
 }  # fmt: skip
 # the algorithms above that need a DFlash drafter, and its block
-DFLASH_BLOCK = {"DFLASH-B8": 8, "DFLASH-B16": 16, "DDTREE-B8": 8, "DDTREE-B16": 16}
+DFLASH_BLOCK = {
+    "DFLASH-B8": 8, "DFLASH-B16": 16, "DDTREE-B8": 8, "DDTREE-B16": 16,
+    **{f"DDTREE-B16-T{t}": 16 for t in (16, 64, 128)},
+}  # fmt: skip
 CAPTURED_BS = (1, 2, 3, 4)  # verify graphs captured per server; larger batches run eagerly
 INSTALL_LINE = re.compile(
     r"\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=([\w?]+), via=([\w-]+)\)"
@@ -150,7 +162,9 @@ class ServerSpec:
     """One server: speculative algorithm, the mode it starts in, how kdtree is installed, the model's depth."""
 
     name: str
-    algorithm: str  # a key of SPECULATIVE: NGRAM | NEXTN | DFLASH-B8 | DFLASH-B16 | DDTREE-B8 | DDTREE-B16
+    algorithm: (
+        str  # a key of SPECULATIVE: NGRAM | NEXTN | DFLASH-B8 | DFLASH-B16 | DDTREE-B8 | DDTREE-B16[-T<n>]
+    )
     mode: Mode
     install: str = "plugin"  # plugin | sitecustomize
     layers: int = 8

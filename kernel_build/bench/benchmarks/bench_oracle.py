@@ -1,0 +1,248 @@
+"""Oracle benchmark: decode tokens/s of DFlash's chain and of DDTREE at fixed tree budgets, at a scripted acceptance.
+
+Every server runs kdtree on, on the same tiny DeepSeek-V3-architecture model (61 layers by default) turned into the
+oracle's bigram target, with a drafter whose acceptance is scripted by a rank profile
+(kernel_build/bench/harness/ddtree_oracle.py): at every drafted depth the true token sits at rank r with the profile's
+probability, drawn anew every step on the device, and the drafter's log-probs are the profile's. DFLASH-B16 drafts its
+rank-0 tokens as a chain of 15; DDTREE-B16-T<n> builds the best tree of n nodes from the same block. So this measures
+the system (the tree, the verify of its n + 1 tokens, the walk, the commit, the scheduler) at a known acceptance, not
+a drafter: the accept lengths it reports are the profile's, and the expected ones are printed beside them.
+
+The profiles are ddtree_oracle.PROFILES: "paper" (a chain accepts 5.9 drafted tokens a step, the best tree of 256
+nodes 9.1: the mean acceptance lengths the DDTree paper reports for DFlash and DDTree) and "pessimistic" (a chain
+accepts 1.5). One server per algorithm serves both: the profile file is rewritten between rows and each server reads
+it again on its next step (the first round of a row is not timed).
+
+For each profile, prompt length and batch: the batch's prompts once into every server's prefix cache, one untimed
+round, then --repeats timed rounds interleaved over the servers (chain, T16, T32, ...), each decoding --max-tokens
+tokens per request (ignore_eos, greedy, streamed). Columns: decode tokens/s (median; min-max), the ratio to the
+chain's median, whether the row beats or trails the chain beyond noise (its median above the chain's fastest round,
+or below its slowest), and the accept length (tokens a step, bonus included) measured and expected.
+
+    bash kernel_build/bench/device_run.sh oracle                    # on the GPU machine, into $OUT/oracle.md + .json
+    python3 kernel_build/bench/benchmarks/bench_oracle.py --out oracle.md --prompts 2048 --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
+from bench_engine import timed_round  # noqa: E402  (this script's folder is on sys.path)
+from ddtree_oracle import (  # noqa: E402
+    PROFILE_ENV,
+    PROFILES,
+    expected_chain_accepted,
+    expected_tree_accepted,
+)
+from real_server import DFLASH_BLOCK, SPECULATIVE, RealServer, ServerSpec, unavailable  # noqa: E402
+from source_id import checkout  # noqa: E402
+from tiny_model import config, prompt_of, write_model  # noqa: E402
+
+from kdtree.config import Mode  # noqa: E402
+
+CHAIN = "DFLASH-B16"
+DEFAULT_ALGORITHMS = f"{CHAIN},DDTREE-B16-T16,DDTREE-B16,DDTREE-B16-T64,DDTREE-B16-T128"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def tree_budget(algo: str) -> int | None:
+    """The tree's node budget of a DDTREE algorithm key (N - 1), None for a chain."""
+    if not algo.startswith("DDTREE"):
+        return None
+    args = SPECULATIVE[algo]
+    return int(args[args.index("--speculative-num-draft-tokens") + 1]) - 1
+
+
+def expected_accept_length(algo: str, profile: tuple[float, ...]) -> float:
+    """Tokens a step (the bonus included) the profile gives this algorithm on average."""
+    L = DFLASH_BLOCK[algo] - 1
+    budget = tree_budget(algo)
+    if budget is None:
+        return 1 + expected_chain_accepted(profile, L)
+    return 1 + expected_tree_accepted(profile, budget, budget, L)  # K = budget, as the worker takes it
+
+
+def write_profile(path: Path, profile: tuple[float, ...]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(",".join(repr(p) for p in profile))
+    tmp.replace(path)  # whole: a server never reads half a profile
+
+
+def measure(
+    servers: dict[str, RealServer], prompts: list[str], repeats: int, max_tokens: int
+) -> dict[str, list]:
+    for s in servers.values():  # the prefix cache, and the profile read again: not timed
+        s.complete(prompts, 2)
+        timed_round(s, prompts, max_tokens)
+    rounds: dict[str, list] = {a: [] for a in servers}
+    for _ in range(repeats):  # interleaved, so that a slow spell of the machine falls on every server
+        for algo, s in servers.items():
+            r = timed_round(s, prompts, max_tokens)
+            r.pop("token_ids")
+            rounds[algo].append(r)
+    return rounds
+
+
+def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> list[dict]:
+    profile = PROFILES[profile_name]
+    chain = [x["decode_tokens_per_s"] for x in rounds.get(CHAIN, [])]
+    out = []
+    for algo, rs in rounds.items():
+        tps = [x["decode_tokens_per_s"] for x in rs]
+        r = {"layers": layers, "profile": profile_name, "prompt": plen, "batch": batch, "algorithm": algo,
+             "budget": tree_budget(algo), "tokens_per_s": tps, "median": statistics.median(tps),
+             "accept_length": statistics.mean(x["accept_length"] for x in rs),
+             "expected_accept_length": expected_accept_length(algo, profile)}  # fmt: skip
+        if chain:
+            r["vs_chain"] = r["median"] / statistics.median(chain)
+            r["beyond_noise"] = (
+                "ahead" if r["median"] > max(chain) else "behind" if r["median"] < min(chain) else "within"
+            )
+        out.append(r)
+    return out
+
+
+def markdown(rows: list[dict], head: list[str]) -> str:
+    lines = head + [
+        "",
+        "| profile | prompt | batch | algorithm | decode tokens/s (median; min-max) | / chain | vs chain beyond noise "
+        "| accept length (measured / expected) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tps = r["tokens_per_s"]
+        lines.append(
+            f"| {r['profile']} | {r['prompt']} | {r['batch']} | {r['algorithm']} | {r['median']:.1f}; "
+            f"{min(tps):.1f}-{max(tps):.1f} | {r.get('vs_chain', float('nan')):.2f}x | "
+            f"{r.get('beyond_noise', '-')} | {r['accept_length']:.2f} / {r['expected_accept_length']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write(out: str | None, rows: list[dict], failed: dict[str, str], head: list[str]) -> str:
+    text = markdown(rows, head) + "".join(f"\n\nNot measured: {k}: {v}" for k, v in failed.items())
+    if out:
+        Path(out).write_text(text + "\n")
+        Path(out).with_suffix(".json").write_text(
+            json.dumps({"head": head, "rows": rows, "not_measured": failed}, indent=1)
+        )
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the table here (and .json beside it)")
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument(
+        "--algorithms", default=DEFAULT_ALGORITHMS, help=f"keys of real_server.SPECULATIVE, {CHAIN} first"
+    )
+    ap.add_argument(
+        "--profiles", default=",".join(PROFILES), help=f"names in ddtree_oracle.PROFILES: {list(PROFILES)}"
+    )
+    ap.add_argument("--prompts", type=_ints, default=[2048, 32768], help="prompt lengths in tokens")
+    ap.add_argument("--batches", type=_ints, default=[1, 4])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--root", default="/tmp/kdtree-bench-oracle", help="model folders and server state")
+    ap.add_argument(
+        "--time-budget-s", type=float, default=None, help="start no new row after this many seconds"
+    )
+    args = ap.parse_args()
+    algos = [a.strip().upper() for a in args.algorithms.split(",") if a.strip()]
+    profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
+    wrong = [a for a in algos if a not in DFLASH_BLOCK or DFLASH_BLOCK[a] != 16] + [
+        p for p in profiles if p not in PROFILES
+    ]
+    if wrong:
+        print(f"bench_oracle: unknown {wrong}: algorithms are DFlash-drafted keys of block 16 of real_server.SPECULATIVE "
+              f"({[a for a, b in DFLASH_BLOCK.items() if b == 16]}), profiles {list(PROFILES)}", file=sys.stderr)  # fmt: skip
+        return 2
+    reason = unavailable()
+    if reason:
+        print(f"bench_oracle: {reason}", file=sys.stderr)
+        return 2
+    import torch
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    profile_file = root / "profile"
+    write_profile(profile_file, PROFILES[profiles[0]])
+    tokens = max(args.batches) * (max(args.prompts) + args.max_tokens + 300) + 4096
+    model = write_model(root / f"model-{args.layers}l", layers=args.layers, nextn=True)
+    servers: dict[str, RealServer] = {}
+    for algo in algos:
+        # --sleep-on-idle: the servers not being measured must not busy-poll the CPUs the measured one needs
+        spec = ServerSpec(f"oracle-{algo.lower()}", algo, Mode.ON, layers=args.layers, max_total_tokens=tokens,
+                          extra_args=("--sleep-on-idle",), env={PROFILE_ENV: str(profile_file)})  # fmt: skip
+        servers[algo] = RealServer(spec, root / spec.name, model).start()
+    props = torch.cuda.get_device_properties(0)
+    cfg = config(layers=args.layers)
+    head = [
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {checkout()}",
+        f"Command: {' '.join(sys.argv)}",
+        f"Model: the oracle's bigram target on a tiny DeepSeek-V3 architecture, {args.layers} layers, hidden "
+        f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA 512 + 64 (its attention runs at full cost, "
+        "its output does not reach the logits); a one-layer DFlash drafter (dummy weights) whose candidates the "
+        "profile scripts. An oracle drafter measures the system, not a drafter.",
+        "Profiles (P(true token at rank r), every depth, drawn each step): "
+        + "; ".join(f"{n} {PROFILES[n]}" for n in profiles),
+        f"Server: tp 1, Triton attention, kdtree on, CUDA graphs for batch 1-4, greedy, ignore_eos, {args.max_tokens} "
+        f"tokens per request, {args.repeats} timed rounds per server (interleaved) after one untimed, prompt in the "
+        "prefix cache, --sleep-on-idle; decode tokens/s from the streamed chunks (after each request's first token)",
+    ]
+    t0 = time.monotonic()
+    failed: dict[str, str] = {}
+    rows: list[dict] = []
+    try:
+        for s in servers.values():
+            try:
+                s.wait_ready(timeout=540)
+            except (RuntimeError, TimeoutError) as e:
+                failed[s.spec.name] = str(e).splitlines()[0]
+        live = {a: s for a, s in servers.items() if s.spec.name not in failed}
+        print(f"{len(live)} servers ready after {time.monotonic() - t0:.0f} s", flush=True)
+        for name in profiles:
+            write_profile(profile_file, PROFILES[name])
+            for plen in args.prompts:
+                for batch in args.batches:
+                    where = f"profile {name}, prompt {plen}, batch {batch}"
+                    if args.time_budget_s and time.monotonic() - t0 > args.time_budget_s:
+                        failed[where] = f"not run: past --time-budget-s {args.time_budget_s:g}"
+                        continue
+                    prompts = [prompt_of(plen, seed=1000 * plen + i) for i in range(batch)]
+                    try:
+                        rounds = measure(live, prompts, args.repeats, args.max_tokens)
+                    except (RuntimeError, OSError, KeyError, httpx.HTTPError) as e:  # a server crashed
+                        failed[where] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                        continue
+                    new = rows_of(name, plen, batch, rounds, args.layers)
+                    rows += new
+                    for r in new:
+                        print(json.dumps(r), flush=True)
+                    write(args.out, rows, failed, head)  # row by row: a run cut short keeps its table
+        for s in live.values():
+            rec = s.record(0)
+            print(f"{s.spec.name}: served_kdtree {rec.served_kdtree}, served_original {rec.served_original}, "
+                  f"fallbacks {rec.fallbacks}", flush=True)  # fmt: skip
+    finally:
+        for s in servers.values():
+            s.stop(timeout=30)
+    print(write(args.out, rows, failed, head))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The oracle benchmark's bookkeeping (kernel_build/bench/benchmarks/bench_oracle.py) on the CPU: which budget each
+server runs, the accept lengths it expects, how a row compares with the chain, and its refusals. The servers
+themselves run on the GPU (device_run.sh oracle)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "benchmarks"))
+try:
+    import bench_oracle
+finally:
+    sys.path.pop(0)
+
+import ddtree_oracle  # noqa: E402
+
+
+def test_each_server_runs_the_budget_its_name_says():
+    assert bench_oracle.tree_budget("DFLASH-B16") is None
+    assert [bench_oracle.tree_budget(a) for a in bench_oracle.DEFAULT_ALGORITHMS.split(",")[1:]] == [
+        16,
+        32,
+        64,
+        128,
+    ]
+
+
+def test_expected_accept_lengths_count_the_bonus_and_grow_with_the_tree():
+    paper = ddtree_oracle.PROFILES["paper"]
+    chain = bench_oracle.expected_accept_length("DFLASH-B16", paper)
+    assert chain == pytest.approx(1 + ddtree_oracle.expected_chain_accepted(paper, 15))
+    trees = [
+        bench_oracle.expected_accept_length(a, paper) for a in bench_oracle.DEFAULT_ALGORITHMS.split(",")[1:]
+    ]
+    assert chain <= trees[0] and trees == sorted(trees)
+
+
+def _round(tps: float, accept: float = 3.0) -> dict:
+    return {"decode_tokens_per_s": tps, "accept_length": accept}
+
+
+def test_a_row_is_ahead_or_behind_the_chain_only_beyond_the_chains_own_spread():
+    rounds = {
+        "DFLASH-B16": [_round(100), _round(110), _round(105)],
+        "DDTREE-B16-T16": [_round(120), _round(111), _round(125)],  # median 120 > the chain's fastest 110
+        "DDTREE-B16": [_round(104), _round(108), _round(101)],  # within 100..110
+        "DDTREE-B16-T64": [_round(90), _round(99), _round(95)],  # median 95 < the chain's slowest 100
+    }
+    rows = {r["algorithm"]: r for r in bench_oracle.rows_of("paper", 2048, 1, rounds, 61)}
+    assert rows["DFLASH-B16"]["vs_chain"] == 1.0
+    assert rows["DDTREE-B16-T16"]["beyond_noise"] == "ahead"
+    assert rows["DDTREE-B16"]["beyond_noise"] == "within"
+    assert rows["DDTREE-B16-T64"]["beyond_noise"] == "behind"
+    assert rows["DDTREE-B16-T64"]["vs_chain"] == pytest.approx(95 / 105)
+    table = bench_oracle.markdown(list(rows.values()), ["head"])
+    assert "| paper | 2048 | 1 | DDTREE-B16-T16 | 120.0; 111.0-125.0 | 1.14x | ahead | 3.00 / " in table
+
+
+def test_the_profile_file_is_replaced_whole_and_reads_back_as_the_profile(tmp_path):
+    path = tmp_path / "profile"
+    bench_oracle.write_profile(path, ddtree_oracle.PROFILES["pessimistic"])
+    assert ddtree_oracle.read_profile(str(path)) == ddtree_oracle.PROFILES["pessimistic"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("arg", [["--algorithms", "DFLASH-B16,DDTREE-B8"], ["--profiles", "optimistic"]])
+def test_an_unknown_server_or_profile_is_refused_before_anything_starts(arg):
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "kernel_build/bench/benchmarks/bench_oracle.py"), *arg],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2
+    assert "unknown" in p.stderr and ("DDTREE-B8" in p.stderr or "optimistic" in p.stderr)
