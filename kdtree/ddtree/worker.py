@@ -290,6 +290,12 @@ class DDTreeWorker(DFlashWorkerV2):
         if saved_lens_cpu is not None:
             batch.seq_lens_cpu = saved_lens_cpu + N
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        elif (
+            draft_input.nxt_kv_lens_cpu is not None
+        ):  # overlap with Triton: the scheduler's reserved bound, as
+            # DFlash gives its verify (without host lengths an eager verify sizes its indices for the longest context)
+            batch.seq_lens_cpu = draft_input.nxt_kv_lens_cpu
+            batch.seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
         verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
         batch.seq_lens_cpu, batch.seq_lens_sum = saved_lens_cpu, saved_lens_sum
         target_out = self.target_worker.forward_batch_generation(
@@ -346,6 +352,12 @@ class DDTreeWorker(DFlashWorkerV2):
             commit_lens=commit_lens,
         )
         logits_output.hidden_states = None
+        # The scheduler's next writes to shared buffers (freeing a finished request's slots and row, a new request's
+        # prefill into req_to_token) wait for the event the last shared-reading phase publishes; a captured verify
+        # publishes one inside its graph, before this step's commit rewrote req_to_token. Publish one after it.
+        done = torch.cuda.Event()
+        done.record()
+        self.target_worker.model_runner.shared_read_done_event = done
 
         return GenerationBatchResult(
             logits_output=logits_output,
