@@ -290,10 +290,9 @@ class DDTreeWorker(DFlashWorkerV2):
         if saved_lens_cpu is not None:
             batch.seq_lens_cpu = saved_lens_cpu + N
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        elif (
-            draft_input.nxt_kv_lens_cpu is not None
-        ):  # overlap with Triton: the scheduler's reserved bound, as
-            # DFlash gives its verify (without host lengths an eager verify sizes its indices for the longest context)
+        elif draft_input.nxt_kv_lens_cpu is not None:
+            # overlap with Triton: the scheduler's reserved bound, as DFlash gives its verify (without host lengths
+            # an eager verify sizes its indices for the longest context)
             batch.seq_lens_cpu = draft_input.nxt_kv_lens_cpu
             batch.seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
         verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
