@@ -317,7 +317,10 @@ def test_the_dflash_oracle_chain_accepts_its_rank_0_run_and_emits_the_targets_gr
         streams, accept = server.stream(batch, 33)
         for prompt, got in zip(batch, streams, strict=True):
             assert got.token_ids == continuation(prompt[-1], 33, 8192), (prompt, got.token_ids)
-        assert all(accepted + 1 - 1.5 <= a <= accepted + 1 + 1e-6 for a in accept), (accepted, accept)
+        # SGLang's DFlash worker counts the prefill's token into a request's accept length: 33 tokens over
+        # ceil(32 / (accepted + 1)) verify steps (4.125 for a run of 3, measured on the H200)
+        top = 33 / math.ceil(32 / (accepted + 1))
+        assert all(accepted + 1 - 1.5 <= a <= top + 1e-6 for a in accept), (accepted, top, accept)
     served, _, original, fallbacks = verify_counts(server)
     assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
 
