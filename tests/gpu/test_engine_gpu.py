@@ -313,13 +313,14 @@ def test_the_dflash_oracle_chain_accepts_its_rank_0_run_and_emits_the_targets_gr
     ranks = [int(r) for r in server.spec.env["DDTREE_ORACLE_RANKS"].split(",")]
     accepted = ranks.index(1)
     prompts = [[11, 22, 500 + 37 * i] for i in range(4)]
+    max_tokens = 33
     for batch in (prompts[:1], prompts[:3], prompts):
-        streams, accept = server.stream(batch, 33)
+        streams, accept = server.stream(batch, max_tokens)
         for prompt, got in zip(batch, streams, strict=True):
-            assert got.token_ids == continuation(prompt[-1], 33, 8192), (prompt, got.token_ids)
-        # SGLang's DFlash worker counts the prefill's token into a request's accept length: 33 tokens over
-        # ceil(32 / (accepted + 1)) verify steps (4.125 for a run of 3, measured on the H200)
-        top = 33 / math.ceil(32 / (accepted + 1))
+            assert got.token_ids == continuation(prompt[-1], max_tokens, 8192), (prompt, got.token_ids)
+        # SGLang's DFlash worker counts the prefill's token into a request's accept length: max_tokens over the
+        # ceil((max_tokens - 1) / (accepted + 1)) verify steps after it (4.125 for a run of 3, measured on the H200)
+        top = max_tokens / math.ceil((max_tokens - 1) / (accepted + 1))
         assert all(accepted + 1 - 1.5 <= a <= top + 1e-6 for a in accept), (accepted, top, accept)
     served, _, original, fallbacks = verify_counts(server)
     assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
