@@ -37,7 +37,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
-from bench_engine import timed_round  # noqa: E402  (this script's folder is on sys.path)
+from bench_engine import timed_round, write  # noqa: E402  (this script's folder is on sys.path)
 from ddtree_oracle import (  # noqa: E402
     PROFILE_ENV,
     PROFILES,
@@ -132,16 +132,6 @@ def markdown(rows: list[dict], head: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write(out: str | None, rows: list[dict], failed: dict[str, str], head: list[str]) -> str:
-    text = markdown(rows, head) + "".join(f"\n\nNot measured: {k}: {v}" for k, v in failed.items())
-    if out:
-        Path(out).write_text(text + "\n")
-        Path(out).with_suffix(".json").write_text(
-            json.dumps({"head": head, "rows": rows, "not_measured": failed}, indent=1)
-        )
-    return text
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table here (and .json beside it)")
@@ -232,7 +222,8 @@ def main() -> int:
                     rows += new
                     for r in new:
                         print(json.dumps(r), flush=True)
-                    write(args.out, rows, failed, head)  # row by row: a run cut short keeps its table
+                    # row by row: a run cut short keeps its table
+                    write(args.out, rows, failed, head, markdown)
         for s in live.values():
             rec = s.record(0)
             print(f"{s.spec.name}: served_kdtree {rec.served_kdtree}, served_original {rec.served_original}, "
@@ -240,7 +231,7 @@ def main() -> int:
     finally:
         for s in servers.values():
             s.stop(timeout=30)
-    print(write(args.out, rows, failed, head))
+    print(write(args.out, rows, failed, head, markdown))
     return 0
 
 
