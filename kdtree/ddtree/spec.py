@@ -24,12 +24,34 @@ def validate_server_args(cfg) -> None:
     problems = []
     if cfg.speculative_draft_model_path is None:
         problems.append("DDTREE drafts with a DFlash drafter: pass --speculative-draft-model-path")
-    if cfg.page_size is not None and cfg.page_size > 1:
+    # The target's verify reads the tree mask in Triton's layout, through kdtree's kernel or Triton's own; another
+    # backend would verify the tree without it. None: not resolved yet, nothing known to refuse.
+    backends = [
+        f"{flag} triton (got {value!r})"
+        for flag, value in (
+            ("--attention-backend", cfg.attention_backend),
+            ("--prefill-attention-backend", cfg.prefill_attention_backend),
+            ("--decode-attention-backend", cfg.decode_attention_backend),
+        )
+        if value not in (None, "triton")
+    ]
+    if backends:
+        problems.append(f"DDTREE's tree verify runs in SGLang's Triton attention backend: pass {', '.join(backends)}")
+    elif cfg.page_size is not None and cfg.page_size > 1:  # another backend may have set it: its fix comes first
         problems.append(
             f"DDTREE v1 commits a tree path slot by slot: pass --page-size 1 (got {cfg.page_size})"
         )
     if cfg.enable_dp_attention or cfg.attn_dp_size > 1:
-        problems.append("DDTREE v1 does not run with DP attention: drop --enable-dp-attention")
+        problems.append(
+            "DDTREE v1 does not run with DP attention: drop --enable-dp-attention and --attn-dp-size "
+            f"(got attn_dp_size={cfg.attn_dp_size})"
+        )
+    if cfg.speculative_eagle_topk not in (None, 1) or cfg.speculative_num_steps is not None:
+        problems.append(
+            "DDTREE's tree is set by its budget, not by EAGLE's top-k and steps: drop --speculative-eagle-topk and "
+            "--speculative-num-steps (--speculative-num-draft-tokens N sets the budget N - 1, and each depth's top-K "
+            f"is K = the budget) (got topk={cfg.speculative_eagle_topk}, steps={cfg.speculative_num_steps})"
+        )
     if cfg.pp_size != 1:
         problems.append(
             f"DDTREE v1 does not run with pipeline parallelism: pass --pp-size 1 (got {cfg.pp_size})"

@@ -48,6 +48,7 @@ def test_a_supported_launch_passes():
     check(speculative_num_draft_tokens=1024, speculative_dflash_block_size=2)
     check(page_size=None, grammar_backend=None)  # unresolved: nothing known to refuse
     check(disable_overlap_schedule=True)  # overlap scheduling on (SGLang's default) or off
+    check(attention_backend="triton", decode_attention_backend="triton", speculative_eagle_topk=1)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +56,12 @@ def test_a_supported_launch_passes():
     [
         (dict(page_size=16), "pass --page-size 1 (got 16)"),
         (dict(enable_dp_attention=True, dp_size=2, tp_size=2), "drop --enable-dp-attention"),
+        (dict(attn_dp_size=2, tp_size=2), "drop --enable-dp-attention and --attn-dp-size (got attn_dp_size=2)"),
+        (dict(attention_backend="fa3"), "runs in SGLang's Triton attention backend: pass --attention-backend triton"),
+        (dict(attention_backend="triton", decode_attention_backend="flashinfer"), "--decode-attention-backend triton"),
+        (dict(prefill_attention_backend="fa3"), "pass --prefill-attention-backend triton (got 'fa3')"),
+        (dict(speculative_eagle_topk=4), "drop --speculative-eagle-topk and --speculative-num-steps"),
+        (dict(speculative_num_steps=3), "(got topk=None, steps=3)"),
         (dict(pp_size=2), "pass --pp-size 1 (got 2)"),
         (dict(grammar_backend="xgrammar"), "pass --grammar-backend none (got 'xgrammar'"),
         (dict(speculative_draft_model_path=None), "pass --speculative-draft-model-path"),
@@ -71,6 +78,14 @@ def test_each_unsupported_setting_is_refused_in_one_line_naming_the_fix(changes,
         check(**changes)
     assert fix in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_another_backends_page_size_is_not_blamed_on_the_user():
+    """SGLang sets page size 64 for FlashMLA before DDTREE's check runs: the fix is the backend, and once it is
+    triton the page size is the user's again."""
+    with pytest.raises(ValueError) as err:
+        check(attention_backend="flashmla", page_size=64)
+    assert "--attention-backend triton (got 'flashmla')" in str(err.value) and "--page-size" not in str(err.value)
 
 
 def test_several_problems_come_in_one_line():
