@@ -41,13 +41,14 @@ Checks the configuration (verify mode, GPUs against --tp-size, the kernel librar
 model path, the attention backend, the speculative-decoding arguments), prints it once, then runs
 `python -m sglang.launch_server` with the same arguments and supervises it (its output also goes to
 KDTREE_STATE_DIR/server.log; its pid and exit status to KDTREE_STATE_DIR/server-process.json).
-A failed check exits 2 with one line naming the problem and the fix. Settings: the README's tables."""
+A failed check exits 2 with one line naming the problem and the fix. Settings: docs/configuration.md."""
 # kdtree overrides the verify call of SGLang's Triton attention backend; no other backend reaches it.
 VERIFY_BACKEND = "triton"
 # Speculative algorithms that always draft with a separate model (SGLang 0.5.23). EAGLE and NEXTN may instead
 # use the target's own MTP layers (SGLang then points the draft path at the model); NGRAM drafts from the
 # token history and needs no model.
 NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH", "DDTREE"})
+DFLASH_DRAFTED = frozenset({"DFLASH", "DDTREE"})  # a DFlash block drafter is their draft model
 MTP_CAPABLE = frozenset({"EAGLE", "NEXTN"})
 
 
@@ -178,6 +179,14 @@ def _in_hub_cache(repo_id: str) -> bool:
         return False
 
 
+# Where compose names each checked folder (an override file such as compose/kimi-ddtree.yaml names both itself).
+FOLDER_SETTING = {
+    "--model-path": "KDTREE_MODEL names the model's folder in it",
+    "--speculative-draft-model-path": "the server command names the drafter's folder, e.g. "
+    "--speculative-draft-model-path /models/Kimi-K2.5-DFlash in compose/kimi-ddtree.yaml",
+}
+
+
 def _local_path(flag: str, path: str | None) -> Path | None:
     """The path when it names a local file or directory (checked), None for a Hugging Face repo id that SGLang
     may fetch (online, or offline from the local cache)."""
@@ -193,17 +202,16 @@ def _local_path(flag: str, path: str | None) -> Path | None:
             raise LaunchError(
                 f"{flag} {path} is no local folder, and as a Hugging Face repo id it cannot be downloaded: "
                 f"{offline} and it is not in the local Hugging Face cache",
-                f"download it where there is network (hf download {path} --local-dir "
-                f"models/{name}) and pass the folder; the stack never downloads (compose: KDTREE_MODEL_DIR=./models, "
-                f"KDTREE_MODEL={name})",
+                f"download it where there is network (hf download {path} --local-dir models/{name}) and pass "
+                f"the folder, /models/{name} in the container; the stack never downloads (compose: "
+                f"KDTREE_MODEL_DIR=./models is mounted at /models, and {FOLDER_SETTING[flag]})",
             )
         return None  # SGLang downloads it, or reads it from the cache
     p = Path(path).expanduser()
     if not p.exists():
         raise LaunchError(
             f"{flag} {path} does not exist",
-            "check the path (compose: KDTREE_MODEL_DIR is mounted read-only at /models, and KDTREE_MODEL names "
-            "the folder in it)",
+            f"check the path (compose: KDTREE_MODEL_DIR is mounted read-only at /models, and {FOLDER_SETTING[flag]})",
         )
     if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
         raise LaunchError(
@@ -337,6 +345,7 @@ def plan(
 
     model = _local_path("--model-path", args.model_path)
 
+    algorithm = (args.speculative_algorithm or "").upper()
     backends = {
         flag: value
         for flag, value in (
@@ -346,6 +355,16 @@ def plan(
         )
         if value is not None
     }
+    if algorithm == "DDTREE":  # kdtree's own algorithm: Triton's backend in every mode, no way around it
+        for flag in ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"):
+            value = backends.get(flag)
+            if value != VERIFY_BACKEND and (value is not None or flag == "--attention-backend"):
+                raise LaunchError(
+                    f"{flag} {value or 'is not set'}: DDTREE's tree verify runs in SGLang's {VERIFY_BACKEND} "
+                    "attention backend in every mode (kdtree's kernel or Triton's reads its tree mask), whatever "
+                    "KDTREE_ALLOW_OTHER_BACKEND says",
+                    f"pass {flag} {VERIFY_BACKEND}",
+                )
     if args.attention_backend is None and not launcher.allow_other_backend:
         raise LaunchError(
             "--attention-backend is not set (SGLang would pick one per GPU, e.g. trtllm_mla on B200)",
@@ -359,7 +378,6 @@ def plan(
             f"use {flag} {VERIFY_BACKEND}, or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree",
         )
 
-    algorithm = (args.speculative_algorithm or "").upper()
     if not algorithm:
         raise LaunchError(
             "--speculative-algorithm is not set: there are no draft trees to verify",
@@ -367,7 +385,9 @@ def plan(
             "NEXTN (the model's own MTP layers) or NGRAM (no draft model)",
         )
     plugins = os.environ.get("SGLANG_PLUGINS")
-    if algorithm == "DDTREE" and plugins is not None and "kdtree" not in plugins.split(","):
+    # as SGLang reads it (plugins/__init__.py): names stripped of spaces; empty or unset loads every plugin
+    allowed = {x.strip() for x in (plugins or "").split(",") if x.strip()}
+    if algorithm == "DDTREE" and allowed and "kdtree" not in allowed:
         raise LaunchError(
             f"--speculative-algorithm DDTREE is registered by kdtree's SGLang plugin, and SGLANG_PLUGINS={plugins!r} "
             "leaves it out",
@@ -379,7 +399,9 @@ def plan(
     elif algorithm in NEEDS_DRAFT_MODEL:
         raise LaunchError(
             f"--speculative-algorithm {algorithm} needs a draft model and --speculative-draft-model-path is missing",
-            "pass --speculative-draft-model-path /models/<draft>, or use NGRAM, which needs none",
+            "pass --speculative-draft-model-path /models/<a DFlash drafter's folder>"
+            if algorithm in DFLASH_DRAFTED
+            else "pass --speculative-draft-model-path /models/<draft>, or use NGRAM, which needs none",
         )
     elif algorithm in MTP_CAPABLE and _mtp_layers(model) == 0:
         raise LaunchError(
@@ -400,8 +422,9 @@ def plan(
         raise LaunchError(
             f"{layout} runs several schedulers per tp rank, and kdtree's per-rank status records are keyed "
             "by tp rank: they would overwrite each other and the sidecar's gate would judge partial evidence",
-            "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size), "
-            "or set KDTREE_VERIFY=off",
+            "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size)"
+            # DDTREE runs neither, whatever the mode (its own check in SGLang refuses them)
+            + ("" if algorithm == "DDTREE" else ", or set KDTREE_VERIFY=off"),
         )
     per_node = replicas * (args.tp_size // args.nnodes) * args.pp_size  # this node's share
     found = gpus()

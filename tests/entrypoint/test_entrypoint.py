@@ -161,6 +161,15 @@ def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsy
     assert "KDTREE_VERIFY=off" in line
 
 
+def test_ddtrees_pipeline_refusal_offers_no_mode_that_would_not_run_it(model, tmp_path, capsys):
+    """DDTREE runs no pipeline stages in any mode (its own check in SGLang): KDTREE_VERIFY=off is no fix for it."""
+    draft = ["--speculative-draft-model-path", str(tmp_path)]
+    (tmp_path / "config.json").write_text("{}")
+    assert run([*spec(model, "DDTREE", *draft), "--pp-size", "2"], n_gpus=8)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "--pp-size 1" in line and "KDTREE_VERIFY=off" not in line
+
+
 GROUP = [
     "--dist-init-addr",
     "kdtree-0.kdtree.default:20000",
@@ -316,10 +325,13 @@ def test_hub_model_id_offline_is_refused_naming_the_download(model, monkeypatch,
         and f"{var}=1 and it is not in" in line
     )
     assert "fix: download it where there is network (hf download deepseek-ai/DeepSeek-V2-Lite " in line
-    assert "KDTREE_MODEL=DeepSeek-V2-Lite" in line
+    assert "KDTREE_MODEL names the model's folder" in line and "/models/DeepSeek-V2-Lite" in line
     draft = spec(model, "EAGLE3", "--speculative-draft-model-path", "org/draft")
     assert run(draft)[0] == EXIT_CONFIG
-    assert "--speculative-draft-model-path org/draft is no local folder" in error_line(capsys)
+    line = error_line(capsys)
+    assert "--speculative-draft-model-path org/draft is no local folder" in line
+    # the drafter is no KDTREE_MODEL: following that fix would serve the drafter as the model
+    assert "/models/draft" in line and "KDTREE_MODEL=" not in line and "KDTREE_MODEL names" not in line
     monkeypatch.setenv(var, "0")
     assert run(argv)[0] == 0
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the first one set decides, as huggingface_hub reads them
@@ -434,7 +446,9 @@ def test_eagle3_needs_a_draft_model(model, capsys):
 
 def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypatch, capsys):
     assert run(spec(model, "DDTREE"))[0] == EXIT_CONFIG
-    assert "--speculative-algorithm DDTREE needs a draft model" in error_line(capsys)
+    line = error_line(capsys)
+    assert "--speculative-algorithm DDTREE needs a draft model" in line
+    assert "a DFlash drafter's folder" in line and "NGRAM" not in line
     monkeypatch.setenv(
         "SGLANG_PLUGINS", "other"
     )  # SGLang's plugin whitelist without kdtree: DDTREE is unknown there
@@ -442,6 +456,38 @@ def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypa
     assert run(spec(model, "DDTREE", *draft))[0] == EXIT_CONFIG
     line = error_line(capsys)
     assert "SGLANG_PLUGINS='other' leaves it out" in line and "add kdtree to SGLANG_PLUGINS" in line
+    (tmp_path / "config.json").write_text("{}")
+    for plugins in (
+        "other, kdtree",
+        "",
+        " , ",
+    ):  # as SGLang reads it: names stripped; empty loads every plugin
+        monkeypatch.setenv("SGLANG_PLUGINS", plugins)
+        assert run(spec(model, "DDTREE", *draft))[0] == 0, plugins
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        [],
+        ["--attention-backend", "flashmla"],
+        ["--attention-backend", "triton", "--decode-attention-backend", "fa3"],
+        ["--attention-backend", "triton", "--prefill-attention-backend", "flashinfer"],
+    ],
+    ids=["unset", "flashmla", "decode-fa3", "prefill-flashinfer"],
+)
+def test_ddtree_runs_in_tritons_backend_whatever_allow_other_backend_says(
+    model, tmp_path, monkeypatch, capsys, backend
+):
+    """DDTREE's verify reads its tree mask in Triton's layout in every mode: KDTREE_ALLOW_OTHER_BACKEND (serve
+    without kdtree) cannot apply to kdtree's own algorithm."""
+    monkeypatch.setenv("KDTREE_ALLOW_OTHER_BACKEND", "1")
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model-path", str(model), *backend, "--speculative-algorithm", "DDTREE"]
+    assert run([*argv, "--speculative-draft-model-path", str(tmp_path)])[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    flag = "--attention-backend" if len(backend) < 4 else backend[2]
+    assert f"fix: pass {flag} triton" in line and "in every mode" in line
 
 
 def test_draft_path_must_exist(model, tmp_path, capsys):
