@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Mode(StrEnum):
-    OFF = "off"  # SGLang's Triton path only: nothing of kdtree's runs (the kill switch)
+    OFF = "off"  # SGLang's Triton verify only: kdtree's kernel never runs (the kill switch; DDTREE still drafts)
     VALIDATE = "validate"  # Triton serves; kdtree runs beside it and is compared on the device
     ON = "on"  # kdtree serves target-verify attention
     STANDBY = "standby"  # installed and idle: Triton serves, kdtree does no attention work
