@@ -36,8 +36,11 @@ def validate_server_args(cfg) -> None:
         if value not in (None, "triton")
     ]
     if backends:
-        problems.append(f"DDTREE's tree verify runs in SGLang's Triton attention backend: pass {', '.join(backends)}")
-    elif cfg.page_size is not None and cfg.page_size > 1:  # another backend may have set it: its fix comes first
+        problems.append(
+            f"DDTREE's verify runs in SGLang's Triton attention backend: pass {', '.join(backends)}"
+        )
+    # another backend may have set the page size (FlashMLA: 64): the backend's fix comes first
+    elif cfg.page_size is not None and cfg.page_size > 1:
         problems.append(
             f"DDTREE v1 commits a tree path slot by slot: pass --page-size 1 (got {cfg.page_size})"
         )

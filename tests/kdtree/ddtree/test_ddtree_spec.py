@@ -56,9 +56,18 @@ def test_a_supported_launch_passes():
     [
         (dict(page_size=16), "pass --page-size 1 (got 16)"),
         (dict(enable_dp_attention=True, dp_size=2, tp_size=2), "drop --enable-dp-attention"),
-        (dict(attn_dp_size=2, tp_size=2), "drop --enable-dp-attention and --attn-dp-size (got attn_dp_size=2)"),
-        (dict(attention_backend="fa3"), "runs in SGLang's Triton attention backend: pass --attention-backend triton"),
-        (dict(attention_backend="triton", decode_attention_backend="flashinfer"), "--decode-attention-backend triton"),
+        (
+            dict(attn_dp_size=2, tp_size=2),
+            "drop --enable-dp-attention and --attn-dp-size (got attn_dp_size=2)",
+        ),
+        (
+            dict(attention_backend="fa3"),
+            "verify runs in SGLang's Triton attention backend: pass --attention-backend",
+        ),
+        (
+            dict(attention_backend="triton", decode_attention_backend="flashinfer"),
+            "--decode-attention-backend triton",
+        ),
         (dict(prefill_attention_backend="fa3"), "pass --prefill-attention-backend triton (got 'fa3')"),
         (dict(speculative_eagle_topk=4), "drop --speculative-eagle-topk and --speculative-num-steps"),
         (dict(speculative_num_steps=3), "(got topk=None, steps=3)"),
@@ -85,7 +94,8 @@ def test_another_backends_page_size_is_not_blamed_on_the_user():
     triton the page size is the user's again."""
     with pytest.raises(ValueError) as err:
         check(attention_backend="flashmla", page_size=64)
-    assert "--attention-backend triton (got 'flashmla')" in str(err.value) and "--page-size" not in str(err.value)
+    message = str(err.value)
+    assert "--attention-backend triton (got 'flashmla')" in message and "--page-size" not in message
 
 
 def test_several_problems_come_in_one_line():
