@@ -355,27 +355,25 @@ def plan(
         )
         if value is not None
     }
-    if algorithm == "DDTREE":  # kdtree's own algorithm: Triton's backend in every mode, no way around it
-        for flag in ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"):
-            value = backends.get(flag)
-            if value != VERIFY_BACKEND and (value is not None or flag == "--attention-backend"):
-                raise LaunchError(
-                    f"{flag} {value or 'is not set'}: DDTREE's tree verify runs in SGLang's {VERIFY_BACKEND} "
-                    "attention backend in every mode (kdtree's kernel or Triton's reads its tree mask), whatever "
-                    "KDTREE_ALLOW_OTHER_BACKEND says",
-                    f"pass {flag} {VERIFY_BACKEND}",
-                )
-    if args.attention_backend is None and not launcher.allow_other_backend:
+    # DDTREE is kdtree's own algorithm: its tree verify runs in Triton's backend in every mode (kdtree's kernel or
+    # Triton's reads its mask), so serving without kdtree (KDTREE_ALLOW_OTHER_BACKEND) is no way around it
+    allow_other = launcher.allow_other_backend and algorithm != "DDTREE"
+    or_else = (
+        " (DDTREE's tree verify runs there in every mode, whatever KDTREE_ALLOW_OTHER_BACKEND says)"
+        if algorithm == "DDTREE"
+        else ", or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree"
+    )
+    if args.attention_backend is None and not allow_other:
         raise LaunchError(
             "--attention-backend is not set (SGLang would pick one per GPU, e.g. trtllm_mla on B200)",
-            f"pass --attention-backend {VERIFY_BACKEND}, or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree",
+            f"pass --attention-backend {VERIFY_BACKEND}{or_else}",
         )
     other = {flag: v for flag, v in backends.items() if v != VERIFY_BACKEND}
-    if other and not launcher.allow_other_backend:
+    if other and not allow_other:
         flag, value = next(iter(other.items()))
         raise LaunchError(
             f"{flag} {value}: kdtree verifies only inside the {VERIFY_BACKEND} backend",
-            f"use {flag} {VERIFY_BACKEND}, or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree",
+            f"pass {flag} {VERIFY_BACKEND}{or_else}",
         )
 
     if not algorithm:

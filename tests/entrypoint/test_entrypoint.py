@@ -457,11 +457,8 @@ def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypa
     line = error_line(capsys)
     assert "SGLANG_PLUGINS='other' leaves it out" in line and "add kdtree to SGLANG_PLUGINS" in line
     (tmp_path / "config.json").write_text("{}")
-    for plugins in (
-        "other, kdtree",
-        "",
-        " , ",
-    ):  # as SGLang reads it: names stripped; empty loads every plugin
+    # as SGLang reads it: names stripped; empty loads every plugin
+    for plugins in ("other, kdtree", "", " , "):
         monkeypatch.setenv("SGLANG_PLUGINS", plugins)
         assert run(spec(model, "DDTREE", *draft))[0] == 0, plugins
 
