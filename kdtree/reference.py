@@ -166,10 +166,11 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def kdtree_call(
-    b: VerifyBatch, out: torch.Tensor, workspace: torch.Tensor, counter=None, v_ext="batch"
+    b: VerifyBatch, out: torch.Tensor, workspace: torch.Tensor, counter=None, v_ext="batch", q_live=None
 ) -> None:
     """kdtree's kernel on a batch: out [T, H*512] or [T, H, 512]. v_ext: "batch" (a separate tensor, as
-    SGLang passes it), "view" (k_ext[..., :512]) or None (values taken from the keys)."""
+    SGLang passes it), "view" (k_ext[..., :512]) or None (values taken from the keys); q_live: the tokens of each
+    request computed (int32 [batch] on the device, or None: all)."""
     from kdtree import kernel
 
     values = {"batch": b.v_ext, "view": b.k_ext[..., :V_DIM], None: None}[v_ext]
@@ -190,6 +191,7 @@ def kdtree_call(
         workspace,
         counter,
         kv_scales=(b.k_scale, b.v_scale),
+        q_live=q_live,
     )
 
 

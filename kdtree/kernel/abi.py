@@ -12,7 +12,7 @@ from kdtree.config import TILE_CONFIGS
 LIB_NAME = "libkdtree_verify.so"
 QK_DIM, V_DIM = 576, 512
 MAX_HEADS, MAX_Q_LEN = 128, 1024
-ABI_VERSION = 7  # kernel_build/include/kdtree_verify.h
+ABI_VERSION = 8  # kernel_build/include/kdtree_verify.h
 CONFIGS = TILE_CONFIGS  # enum kdtree_config, in the automatic choice's order (kdtree_tile_configs.h)
 # Pool dtypes (enum kdtree_kv_dtype): SGLang's MLA pool for --kv-cache-dtype auto, fp8_e4m3 and fp8_e5m2.
 KV_DTYPES = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -58,6 +58,7 @@ class _Args(ctypes.Structure):
         ("k_scale", ctypes.c_float),
         ("v_scale", ctypes.c_float),
         ("fp8_path", ctypes.c_int),
+        ("q_live", ctypes.c_void_p),
     ]
 
 

@@ -39,6 +39,7 @@ def _tree_verify_op(
     counter_mirror_ptr: int,
     k_scale: float,
     v_scale: float,
+    q_live: torch.Tensor | None,
 ) -> None:
     lib = library()
     cta_slots, config, fp8_path = _device_plan(q.device.index)
@@ -78,6 +79,7 @@ def _tree_verify_op(
         k_scale=k_scale,
         v_scale=v_scale,
         fp8_path=fp8_path,
+        q_live=q_live.data_ptr() if q_live is not None else None,
     )
     rc = lib.kdtree_verify_launch(ctypes.byref(a), torch.cuda.current_stream(q.device).cuda_stream)
     _check(rc, "kdtree_verify_launch")
@@ -100,6 +102,7 @@ def tree_verify(
     workspace,
     counter: DeviceCounter | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    q_live: torch.Tensor | None = None,
 ) -> None:
     """MLA tree-verify attention into `out` ([T, H, 512] bf16, or a [T, H*512] buffer).
 
@@ -108,6 +111,8 @@ def tree_verify(
     draft tokens its mask row allows (custom_mask, FULL layout at mask_indptr[b]; None = causal chain).
     An fp8 pool (float8_e4m3fn, float8_e5m2) is read as its values times kv_scales = (k_descale, v_descale),
     the scales SGLang passes its kernel; a bf16 pool is read unscaled.
+    q_live (int32 [batch] on the device, or None): request b's first q_live[b] tokens are computed (clamped to
+    [0, its tokens]) and its other rows of `out` written as zeros, read on the device (a tree cut inside a graph).
     """
     if k_buf.dtype not in KV_DTYPES:
         raise Unsupported(
@@ -228,6 +233,14 @@ def tree_verify(
         custom_mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
     else:
         mask_indptr = None
+    if q_live is not None:
+        _index_type(q_live, "q_live", (torch.int32,))
+        _need(
+            q_live.numel() >= batch and q_live.device == dev,
+            "q_live",
+            lambda: f">= {batch} entries (one a request) on {dev}",
+            lambda: f"{q_live.numel()} on {q_live.device}",
+        )
     _need(
         workspace.dtype == torch.uint8 and workspace.is_contiguous(),
         "workspace",
@@ -259,4 +272,5 @@ def tree_verify(
         counter.mirror_ptr if counter else 0,
         float(k_scale),
         float(v_scale),
+        q_live,
     )

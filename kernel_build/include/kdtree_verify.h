@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define KDTREE_ABI_VERSION 7
+#define KDTREE_ABI_VERSION 8
 #define KDTREE_QK_DIM 576
 #define KDTREE_V_DIM 512
 
@@ -76,6 +76,10 @@ typedef struct {
   int kv_dtype; /* enum kdtree_kv_dtype */
   float k_scale, v_scale; /* positive, finite; 1 for a bf16 pool */
   int fp8_path; /* enum kdtree_fp8_path */
+  /* int32 [batch] on the device, or NULL: request b's first q_live[b] tokens (clamped to [0, its tokens]) are
+   * computed and its other rows of out written as zeros. A tree cut to a smaller budget inside a graph captured at a
+   * larger one (DDTREE's auto budget) costs the rows it keeps. */
+  const int32_t* q_live;
 } kdtree_verify_args;
 
 int kdtree_abi_version(void);

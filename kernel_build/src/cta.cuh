@@ -25,10 +25,16 @@ struct Params {
   float k_scale, v_scale;  // an fp8 pool's scales (the bf16 kernels read neither)
   int H, splits, m_tiles;
   int pair;  // two splits, launched in clusters of two CTAs that merge on chip (see the kernel's epilogue)
+  const int32_t* q_live;  // [batch] or nullptr: each request's live tokens (kdtree_verify_args.q_live)
 };
 
 __device__ __forceinline__ int64_t load_idx(const void* p, int t, int64_t i) {
   return t == KDTREE_I64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// Request b's live tokens: its first q_live[b] (clamped to [0, qlen]), or all qlen without q_live.
+__device__ __forceinline__ int live_tokens(const int32_t* q_live, int b, int qlen) {
+  return q_live == nullptr ? qlen : min(max(q_live[b], 0), qlen);
 }
 
 // Producer / consumer hand-offs between the two warp roles; `n` counts the threads of both.
@@ -49,7 +55,7 @@ __device__ __forceinline__ void split_range(int L, int splits, int s, int BN, in
   hi = min(L, lo + chunk);
 }
 
-// What one CTA works on: rows [m0, m0 + BM) of request b, keys [k_lo, k_hi) of prefix ++ draft, in ntiles tiles.
+// What one CTA works on: rows [m0, m0 + BM) of request b (of its `rows`: the live tokens' x H), keys [k_lo, k_hi) of prefix ++ draft, in ntiles tiles.
 // A bf16 pool: tile t starts at k_lo + t * BN (a tile can hold prefix and draft keys). An fp8 pool: tiles
 // 0..np-1 are the prefix's (fp8 in shared memory; the last one masked past P), from np on the draft's (f16), so
 // that a tile holds one format: tile t >= np starts at d_lo + (t - np) * BN, d_lo = max(k_lo, P).

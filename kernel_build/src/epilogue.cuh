@@ -63,6 +63,18 @@ __device__ __noinline__ void merge_pair(__nv_bfloat16* out, int64_t o_st, int64_
   }
 }
 
+// Packed rows [lo, hi) of the request whose tokens start at qs (row r: token r / H, head r % H) as zeros: its rows
+// past the live tokens (q_live), which no CTA computes. The split-0 CTA of each row tile writes those of its tile.
+// Not inlined: it runs before the key loops and must not change their register allocation.
+__device__ __noinline__ void zero_rows(__nv_bfloat16* out, int64_t o_st, int64_t o_sh, int H, int64_t qs, int lo,
+                                       int hi) {
+  constexpr int CH = DV / 4;  // four bf16 (8 bytes) a store
+  for (int i = threadIdx.x; i < (hi - lo) * CH; i += blockDim.x) {
+    const int r = lo + i / CH;
+    *reinterpret_cast<uint2*>(out + (qs + r / H) * o_st + (r % H) * o_sh + (i % CH) * 4) = make_uint2(0u, 0u);
+  }
+}
+
 // Merge the prefix splits of each row by log-sum-exp. One block per (request, packed row); each of its G
 // groups of four warps sums every G-th split (a lane carries one float4 of the 512 value dims), so with
 // many splits many partial rows are in flight at once; group 0 adds the groups up and stores.
@@ -78,7 +90,11 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   const int gr = blockIdx.x, b = blockIdx.y;
   const int64_t qs = load_idx(p.qo_indptr, p.qo_t, b);
   const int qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - qs);
-  if (gr >= qlen * p.H) return;
+  if (gr >= live_tokens(p.q_live, b, qlen) * p.H) {  // padding, or a row the main kernel wrote as zeros
+    // Block (0, 0) waits even so: this grid must not end before the main one (every block of it may return here).
+    if (gr == 0 && b == 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    return;
+  }
   const int P = static_cast<int>(load_idx(p.kv_indptr, p.kvp_t, b + 1) - load_idx(p.kv_indptr, p.kvp_t, b));
   int lo, hi, used;
   split_range(P + qlen, p.splits, 0, C::BN, lo, hi, used);

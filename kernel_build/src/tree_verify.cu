@@ -57,8 +57,10 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   const int64_t kv_end = load_idx(p.kv_indptr, p.kvp_t, b + 1);
   w.mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
   w.qlen = static_cast<int>(qs_end - w.qs);
-  w.rows = w.qlen * p.H;
+  w.rows = live_tokens(p.q_live, b, w.qlen) * p.H;  // the rows computed; the rest of the request's are zeros
   w.m0 = mt * C::BM;
+  if (split == 0 && w.m0 + C::BM > w.rows && w.m0 < w.qlen * p.H)
+    zero_rows(p.out, p.o_st, p.o_sh, p.H, w.qs, max(w.m0, w.rows), min(w.m0 + C::BM, w.qlen * p.H));
   if (w.m0 >= w.rows) return;
   w.P = static_cast<int>(kv_end - w.kv0);
   w.L = w.P + w.qlen;
@@ -302,6 +304,7 @@ static int launch(const kdtree_verify_args* a, cudaStream_t stream) {
   p.scale_log2 = a->sm_scale * 1.4426950408889634f;
   p.k_scale = a->k_scale; p.v_scale = a->v_scale;
   p.H = a->num_heads; p.splits = pl.splits; p.m_tiles = pl.m_tiles; p.pair = pl.pair;
+  p.q_live = a->q_live;
 
   cudaLaunchConfig_t main_cfg = {};
   main_cfg.gridDim = dim3(pl.splits, pl.m_tiles, a->batch);

@@ -15,14 +15,14 @@ from kdtree.reference import kdtree_call, make_batch, reference, rel_l2, triton_
 pytestmark = pytest.mark.gpu
 
 
-def run_ours(b, out=None, v_ext="batch"):
+def run_ours(b, out=None, v_ext="batch", q_live=None):
     T, H = b.q.shape[:2]
     if out is None:
         out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     ws = torch.empty(
         kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"), dtype=torch.uint8, device="cuda"
     )
-    kdtree_call(b, out, ws, v_ext=v_ext)
+    kdtree_call(b, out, ws, v_ext=v_ext, q_live=q_live)
     return out.view(T, H, 512)
 
 
@@ -248,6 +248,62 @@ def test_graph_captured_at_a_short_prefix_replays_at_a_long_one(n, config):
     assert rel_l2(eager, reference(long)) < 1e-2
 
 
+# q_live: a tree cut to fewer tokens inside a launch sized for more (DDTREE's auto budget). Every plan: the combine
+# (many splits), two splits (wide: a pair merged on chip; compact: the combine), one split; cuts inside a row tile
+# and whole dead tiles, a request cut to nothing, counts past the request's tokens (clamped).
+Q_LIVE_CASES = [
+    (1, 8, 129, 32768, [33]),
+    (2, 16, 129, [8192, 777], [129, 100]),
+    (2, 16, 129, [8192, 777], [17, 0]),
+    (4, 8, 257, [32768, 8192, 100, 3000], [1, 65, 300, 256]),
+    (64, 8, 16, 513, [(5 * i) % 21 for i in range(64)]),
+    (33, 8, 16, [5, 4096, 0, 130, 2000, 700] * 5 + [77, 3000, 1], [(7 * i) % 17 for i in range(33)]),
+]
+
+
+def assert_cut(b, cut, full, live):
+    """Each request's first `live` tokens equal the full call's (the same plan, so bitwise); the rest are zeros."""
+    qo = b.qo_indptr.tolist()
+    for r, n in enumerate(live):
+        qs, qe = qo[r], qo[r + 1]
+        n = min(max(n, 0), qe - qs)
+        assert torch.equal(cut[qs : qs + n], full[qs : qs + n]), f"request {r}: live rows differ"
+        assert bool((cut[qs + n : qe] == 0).all()), (
+            f"request {r}: rows past its {n} live tokens are not zeros"
+        )
+
+
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
+@pytest.mark.parametrize("case", Q_LIVE_CASES, ids=lambda c: case_id((*c[:4], "live")))
+def test_q_live_computes_the_live_tokens_and_zeros_the_rest(case, config):
+    batch, heads, q_len, prefix, live = case
+    b = make_batch(batch, heads, q_len, prefix, seed=sum(map(ord, f"live{case}{config}")))
+    q_live = torch.tensor(live, dtype=torch.int32, device="cuda")
+    with kernel.forced(config):
+        full = run_ours(b)
+        cut = run_ours(b, q_live=q_live)
+    assert_cut(b, cut, full, live)
+
+
+@pytest.mark.parametrize("config", list(kernel.CONFIGS))
+def test_q_live_is_read_on_the_device_in_a_graph(config):
+    """One graph captured with q_live, replayed after its values changed (as a drafter's graph rewrites them)."""
+    b = make_batch(2, 16, 129, [8192, 777], seed=71)
+    T, H = b.q.shape[:2]
+    out = torch.full((T, H * 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    q_live = torch.tensor([129, 129], dtype=torch.int32, device="cuda")
+    with kernel.forced(config):
+        full = run_ours(b)
+        ws = torch.empty(kernel.workspace_bytes(2, H, 129, "cuda"), dtype=torch.uint8, device="cuda")
+        g, _, _ = capture_graph(lambda: kdtree_call(b, out, ws, q_live=q_live))
+        for live in ([33, 129], [129, 1], [5, 64]):
+            q_live.copy_(torch.tensor(live, dtype=torch.int32))
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert_cut(b, out.view_as(full), full, live)
+
+
 def test_parity_stats_catch_a_wrong_output():
     b = make_batch(1, 8, 16, 1000, seed=31)
     good = run_ours(b).reshape(16, -1).contiguous()
@@ -297,10 +353,13 @@ def test_bad_arguments_name_the_argument():
         "max_q_len": 2000,
         "custom_mask": b.custom_mask.float(),
         "workspace": ws.view(torch.int8),
+        "q_live": torch.ones(1, dtype=torch.int64, device="cuda"),
     }
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             kernel.tree_verify(**{**base, name: value})
+    with pytest.raises(ValueError, match="q_live"):  # one entry a request
+        kernel.tree_verify(**{**base, "q_live": torch.ones(0, dtype=torch.int32, device="cuda")})
     # The kernel folds a positive scale into its exp2 argument.
     for scale in (0.0, -b.sm_scale, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="sm_scale"):

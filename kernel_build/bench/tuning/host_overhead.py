@@ -46,7 +46,7 @@ def main() -> None:
             b.mask_indptr, b.sm_scale, b.max_q_len, out, ws)  # fmt: skip
     op_args = (b.q, b.k_ext, b.v_ext, b.k_buf[:, 0], b.qo_indptr, b.kv_indptr, b.kv_indices,
                b.custom_mask.view(torch.uint8), b.mask_indptr, b.sm_scale, b.max_q_len, out.view(T, H, 512),
-               ws, 0, 0)  # fmt: skip
+               ws, 0, 0, 1.0, 1.0, None)  # fmt: skip
     kernel.verify_op._tree_verify_op(*op_args)  # warm the plan cache
     rows = [
         ("kernel.tree_verify (checks + custom op + launch)", per_call_us(lambda: kernel.tree_verify(*args))),
