@@ -37,6 +37,17 @@ __device__ __forceinline__ int live_tokens(const int32_t* q_live, int b, int qle
   return q_live == nullptr ? qlen : min(max(q_live[b], 0), qlen);
 }
 
+// The splits of each live row tile of a request with `rows` live rows. The launch's grid is planned for every row
+// (a graph captured at the whole tree replays a cut of it), so a cut leaves whole row tiles idle; their CTAs take more
+// splits of the live tiles instead, which shortens the request's slowest CTA rather than only the total work. CTA
+// (split, mt) of the grid becomes split c % n of live tile c / n, c = mt * splits + split. Kept where the plan has no
+// workspace for more partial rows (one split) or merges on chip (a pair); the main kernel and the combine agree.
+__device__ __forceinline__ int live_splits(int splits, int m_tiles, bool pair, int rows, int BM) {
+  const int live_tiles = (rows + BM - 1) / BM;
+  if (splits == 1 || pair || live_tiles == 0 || live_tiles >= m_tiles) return splits;
+  return max(splits, min(MAX_LIVE_SPLITS, m_tiles * splits / live_tiles));
+}
+
 // Producer / consumer hand-offs between the two warp roles; `n` counts the threads of both.
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) {

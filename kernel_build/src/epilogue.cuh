@@ -90,16 +90,18 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const Params p) {
   const int gr = blockIdx.x, b = blockIdx.y;
   const int64_t qs = load_idx(p.qo_indptr, p.qo_t, b);
   const int qlen = static_cast<int>(load_idx(p.qo_indptr, p.qo_t, b + 1) - qs);
-  if (gr >= live_tokens(p.q_live, b, qlen) * p.H) {  // padding, or a row the main kernel wrote as zeros
+  const int rows = live_tokens(p.q_live, b, qlen) * p.H;
+  if (gr >= rows) {  // padding, or a row the main kernel wrote as zeros
     // Block (0, 0) waits even so: this grid must not end before the main one (every block of it may return here).
     if (gr == 0 && b == 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     return;
   }
   const int P = static_cast<int>(load_idx(p.kv_indptr, p.kvp_t, b + 1) - load_idx(p.kv_indptr, p.kvp_t, b));
   int lo, hi, used;
-  split_range(P + qlen, p.splits, 0, C::BN, lo, hi, used);
+  const int splits = live_splits(p.splits, p.m_tiles, p.pair, rows, C::BM);  // as the main kernel split this tile
+  split_range(P + qlen, splits, 0, C::BN, lo, hi, used);
   const int mt = gr / C::BM, r = gr % C::BM;
-  const int64_t base = (static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits * C::BM + r;
+  const int64_t base = (static_cast<int64_t>(b) * p.m_tiles * p.splits + mt * splits) * C::BM + r;
   stamp_combine(0);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   stamp_combine(1);

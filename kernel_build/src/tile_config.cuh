@@ -19,6 +19,9 @@ __device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + swz_in
 constexpr int ROPE_CHUNKS = (QK - DV) * 2 / 16;  // 8
 constexpr int MIN_KEYS_PER_SPLIT = 128;  // keys per split below which partial-result traffic outweighs parallelism
 constexpr int MAX_SPLITS = 128;
+// A request cut by q_live (DDTREE's auto budget) leaves the row tiles past its live rows idle; their CTAs take more
+// splits of the live tiles instead (live_splits in cta.cuh), at most this many (the combine sums them in one group).
+constexpr int MAX_LIVE_SPLITS = 64;
 // The split rule's fixed cost of a CTA, as a fraction of one reading a whole prefix: measured on the H200
 // (bench/tuning/split_sweep.py) ~12 us against 1860 at 32k keys, ~10 against 480 at 8k; 1/50 keeps the 8k end.
 constexpr double SPLIT_CTA_COST = 0.02;

@@ -40,10 +40,10 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const Smem<C> sm(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int split = blockIdx.x, mt = blockIdx.y, b = blockIdx.z;
+  const int b = blockIdx.z;
   if (tid == 0) stamp(kEntry);
 
-  if (p.counter != nullptr && split == 0 && mt == 0 && b == 0 && tid == 0) {
+  if (p.counter != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && b == 0 && tid == 0) {
     unsigned long long v = atomicAdd(p.counter, 1ull) + 1ull;
     if (p.counter_mirror != nullptr) *reinterpret_cast<volatile unsigned long long*>(p.counter_mirror) = v;
   }
@@ -58,14 +58,20 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
   w.mbase = p.mask != nullptr ? load_idx(p.mask_indptr, p.mi_t, b) : 0;
   w.qlen = static_cast<int>(qs_end - w.qs);
   w.rows = live_tokens(p.q_live, b, w.qlen) * p.H;  // the rows computed; the rest of the request's are zeros
+  {  // the split-0 CTA of each row tile of the grid zeros the tile's rows past the live ones
+    const int m0 = blockIdx.y * C::BM;
+    if (blockIdx.x == 0 && m0 + C::BM > w.rows && m0 < w.qlen * p.H)
+      zero_rows(p.out, p.o_st, p.o_sh, p.H, w.qs, max(m0, w.rows), min(m0 + C::BM, w.qlen * p.H));
+  }
+  const int splits = live_splits(p.splits, p.m_tiles, p.pair, w.rows, C::BM);
+  const int c = blockIdx.y * p.splits + blockIdx.x;  // this CTA's place in the request's grid
+  const int split = c % splits, mt = c / splits;
   w.m0 = mt * C::BM;
-  if (split == 0 && w.m0 + C::BM > w.rows && w.m0 < w.qlen * p.H)
-    zero_rows(p.out, p.o_st, p.o_sh, p.H, w.qs, max(w.m0, w.rows), min(w.m0 + C::BM, w.qlen * p.H));
   if (w.m0 >= w.rows) return;
   w.P = static_cast<int>(kv_end - w.kv0);
   w.L = w.P + w.qlen;
   int used;
-  split_range(w.L, p.splits, split, C::BN, w.k_lo, w.k_hi, used);
+  split_range(w.L, splits, split, C::BN, w.k_lo, w.k_hi, used);
   if (split >= used) return;
   if constexpr (is_fp8(KV)) {  // prefix tiles, then draft tiles from P on (see Work)
     const int p_hi = min(w.P, w.k_hi);
@@ -83,7 +89,7 @@ __global__ void __launch_bounds__(C::NT, 1) tree_verify_kernel(const Params p) {
     sm.epi->mode = p.pair && used == 2 ? Epilogue::kPair
                    : p.splits == 1 || p.pair ? Epilogue::kStore : Epilogue::kPartial;
     sm.epi->r_lo = split * (C::BM / 2);
-    sm.epi->row0 = ((static_cast<int64_t>(b) * p.m_tiles + mt) * p.splits + split) * C::BM;
+    sm.epi->row0 = (static_cast<int64_t>(b) * p.m_tiles * p.splits + mt * splits + split) * C::BM;
   }
 
   if (warp < C::NS) {

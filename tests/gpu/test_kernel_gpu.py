@@ -253,6 +253,7 @@ def test_graph_captured_at_a_short_prefix_replays_at_a_long_one(n, config):
 # and whole dead tiles, a request cut to nothing, counts past the request's tokens (clamped).
 Q_LIVE_CASES = [
     (1, 8, 129, 32768, [33]),
+    (1, 8, 257, 32768, [5]),  # one live tile of 33: its CTAs take the idle tiles' splits (MAX_LIVE_SPLITS)
     (2, 16, 129, [8192, 777], [129, 100]),
     (2, 16, 129, [8192, 777], [17, 0]),
     (4, 8, 257, [32768, 8192, 100, 3000], [1, 65, 300, 256]),
@@ -262,12 +263,16 @@ Q_LIVE_CASES = [
 
 
 def assert_cut(b, cut, full, live):
-    """Each request's first `live` tokens equal the full call's (the same plan, so bitwise); the rest are zeros."""
+    """Each request's first `live` tokens equal the full call's (bitwise where its live row tiles keep the plan's
+    splits; within rounding where the idle tiles' CTAs split them further: live_splits in cta.cuh); the rest are
+    zeros."""
     qo = b.qo_indptr.tolist()
     for r, n in enumerate(live):
         qs, qe = qo[r], qo[r + 1]
         n = min(max(n, 0), qe - qs)
-        assert torch.equal(cut[qs : qs + n], full[qs : qs + n]), f"request {r}: live rows differ"
+        if n:
+            err = rel_l2(cut[qs : qs + n], full[qs : qs + n])
+            assert err < 1e-2, f"request {r}: live rows differ by {err}"
         assert bool((cut[qs + n : qe] == 0).all()), (
             f"request {r}: rows past its {n} live tokens are not zeros"
         )
