@@ -182,3 +182,8 @@ class VerifySettings(StateDirSettings, KernelSettings):
         2e-2, gt=0, description="relative L2 error above which a compared call counts as over tolerance"
     )
     heartbeat_s: float = Field(5.0, gt=0, description="how often each rank rewrites its status record")
+    ddtree_budget: Literal["auto", "fixed"] = Field(
+        "auto",
+        description="DDTREE's verify each step: auto cuts the captured tree to the budget that gives the most tokens a "
+        "second (kdtree.ddtree.budget); fixed verifies the whole tree",
+    )

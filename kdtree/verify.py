@@ -6,7 +6,8 @@ and the reason is counted. Otherwise, by mode:
 
 - off: the original serves, untouched; nothing of kdtree's runs or is captured.
 - on: the draft KV is written into the pool exactly as the original writes it, then the kdtree kernel
-  computes attention into the tensor the original would have returned.
+  computes attention into the tensor the original would have returned (for a DDTREE verify, the tokens of its
+  cut, `live_rows`; the rest are zeros, and its walk never reads them).
 - validate: the original serves; the kdtree kernel computes the same call into a buffer of its own, and
   a device-side comparison accumulates parity statistics (no host sync, so CUDA graphs stay on).
 - standby: the original serves; kdtree does no attention work.
@@ -52,6 +53,11 @@ FP8_PARITY_RTOL = {getattr(torch, name): bound for name, bound in FP8_PARITY_RTO
 # Captured graphs one process can switch between modes (SGLang captures one per batch size; a recapture, as after
 # a weight update, takes new ones). Beyond it, a captured call falls back to the original ("no_step_slot").
 STEP_SLOTS = 1024
+# DDTREE's cut (kdtree.ddtree.budget): the verify of a DDTREE step computes each request's first live_rows[b] tokens in
+# on (the kernel's q_live, read on the device, so a graph captured at the whole tree serves a cut of it). The DDTREE
+# worker writes the entries of its batch before each step; the rest keep what they held (a graph's padding requests).
+LIVE_ROWS = 1 << 16  # the most requests a cut verify can hold (a larger batch is verified whole)
+LIVE_ALL = 1 << 30  # an entry no one wrote: every token (the kernel clamps to the request's tokens)
 
 
 @dataclass(slots=True)
@@ -225,6 +231,7 @@ class DeviceState:
         self.step_calls = kernel.StepCalls(STEP_SLOTS) if cuda else None
         self.step: tuple[tuple[int, int, int], int] | None = None  # ((capture, qo address, entries), slot)
         self.reserved = (0, 0)  # (validate_out elements, qo_indptr entries) sized for a capture so far
+        self.live_rows = torch.full((LIVE_ROWS,), LIVE_ALL, dtype=torch.int32, device=device)
         self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (bytes, used in a capture)
         self._kept: list[torch.Tensor] = []
 
@@ -269,6 +276,8 @@ class VerifyOverride:
         self._step: tuple[Any, Mode] | None = None  # (forward batch, its mode): one mode per eager step
         # "eager", "warmup" (SGLang's eager runs before a capture), "captured": the first such call, described
         self.inputs_seen: dict[str, dict] = {}
+        # what else this process reports in its rank record, by field: DDTREE's auto budget (its worker adds itself)
+        self.reporters: dict[str, Any] = {}
 
     # ---- the hook -------------------------------------------------------------------------------
     def __call__(self, original, *args, **kwargs):
@@ -362,7 +371,8 @@ class VerifyOverride:
         state.side.wait_stream(main)  # fork after the KV write
         try:
             with torch.cuda.stream(state.side):
-                run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, None, qo_indptr=qo_on)
+                run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, None, qo_indptr=qo_on,
+                           q_live=live_rows(c, state))  # fmt: skip
             scratch = scratch.view(rows, heads, V_HEAD_DIM)
             run_kernel(self._kernel, c, scratch, workspace, None, qo_indptr=qo_validate)
         except (ValueError, RuntimeError) as e:  # raised before or at launch: the original serves this call
@@ -419,7 +429,14 @@ class VerifyOverride:
         if c.save_kv_cache:
             write_draft_kv(c)
         try:
-            run_kernel(self._kernel, c, o.view(-1, heads, V_HEAD_DIM), workspace, state.counter)
+            run_kernel(
+                self._kernel,
+                c,
+                o.view(-1, heads, V_HEAD_DIM),
+                workspace,
+                state.counter,
+                q_live=live_rows(c, state),
+            )
         except (ValueError, RuntimeError) as e:  # raised before or at launch: the original computes instead
             self._count(self._failure_reason(e), e)
             return original(*args, **kwargs)  # rewrites the same KV bytes, then computes
@@ -533,6 +550,19 @@ class VerifyOverride:
     def _note_error(self, message: str) -> None:
         self.last_error = message
 
+    def ddtree_live_rows(self, device: torch.device) -> torch.Tensor | None:
+        """The buffer DDTREE's worker writes its cut into (see LIVE_ROWS), made now if need be (outside capture);
+        None where kdtree's kernel is unavailable."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the hook keys its state by the call's q.device
+            device = torch.device("cuda", torch.cuda.current_device())
+        state, _ = self._ready(device, False)
+        return None if state is None else state.live_rows
+
+    def serving(self) -> bool:
+        """kdtree's kernel computes the verify now (mode on, kernel loaded): what a cut saves time in."""
+        return self.mode.mode is Mode.ON and self._kernel is not None
+
     def device_state(self) -> DeviceState | None:
         states = list(self._devices.values())  # one atomic copy: the serving thread may be adding one
         return states[0] if states else None
@@ -554,11 +584,22 @@ class VerifyOverride:
                 "compiled_archs": list(self.compiled_archs),
                 "verify_inputs": dict(self.inputs_seen),
             }
+        for name, report in list(self.reporters.items()):
+            snap[name] = report()
         state = self.device_state()
         if state is not None:
             snap["served_kdtree"] = state.counter.value()  # pinned host mirror, includes graph replays
             snap["parity"] = state.parity.snapshot()
         return snap
+
+
+def live_rows(c: VerifyCall, state: DeviceState) -> torch.Tensor | None:
+    """The cut an `on` launch of this call reads: DDTREE's verify only (its worker writes the buffer), and a batch the
+    buffer holds."""
+    if getattr(getattr(c.forward_batch, "spec_algorithm", None), "name", None) != "DDTREE":
+        return None
+    batch = c.backend.forward_metadata.qo_indptr.numel() - 1
+    return state.live_rows if batch <= state.live_rows.numel() else None
 
 
 def run_kernel(
@@ -568,9 +609,10 @@ def run_kernel(
     workspace: torch.Tensor,
     counter,
     qo_indptr: torch.Tensor | None = None,
+    q_live: torch.Tensor | None = None,
 ) -> None:
     """The one place the kdtree kernel API is called: the call's tensors, as SGLang's Triton path reads them
-    (qo_indptr: the extents to compute instead of the metadata's, as in captured calls)."""
+    (qo_indptr: the extents to compute instead of the metadata's, as in captured calls; q_live: DDTREE's cut)."""
     layer, md = c.layer, c.backend.forward_metadata
     pool = c.backend.token_to_kv_pool
     heads = layer.tp_q_head_num
@@ -593,4 +635,5 @@ def run_kernel(
         workspace,
         counter=counter,
         kv_scales=kv_descales(layer),
+        q_live=q_live,
     )

@@ -82,7 +82,12 @@ def _summary(st: StatusDocument) -> str:
             if (sp := st.speculation).accept_length
             else "accept length not known"
         )
-        + (f", {sp.verify_tokens} tokens a request" if sp.verify_tokens else ""),
+        + (f", {sp.verify_tokens} tokens a request" if sp.verify_tokens else "")
+        + (
+            f" (auto budget: {sp.mean_verify_tokens:.1f} verified on average)"
+            if sp.mean_verify_tokens
+            else ""
+        ),
         f"ranks:     {len(st.ranks)} records, expected {st.expected_tp_size}",
         *_rank_lines(st),
     ]

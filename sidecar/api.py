@@ -188,10 +188,13 @@ class DesiredModeStatus(BaseModel):
 class SpeculationStatus(BaseModel):
     """What speculative decoding does on the server: the tokens a verify step gave the latest probe (SGLang's accept
     length: completion tokens over verify steps) and the tokens one verify reads a request (the draft tree's size,
-    N: DDTREE's budget + 1), from the ranks' records of the verify calls they saw."""
+    N: DDTREE's budget + 1), from the ranks' records of the verify calls they saw; under DDTREE's auto budget, the
+    tokens it verified a request on average."""
 
     accept_length: float | None = None
     verify_tokens: int | None = None
+    # DDTREE's auto budget: tokens it verified a request on average (of verify_tokens captured), from rank 0's record
+    mean_verify_tokens: float | None = None
 
 
 class StatusDocument(BaseModel):

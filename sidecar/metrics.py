@@ -62,6 +62,21 @@ class RankCollector(Collector):
             "tokens one verify reads a request (the draft tree's size N), from the verify calls the rank recorded",
             labels=["rank"],
         )
+        ddtree_steps = CounterMetricFamily(
+            "kdtree_rank_ddtree_steps",
+            "DDTREE's auto budget: decode steps at each budget it chose",
+            labels=["rank", "budget"],
+        )
+        ddtree_tokens = CounterMetricFamily(
+            "kdtree_rank_ddtree_verify_tokens",
+            "DDTREE's auto budget: tokens verified a request, summed over requests and steps",
+            labels=["rank"],
+        )
+        ddtree_requests = CounterMetricFamily(
+            "kdtree_rank_ddtree_request_steps",
+            "DDTREE's auto budget: requests verified, summed over steps (verify_tokens over this: the mean)",
+            labels=["rank"],
+        )
         for view in self.metrics.rank_views:
             r = view.record
             if self.metrics.expected_ranks and r.tp_rank >= self.metrics.expected_ranks:
@@ -80,6 +95,11 @@ class RankCollector(Collector):
                 fallbacks.add_metric([rank, reason], count)
             if r.verify_tokens is not None:
                 verify_tokens.add_metric([rank], r.verify_tokens)
+            if (d := r.ddtree_budget) is not None:
+                for budget, steps in d.steps_at.items():
+                    ddtree_steps.add_metric([rank, budget], steps)
+                ddtree_tokens.add_metric([rank], d.live_tokens)
+                ddtree_requests.add_metric([rank], d.request_steps)
         yield from (
             up,
             installed,
@@ -91,6 +111,9 @@ class RankCollector(Collector):
             served,
             fallbacks,
             verify_tokens,
+            ddtree_steps,
+            ddtree_tokens,
+            ddtree_requests,
         )
 
 

@@ -84,6 +84,14 @@ class StatusReport:
                     (v.record.verify_tokens for v in a.ranks.ranks if v.record.verify_tokens is not None),
                     default=None,
                 ),
+                mean_verify_tokens=next(
+                    (
+                        v.record.ddtree_budget.mean_verify_tokens
+                        for v in a.ranks.ranks
+                        if v.record.tp_rank == 0 and v.record.ddtree_budget is not None
+                    ),
+                    None,
+                ),
             ),
             group=self.readiness.group.node_status(a.ranks.ranks, a.reasons)
             if self.readiness.group

@@ -23,11 +23,21 @@ import torch
 
 
 class AcceptBuffers:
-    """Outputs of `follow_tree` for bs requests, trees of N nodes and at most L drafted depths."""
+    """Outputs of `follow_tree` for bs requests, trees of N nodes and at most L drafted depths; `budgets` (tree
+    sizes, ascending) are what `cut_stats` writes `stats` for."""
 
-    def __init__(self, bs: int, N: int, L: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self, bs: int, N: int, L: int, device: torch.device | str = "cpu", budgets: tuple[int, ...] = ()
+    ):
         i64 = dict(dtype=torch.int64, device=device)
         self.shape = (bs, N, L)
+        self.budgets = torch.empty(len(budgets), **i64)
+        for i, b in enumerate(
+            budgets
+        ):  # filled on the device: a tensor from a host list would be a synchronising copy
+            self.budgets[i].fill_(b)
+        self.stats = torch.zeros(bs, 2, len(budgets), dtype=torch.float32, device=device)
+        self.live_candidates = torch.zeros(bs, N, **i64)  # the candidates with the nodes past a cut made -1
         self.path = torch.zeros(
             bs, L + 1, **i64
         )  # node indices, root first; past the accepted length: the last
@@ -50,11 +60,22 @@ class AcceptBuffers:
 
 
 def follow_tree(
-    parents: torch.Tensor, candidates: torch.Tensor, target: torch.Tensor, L: int, out: AcceptBuffers
+    parents: torch.Tensor,
+    candidates: torch.Tensor,
+    target: torch.Tensor,
+    L: int,
+    out: AcceptBuffers,
+    live: torch.Tensor | None = None,
 ) -> AcceptBuffers:
     """The walk for every request at once, L steps of [bs, N] ops. parents/candidates/target: int64 [bs, N]
-    (root's parent -1, padding nodes' candidate -1)."""
+    (root's parent -1, padding nodes' candidate -1). live [>= bs]: request b's tree is its first live[b] nodes
+    (DDTREE's cut: the tree's order is best-first with parents first, so its first b + 1 nodes are the tree of
+    budget b); the nodes past it are unmatchable, as padding is."""
     o = out
+    if live is not None:
+        bs = parents.shape[0]
+        keep = o.node_index < live[:bs, None].to(torch.int64)
+        candidates = torch.where(keep, candidates, torch.full_like(candidates, -1), out=o.live_candidates)
     o.cur.zero_()
     o.path.zero_()
     o.accepted.zero_()
@@ -94,3 +115,20 @@ def path_rows(out: AcceptBuffers) -> torch.Tensor:
     path's nodes; the bonus comes from the last one): SGLang's compute_spec_logprobs reads these (accept_index)."""
     bs, N, L = out.shape
     return out.path + torch.arange(bs, device=out.path.device)[:, None] * N
+
+
+def cut_stats(out: AcceptBuffers, scores: torch.Tensor) -> torch.Tensor:
+    """out.stats [bs, 2, C] for the walk in `out`: per request and budget b of out.budgets, [0] the drafted tokens
+    the walk accepted within the tree's first b nodes (the path's nodes are in increasing order, so that is what a
+    walk of the tree cut at b accepts: the target's tokens at the nodes it visits are the same), [1] the sum of
+    exp(score) over nodes 1..b (Proposition 1 of the DDTree paper: the drafter's expected accepted length of that
+    tree). What the auto budget (`kdtree.ddtree.budget`) learns from."""
+    bs, N, L = out.shape
+    o = out
+    on_path = (o.depth_index >= 1) & (o.depth_index <= o.accepted[:, None])  # [bs, L + 1]
+    within = (o.path[:, None, :] <= o.budgets[None, :, None]) & on_path[:, None, :]
+    o.stats[:, 0].copy_(within.sum(-1))
+    e = torch.where(o.node_index >= 1, scores.exp(), torch.zeros_like(scores))
+    upto = o.node_index[:, None, :] <= o.budgets[None, :, None]  # [bs, C, N]
+    o.stats[:, 1].copy_(torch.where(upto, e[:, None, :], torch.zeros((), dtype=e.dtype)).sum(-1))
+    return o.stats

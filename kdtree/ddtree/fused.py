@@ -22,7 +22,8 @@ most FUSED_MAX_CANDIDATES, a speed limit: at K = budget, budgets up to 32). `bui
 shape, and CPU tensors, to build_tree (torch ops, the same values).
 
 `walk_kernel` does `kdtree.ddtree.accept.follow_tree`, `window_permutation` and `path_rows` for one request per
-program and writes AcceptBuffers' path, accepted, bonus, out_tokens, perm and rows (every shape).
+program and writes AcceptBuffers' path, accepted, bonus, out_tokens, perm and rows (every shape); given DDTREE's cut
+(`live`) it walks only each request's first live[b] nodes, and given the tree's scores it writes `cut_stats` too.
 
 Both allocate nothing and read nothing back to the host: a call is one launch, capturable in a CUDA graph.
 """
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation
+from kdtree.ddtree.accept import AcceptBuffers, cut_stats, follow_tree, path_rows, window_permutation
 from kdtree.ddtree.tree import TreeBuffers, build_tree
 
 SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
@@ -354,16 +355,26 @@ def walk_kernel(
     out_tokens_ptr,  # [bs, L + 1]
     perm_ptr,  # [bs, N]
     rows_ptr,  # [bs, L + 1]
+    live_ptr,  # [>= bs] int32: request b's tree is its first live[b] nodes (HAS_LIVE)
+    scores_ptr,  # [bs, N] float32, the tree's scores (STATS)
+    budgets_ptr,  # [C] int64, the budgets the statistics are for (STATS)
+    stats_ptr,  # [bs, 2, C] float32: accepted and expected accepted at each budget (STATS)
     N: tl.constexpr,
     L: tl.constexpr,
     NP: tl.constexpr,
     LP: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    STATS: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, NP)
     nm = n < N
     par = tl.load(parents_ptr + b * N + n, mask=nm, other=-2)
     cand = tl.load(cands_ptr + b * N + n, mask=nm, other=-1)
+    if HAS_LIVE:  # nodes past the cut are not in the tree: unmatchable, as padding is
+        cand = tl.where(n < tl.load(live_ptr + b).to(tl.int64), cand, -1)
     j = tl.arange(0, LP)
     cur = tl.zeros([], dtype=tl.int64)
     alive = tl.full([], 1, tl.int1)
@@ -393,27 +404,54 @@ def walk_kernel(
     off = (pos < 0) & nm
     rest = tl.cumsum(off.to(tl.int64), 0) - off.to(tl.int64)  # off-path nodes before this one
     tl.store(perm_ptr + b * N + tl.where(off, accepted + 1 + rest, pos), n.to(tl.int64), mask=nm)
+    if STATS:  # cut_stats: the path's nodes within each budget, and the tree's sum of exp(score) there
+        c = tl.arange(0, CP)
+        budget = tl.load(budgets_ptr + c, mask=c < C, other=0)
+        on_path = (j >= 1) & (j <= accepted)
+        within = (path[None, :] <= budget[:, None]) & on_path[None, :]
+        acc_c = tl.sum(within.to(tl.float32), 1)
+        sc = tl.load(scores_ptr + b * N + n, mask=nm & (n >= 1), other=float("-inf"))
+        e = tl.exp(sc)
+        e_c = tl.sum(tl.where(n[None, :] <= budget[:, None], e[None, :], 0.0), 1)
+        tl.store(stats_ptr + b * 2 * C + c, acc_c, mask=c < C)
+        tl.store(stats_ptr + b * 2 * C + C + c, e_c, mask=c < C)
 
 
 def accept_walk(
-    parents: torch.Tensor, candidates: torch.Tensor, target: torch.Tensor, L: int, out: AcceptBuffers
+    parents: torch.Tensor,
+    candidates: torch.Tensor,
+    target: torch.Tensor,
+    L: int,
+    out: AcceptBuffers,
+    live: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> AcceptBuffers:
     """follow_tree, then out.perm = window_permutation and out.rows = path_rows: one launch on CUDA (or under
-    Triton's interpreter), the torch forms elsewhere."""
+    Triton's interpreter), the torch forms elsewhere. live (int32, at least bs entries): request b's tree is its
+    first live[b] nodes (DDTREE's cut). scores [bs, N]: also out.stats = cut_stats at out.budgets."""
     bs, N = parents.shape
     if out.shape != (bs, N, L):
         raise ValueError(f"AcceptBuffers are for (bs, N, L) = {out.shape}, the call is {(bs, N, L)}")
+    if live is not None and (live.dtype != torch.int32 or live.numel() < bs):
+        raise ValueError(
+            f"live must be int32 with at least bs={bs} entries (got {live.dtype}, {live.numel()})"
+        )
+    stats = scores is not None and out.budgets.numel() > 0
     if parents.is_cuda or _interpreting():
         parents, candidates, target = parents.contiguous(), candidates.contiguous(), target.contiguous()
-        o = out
+        o, C = out, out.budgets.numel()
         walk_kernel[(bs,)](
             parents, candidates, target, o.path, o.accepted, o.bonus, o.out_tokens, o.perm, o.rows,
-            N=N, L=L, NP=_p2(N), LP=_p2(L + 1), num_warps=NUM_WARPS,
+            live if live is not None else o.accepted, scores.contiguous() if stats else o.stats, o.budgets, o.stats,
+            N=N, L=L, NP=_p2(N), LP=_p2(L + 1), HAS_LIVE=live is not None, STATS=stats, C=max(C, 1),
+            CP=_p2(max(C, 1)), num_warps=NUM_WARPS,
         )  # fmt: skip
         return out
-    follow_tree(parents, candidates, target, L, out)
+    follow_tree(parents, candidates, target, L, out, live)
     out.perm.copy_(window_permutation(out))
     out.rows.copy_(path_rows(out))
+    if stats:
+        cut_stats(out, scores)
     return out
 
 

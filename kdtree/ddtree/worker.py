@@ -18,8 +18,12 @@ Everything else (pools, prefill, graphs, the drafter) is DFlashWorkerV2's. Impor
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.scheduler import GenerationBatchResult
@@ -45,9 +49,13 @@ from sglang.srt.speculative.draft_worker_common import (
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
+from kdtree.config import Mode
 from kdtree.ddtree.accept import AcceptBuffers
+from kdtree.ddtree.budget import BudgetPolicy, cut_budgets, measure_cut_cost
 from kdtree.ddtree.fused import accept_walk, build_draft_tree
 from kdtree.ddtree.tree import TreeBuffers
+
+log = logging.getLogger("kdtree.ddtree")
 
 
 class TreeOutputs:
@@ -60,6 +68,7 @@ class TreeOutputs:
         self.candidates = torch.zeros(rows, N, **i64)
         self.parents = torch.zeros(rows, N, **i64)
         self.depths = torch.zeros(rows, N, **i64)
+        self.scores = torch.zeros(rows, N, dtype=torch.float32, device=device)
         self.mask = torch.zeros(rows, N, N, dtype=torch.bool, device=device)
 
 
@@ -115,6 +124,7 @@ class TreeDraftSampler:
             (o.candidates, t.candidates),
             (o.parents, t.parents),
             (o.depths, t.depths),
+            (o.scores, t.scores),
             (o.mask, t.mask),
         ):
             mine[:bs].copy_(theirs)
@@ -146,6 +156,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._accept: dict[tuple[int, int], AcceptBuffers] = {}
         self._accept_slot = 0
         self._window_offsets = torch.arange(self.verify_width, dtype=torch.int64, device=self.device)
+        self._cut = BudgetCut.make(self) if self.budget > 4 else None  # KDTREE_DDTREE_BUDGET=auto, else None
 
     # -- the draft head ----------------------------------------------------------------------------------------
 
@@ -181,6 +192,8 @@ class DDTreeWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
             # prefill (prompt hidden states into the draft KV) and idle batches: DFlash's own
+            if self._cut is not None:
+                self._cut.policy.interrupt()
             return super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
@@ -202,6 +215,10 @@ class DDTreeWorker(DFlashWorkerV2):
             device=device,
         )
         host_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu
+        # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
+        # scheduler's reserved bound: an eager batch's mask buffer is sized from it, and the cut's cost from it
+        host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
+        live = self._cut.choose(bs, host_sum) if self._cut is not None else None
         translator = self.target_worker.model_runner.kv_index_translator
         verify_plan = translator.plan(
             req_pool_indices=batch.req_pool_indices,
@@ -273,9 +290,6 @@ class DDTreeWorker(DFlashWorkerV2):
 
         # 2. the verify of the tree's N tokens, mask into the backend's verify-mask buffer
         positions = (prefix[:, None] + depths).reshape(-1)
-        # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
-        # scheduler's reserved bound: an eager batch's mask buffer is sized from it
-        host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
         custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, host_sum)
         verify_input = DFlashVerifyInput(
             draft_token=tree_ids.reshape(-1),
@@ -321,8 +335,11 @@ class DDTreeWorker(DFlashWorkerV2):
         key, self._accept_slot = (bs, self._accept_slot), 1 - self._accept_slot
         acc = self._accept.get(key)
         if acc is None:
-            acc = self._accept[key] = AcceptBuffers(bs, N, L, device)
-        accept_walk(parents, cands, target, L, acc)
+            budgets = self._cut.policy.budgets if self._cut is not None else ()
+            acc = self._accept[key] = AcceptBuffers(bs, N, L, device, budgets)
+        accept_walk(parents, cands, target, L, acc, live, tree.scores[:bs] if live is not None else None)
+        if live is not None:
+            self._cut.record(acc, bs)
         if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
             compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=acc.rows)
         commit_lens = torch.add(acc.accepted, 1, out=acc.commit_lens)
@@ -414,3 +431,97 @@ def target_tokens(logits: torch.Tensor, sampling_info, bs: int, N: int, draft_in
     # a categorical sample without a host round trip: the argmax of p / Exp(1)
     noise = torch.empty_like(probs).exponential_()
     return torch.argmax(probs / noise, dim=-1).view(bs, N)
+
+
+class BudgetCut:
+    """KDTREE_DDTREE_BUDGET=auto in a DDTreeWorker: each step, `kdtree.ddtree.budget.BudgetPolicy`'s b written as b + 1
+    live tokens a request into kdtree's live-rows buffer (read by the verify's kernel in on, and by the walk), and the
+    walk's statistics brought to the host through two pinned slots, read when their copy is done (never waited on).
+
+    Under tensor parallelism every rank must verify and walk the same cut: rank 0's is broadcast in the stream."""
+
+    def __init__(self, policy: BudgetPolicy, live: torch.Tensor, override, tp_group, device):
+        self.policy, self.live, self.override, self.tp_group = policy, live, override, tp_group
+        C = len(policy.budgets)
+        self.summed = torch.zeros(2, C, dtype=torch.float32, device=device)
+        # (host copy, its event, (chosen b, bs) while a copy is in flight)
+        self.slots = [
+            [torch.zeros(2, C, dtype=torch.float32, pin_memory=True), torch.cuda.Event(), None]
+            for _ in (0, 1)
+        ]
+        self.turn = 0
+        self.last_b: int | None = None
+        self.steps = self.request_steps = 0
+        self.live_tokens = 0  # tokens a request verified, summed over steps and requests
+
+    @classmethod
+    def make(cls, worker) -> BudgetCut | None:
+        """None unless the setting is auto and kdtree's kernel is here (then: timed now, at start)."""
+        from kdtree.install import current_override
+
+        override = current_override()
+        # off: nothing of kdtree's runs, and a rank started in off never switches live (kdtree.state.mode_file)
+        if override is None or override.settings.ddtree_budget != "auto" or override.mode.mode is Mode.OFF:
+            return None
+        live = override.ddtree_live_rows(worker.device)
+        if live is None:
+            log.warning(
+                "DDTREE: KDTREE_DDTREE_BUDGET=auto needs kdtree's kernel, unavailable here: the whole tree"
+            )
+            return None
+        runner = worker.target_worker.model_runner
+        cfg = runner.model_config
+        group = get_dp_tp_group()  # the attention's tensor-parallel group (DDTREE refuses DP attention)
+        heads = cfg.num_attention_heads // group.world_size
+        layers = int(getattr(cfg, "num_attention_layers", None) or cfg.num_hidden_layers)
+        budgets = cut_budgets(worker.budget)
+        cost = measure_cut_cost(heads, worker.budget, budgets, layers, worker.device)
+        log.info(
+            "DDTREE auto budget: budgets %s, verify attention at 8k tokens of prefix (ms): %s",
+            budgets,
+            {b: round(cost.seconds(b, 8192) * 1e3, 3) for b in budgets},
+        )
+        cut = cls(BudgetPolicy(budgets, cost), live, override, group, worker.device)
+        override.reporters["ddtree_budget"] = cut.snapshot
+        return cut
+
+    def choose(self, bs: int, sum_prefix: int) -> torch.Tensor | None:
+        """This step's live tokens a request (the buffer, its first bs entries written), or None: a batch above the
+        buffer is verified whole."""
+        self._collect()
+        if bs > self.live.numel():
+            return None
+        b = self.policy.choose(time.perf_counter(), bs, sum_prefix, self.override.serving())
+        self.live[:bs].fill_(b + 1)
+        if self.tp_group is not None and self.tp_group.world_size > 1:
+            self.tp_group.broadcast(self.live[:bs], src=0)
+        self.last_b, self.steps, self.request_steps = b, self.steps + 1, self.request_steps + bs
+        self.live_tokens += bs * (b + 1)
+        return self.live
+
+    def record(self, acc: AcceptBuffers, bs: int) -> None:
+        """After the walk: the step's statistics into a free slot's pinned copy (none free: this step is not learnt)."""
+        slot = self.slots[self.turn]
+        if slot[2] is not None and not slot[1].query():
+            return
+        if slot[2] is not None:
+            self.policy.observe(slot[2][0], slot[2][1], *slot[0].tolist())
+        torch.sum(acc.stats[:bs], 0, out=self.summed)
+        slot[0].copy_(self.summed, non_blocking=True)
+        slot[1].record()
+        slot[2] = (self.last_b, bs)
+        self.turn = 1 - self.turn
+
+    def _collect(self) -> None:
+        for slot in self.slots:
+            if slot[2] is not None and slot[1].query():
+                self.policy.observe(slot[2][0], slot[2][1], *slot[0].tolist())
+                slot[2] = None
+
+    def snapshot(self) -> dict:
+        return {
+            "steps": self.steps,
+            "request_steps": self.request_steps,
+            "live_tokens": self.live_tokens,
+            **self.policy.snapshot(),
+        }

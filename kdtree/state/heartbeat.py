@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kdtree.config import ConfigError, Mode
 from kdtree.state.mode_file import read_desired_mode
-from kdtree.state.rank_records import Parity, RankRecord, new_record, write_record
+from kdtree.state.rank_records import DdtreeBudget, Parity, RankRecord, new_record, write_record
 
 log = logging.getLogger("kdtree")
 
@@ -97,6 +97,8 @@ class Heartbeat:
         if snap.get("parity"):
             rec.parity = Parity(**snap["parity"])
         rec.verify_inputs = snap.get("verify_inputs", {})
+        if snap.get("ddtree_budget"):
+            rec.ddtree_budget = DdtreeBudget(**snap["ddtree_budget"])
         rec.last_error = snap.get("last_error") or self.mode_file_error or self.write_error
         return rec
 

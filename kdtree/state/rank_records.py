@@ -38,6 +38,28 @@ class Parity(BaseModel):
     rtol: float = 0.0
 
 
+class DdtreeBudget(BaseModel):
+    """DDTREE's auto budget on this rank (kdtree.ddtree.budget; absent unless KDTREE_DDTREE_BUDGET=auto serves)."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+    budgets: list[int] = Field(default_factory=list)  # what it chooses among (the last: the captured budget)
+    steps: int = 0  # decode steps it chose a budget for
+    request_steps: int = 0  # those steps' requests, summed
+    live_tokens: int = 0  # tokens verified a request (budget + 1), summed over the same
+    steps_at: dict[str, int] = Field(default_factory=dict)  # budget -> steps
+    fixed_ms: float | None = (
+        None  # the step's time besides the verify's attention, as the policy estimates it
+    )
+    expected_accepted: dict[str, float | None] = Field(
+        default_factory=dict
+    )  # budget -> drafted tokens a request
+
+    @property
+    def mean_verify_tokens(self) -> float | None:
+        return self.live_tokens / self.request_steps if self.request_steps else None
+
+
 class RankRecord(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
@@ -65,6 +87,7 @@ class RankRecord(BaseModel):
     parity: Parity = Field(default_factory=Parity)
     # the first eager and the first captured verify call this rank handled, as metadata (kdtree.verify.describe_call)
     verify_inputs: dict[str, dict] = Field(default_factory=dict)
+    ddtree_budget: DdtreeBudget | None = None
     last_error: str | None = None
     # Times are finite: a NaN heartbeat would never look old.
     started_at: FiniteFloat = Field(default_factory=time.time)

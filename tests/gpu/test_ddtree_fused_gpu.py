@@ -137,3 +137,38 @@ def test_fused_stages_sync_never_and_replay_in_a_cuda_graph(bs, L, budget):
     del want_tree, want
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated
+
+
+@pytest.mark.parametrize(
+    "shape", [(4, 15, 32), (4, 15, 128), (1, 7, 256)], ids=lambda s: "bs{}-L{}-budget{}".format(*s)
+)
+def test_the_cut_walk_and_its_statistics_equal_the_torch_forms_and_replay_in_a_graph(shape):
+    """DDTREE's auto budget on CUDA: the walk of each request's first live[b] nodes and cut_stats, from one launch,
+    equal follow_tree with the same cut and the torch cut_stats; captured once, a replay reads new cuts."""
+    from kdtree.ddtree.accept import cut_stats
+    from kdtree.ddtree.budget import cut_budgets
+
+    bs, L, budget = shape
+    N, budgets = budget + 1, cut_budgets(budget)
+    g = torch.Generator(device="cuda").manual_seed(budget)
+    lp = torch.empty(bs, L, budget, device="cuda")
+    ids = torch.empty(bs, L, budget, dtype=torch.int64, device="cuda")
+    fill_inputs(g, lp, ids, "real")
+    tree = build_tree(lp, ids, torch.arange(bs, device="cuda") + 3, budget)
+    target = random_targets(g, tree, follow=0.95)
+    live = torch.zeros(bs, dtype=torch.int32, device="cuda")
+    got = AcceptBuffers(bs, N, L, "cuda", budgets)
+    graph, _, _ = capture_graph(
+        lambda: accept_walk(tree.parents, tree.candidates, target, L, got, live, tree.scores)
+    )
+    for cut in ([N] * bs, [5, 9, 17, 2][:bs], [1] * bs):
+        live.copy_(torch.tensor(cut, dtype=torch.int32))
+        graph.replay()
+        want = follow_tree(
+            tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, "cuda", budgets), live
+        )
+        for name in ("path", "accepted", "bonus", "out_tokens"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (cut, name)
+        assert torch.equal(got.perm, window_permutation(want))
+        assert torch.allclose(got.stats, cut_stats(want, tree.scores), rtol=1e-5), cut
+        assert (got.accepted <= torch.tensor(cut, device="cuda") - 1).all()

@@ -90,15 +90,24 @@ SPECS = {
         ServerSpec("ddtree-b8-eager-on", "DDTREE-B8", Mode.ON, extra_args=("--disable-cuda-graph",)),
         # the others run under SGLang's overlap scheduler (its default); this one synchronously
         ServerSpec("ddtree-b8-sync-on", "DDTREE-B8", Mode.ON, extra_args=("--disable-overlap-schedule",)),
-        # the oracle (kernel_build/bench/harness/ddtree_oracle.py): a bigram target, scripted draft ranks
+        # the oracle (kernel_build/bench/harness/ddtree_oracle.py): a bigram target, scripted draft ranks; the whole
+        # tree each step (KDTREE_DDTREE_BUDGET=fixed), so that the reference walk of that tree predicts acceptance
         ServerSpec(
             "ddtree-b8-oracle-on",
             "DDTREE-B8",
             Mode.ON,
-            env={"DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0", "DDTREE_SYNC_REPORT": "sync-report.json"},
+            env={"DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0", "KDTREE_DDTREE_BUDGET": "fixed"},
         ),
+        # auto (the default) in off: nothing of kdtree's runs, the whole tree is verified
         ServerSpec(
             "ddtree-b8-oracle-off", "DDTREE-B8", Mode.OFF, env={"DDTREE_ORACLE_RANKS": "0,0,1,0,0,2,0"}
+        ),
+        # auto in on: the cut each step (kdtree.ddtree.budget), every decode step watched for host synchronisations
+        ServerSpec(
+            "ddtree-b8-oracle-auto-on",
+            "DDTREE-B8",
+            Mode.ON,
+            env={"DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0", "DDTREE_SYNC_REPORT": "sync-report.json"},
         ),
         # the same target under DFlash's chain, its draft head scripted (rank 0 at depths 1-3, not at 4: 3 a step)
         ServerSpec("dflash-b8-oracle-on", "DFLASH-B8", Mode.ON, env={"DDTREE_ORACLE_RANKS": "0,0,0,1,0,0,0"}),
@@ -347,7 +356,34 @@ def test_ddtree_sampled_requests_accept_and_emit_what_the_target_samples(fleet, 
         )
 
 
-@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-on",)])
+@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-auto-on",)])
+def test_ddtree_auto_budget_is_lossless_serves_its_cut_and_reports_its_choices(fleet, servers):
+    """KDTREE_DDTREE_BUDGET=auto (the default) in on: each step verifies the tree's first b nodes, b among 4, 8 and
+    16 (the cap), kdtree's kernel computing only those tokens. Greedy and sampled outputs are the bigram's
+    continuation at captured and eager batch sizes (lossless whatever b), every verify is kdtree's, and the rank
+    record shows the steps at each budget and the tokens verified."""
+    server = fleet[servers[0]]
+    prompts = [[11, 22, 700 + 37 * i] for i in range(8)]
+    for sampling in ({}, {"temperature": 0.7, "top_p": 0.9}):
+        for batch in (prompts[:1], prompts[:3], prompts):
+            streams, accept = server.stream(batch, 33, **sampling)
+            for prompt, got in zip(batch, streams, strict=True):
+                assert got.token_ids == continuation(prompt[-1], 33, 8192), (sampling, prompt, got.token_ids)
+            assert all(1 <= a <= 8 + 1e-6 for a in accept), (
+                accept
+            )  # at most the 7 drafted depths and the bonus
+    served, _, original, fallbacks = verify_counts(server)
+    assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
+    d = server.record(0).ddtree_budget
+    assert d is not None, "no ddtree_budget in the rank record: auto did not start"
+    assert d.budgets == [4, 8, 16] and d.steps > 20, d
+    assert sum(d.steps_at.values()) == d.steps and d.request_steps >= d.steps, d
+    assert 5 <= d.mean_verify_tokens <= 17, d
+    assert d.fixed_ms is not None and d.fixed_ms > 0, d  # the policy timed steps: it chose, not only the cap
+    print(f"auto budget: {d.model_dump()}")
+
+
+@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-auto-on",)])
 def test_a_ddtree_decode_step_does_not_synchronise_with_the_host(fleet, servers):
     """Every decode step of DDTreeWorker (draft graph, tree, verify, walk, commit) under
     torch.cuda.set_sync_debug_mode("warn"), in the server process (kernel_build/bench/harness/ddtree_oracle.py

@@ -11,6 +11,7 @@ Where SGLang's compiled packages are absent, tests/gpu/conftest.py imports sglan
 from __future__ import annotations
 
 import contextlib
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -532,3 +533,71 @@ def test_fp8_pool_graph_serves_every_live_mode_without_recapture(
             assert torch.equal(s.kv.view(torch.uint8), pool_orig.view(torch.uint8)), mode
         snap = snapshot(torch, ov)
     assert snap["fallbacks"] == {} and snap["parity"]["calls_over_tol"] == 0, snap
+
+
+# ---- DDTREE's cut (its auto budget) ------------------------------------------------------------------------------
+
+
+def assert_cut(torch, got, full, live, n, heads):
+    """Request b's first live[b] tokens equal the whole verify's (within rounding: a cut may split its live row
+    tiles further); its other rows are zeros."""
+    rows = got.view(-1, n, heads * 512)
+    want = full.view(-1, n, heads * 512)
+    for b, keep in enumerate(live):
+        keep = min(keep, n)
+        if keep:
+            assert rel_l2(rows[b, :keep], want[b, :keep]) <= REL_L2_TOL, b
+        assert not rows[b, keep:].any(), b
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+def test_a_ddtree_verify_computes_its_cut_in_on_and_every_token_in_validate(
+    torch, installed, needs_kernel, monkeypatch, graphs
+):
+    """The live-rows buffer DDTREE's worker writes (VerifyOverride.ddtree_live_rows) is read by the on launch of a
+    verify whose spec algorithm is DDTREE (kdtree's own DDTreeSpec here), on the device: a graph captured once serves
+    every cut. Another algorithm's verify and validate's comparison compute every token."""
+    from kdtree.ddtree.spec import DDTreeSpec
+
+    heads, prefix_lens, n = 8, (37, 200, 5), 8
+    s = graph_setup(torch, heads, prefix_lens, n) if graphs else build(torch, heads, prefix_lens, n)
+    pool0 = s.kv.clone()
+    with own_override(installed, "on", monkeypatch) as override:
+        live = override.ddtree_live_rows(s.q.device)
+        assert live is not None and live.dtype == torch.int32
+        live[:3].copy_(
+            torch.tensor([3, 8, 1], dtype=torch.int32)
+        )  # written before it is used: not DDTREE's yet
+        # the fixture's spec algorithm (EAGLE's): every token; a graph set-up's metadata is the capture's, kept
+        full = (forward(s) if graphs else eager(s)).clone()
+        s.kv.copy_(pool0)
+        s.fb.spec_algorithm = DDTreeSpec("DDTREE", None)
+        cuts = ([3, 8, 1], [1, 5, 8], [0, 2, 100])  # 0: nothing; 100: clamped to the request's tokens
+        if graphs:
+            g, out = capture(torch, s, lambda: forward(s))
+        for cut in cuts:
+            live[:3].copy_(torch.tensor(cut, dtype=torch.int32))
+            s.kv.copy_(pool0)
+            if graphs:
+                g.replay()
+                got = out
+            else:
+                got = eager(s)
+            assert_cut(torch, got, full, cut, n, heads)
+        served = snapshot(torch, override)["served_kdtree"]
+        assert served == len(cuts) + (
+            1 if not graphs else 2
+        )  # graphs: the warm-up run before the capture too
+        assert override.serving()
+        override.mode.set("validate")
+        live[:3].copy_(torch.tensor([1, 1, 1], dtype=torch.int32))
+        s.kv.copy_(pool0)
+        if graphs:
+            g.replay()
+        else:
+            s.fb = copy.copy(s.fb)  # a new step: an eager call reads the mode once a step (forward batch)
+            got = eager(s)
+            assert rel_l2(got, full) <= REL_L2_TOL  # the original's, every token
+        parity = snapshot(torch, override)["parity"]
+        assert parity["calls_compared"] == 1 and parity["calls_over_tol"] == 0, parity
+        assert not override.serving()

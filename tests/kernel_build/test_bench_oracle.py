@@ -27,7 +27,14 @@ def test_each_server_runs_the_budget_its_name_says():
         32,
         64,
         128,
+        32,
+        128,
     ]
+    # fixed rows verify their whole tree, AUTO rows cut it (kdtree's setting), the chain has no such setting
+    assert bench_oracle.server_env("DDTREE-B16-T64") == {"KDTREE_DDTREE_BUDGET": "fixed"}
+    assert bench_oracle.server_env("DDTREE-B16-T128-AUTO") == {"KDTREE_DDTREE_BUDGET": "auto"}
+    assert bench_oracle.server_key("DDTREE-B16-T128-AUTO") == "DDTREE-B16-T128"
+    assert bench_oracle.server_env("DFLASH-B16") == {}
 
 
 def test_expected_accept_lengths_count_the_bonus_and_grow_with_the_tree():
@@ -35,7 +42,7 @@ def test_expected_accept_lengths_count_the_bonus_and_grow_with_the_tree():
     chain = bench_oracle.expected_accept_length("DFLASH-B16", paper)
     assert chain == pytest.approx(1 + ddtree_oracle.expected_chain_accepted(paper, 15))
     trees = [
-        bench_oracle.expected_accept_length(a, paper) for a in bench_oracle.DEFAULT_ALGORITHMS.split(",")[1:]
+        bench_oracle.expected_accept_length(a, paper) for a in bench_oracle.DEFAULT_ALGORITHMS.split(",")[1:5]
     ]
     assert chain <= trees[0] and trees == sorted(trees)
 
@@ -59,6 +66,21 @@ def test_a_row_is_ahead_or_behind_the_chain_only_beyond_the_chains_own_spread():
     assert rows["DDTREE-B16-T64"]["vs_chain"] == pytest.approx(95 / 105)
     table = bench_oracle.markdown(list(rows.values()), ["head"])
     assert "| paper | 2048 | 1 | DDTREE-B16-T16 | 120.0; 111.0-125.0 | 1.14x | ahead | 3.00 / " in table
+    assert table.splitlines()[5].endswith("| 17.0 |")  # T16 verifies 17 tokens a request
+
+
+def test_an_auto_row_reports_the_tokens_it_verified_and_the_caps_expected_accept_length():
+    rounds = {
+        "DFLASH-B16": [_round(100)],
+        "DDTREE-B16-T128-AUTO": [{**_round(130), "verified_tokens": 21.5}],
+    }
+    rows = {r["algorithm"]: r for r in bench_oracle.rows_of("paper", 2048, 1, rounds, 61)}
+    auto = rows["DDTREE-B16-T128-AUTO"]
+    assert auto["budget"] == 128 and auto["verified_tokens"] == 21.5
+    assert auto["expected_accept_length"] == bench_oracle.expected_accept_length(
+        "DDTREE-B16-T128", ddtree_oracle.PROFILES["paper"]
+    )
+    assert rows["DFLASH-B16"]["verified_tokens"] == 16
 
 
 def test_the_profile_file_is_replaced_whole_and_reads_back_as_the_profile(tmp_path):
@@ -68,7 +90,14 @@ def test_the_profile_file_is_replaced_whole_and_reads_back_as_the_profile(tmp_pa
     assert not list(tmp_path.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("arg", [["--algorithms", "DFLASH-B16,DDTREE-B8"], ["--profiles", "optimistic"]])
+@pytest.mark.parametrize(
+    "arg",
+    [
+        ["--algorithms", "DFLASH-B16,DDTREE-B8"],
+        ["--algorithms", "DFLASH-B16-AUTO"],
+        ["--profiles", "optimistic"],
+    ],
+)
 def test_an_unknown_server_or_profile_is_refused_before_anything_starts(arg):
     p = subprocess.run(
         [sys.executable, str(ROOT / "kernel_build/bench/benchmarks/bench_oracle.py"), *arg],
@@ -77,4 +106,6 @@ def test_an_unknown_server_or_profile_is_refused_before_anything_starts(arg):
         timeout=120,
     )
     assert p.returncode == 2
-    assert "unknown" in p.stderr and ("DDTREE-B8" in p.stderr or "optimistic" in p.stderr)
+    assert "unknown" in p.stderr and any(
+        x in p.stderr for x in ("DDTREE-B8", "DFLASH-B16-AUTO", "optimistic")
+    )

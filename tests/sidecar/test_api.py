@@ -125,5 +125,5 @@ def test_the_speculation_report_reads_the_probes_accept_length_and_the_ranks_tre
     rec.verify_inputs = {"eager": {"max_extend_len": 17, "batch": 8}, "captured": {"max_extend_len": 33}}
     assert rec.verify_tokens == 33
     sent = wire(status_document().model_dump())
-    assert sent["speculation"] == {"accept_length": None, "verify_tokens": None}
+    assert sent["speculation"] == {"accept_length": None, "verify_tokens": None, "mean_verify_tokens": None}
     assert sent["probe"]["accept_length"] is None

@@ -114,6 +114,29 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
     }
 
 
+def test_ddtree_auto_budget_counters_come_from_the_rank_record(tmp_path):
+    """A rank under KDTREE_DDTREE_BUDGET=auto writes its steps at each budget and the tokens it verified; the sidecar
+    exports them per rank (their ratio: tokens verified a request). A record without them exports none."""
+    from kdtree.state.rank_records import DdtreeBudget
+
+    record = new_record("on")
+    record.ddtree_budget = DdtreeBudget(
+        budgets=[4, 8, 16], steps=10, request_steps=30, live_tokens=270, steps_at={"8": 6, "16": 4}
+    )
+    write_record(tmp_path, record)
+    metrics = Metrics(expected_ranks=1)
+    metrics.rank_views = read_records(tmp_path)
+    got = samples(metrics)
+    assert got[("kdtree_rank_ddtree_steps_total", (("budget", "8"), ("rank", "0")))] == 6
+    assert got[("kdtree_rank_ddtree_steps_total", (("budget", "16"), ("rank", "0")))] == 4
+    assert got[("kdtree_rank_ddtree_verify_tokens_total", (("rank", "0"),))] == 270
+    assert got[("kdtree_rank_ddtree_request_steps_total", (("rank", "0"),))] == 30
+    assert read_records(tmp_path)[0].record.ddtree_budget.mean_verify_tokens == 9.0
+    write_record(tmp_path, new_record("on"))
+    metrics.rank_views = read_records(tmp_path)
+    assert not [k for k in samples(metrics) if k[0].startswith("kdtree_rank_ddtree")]
+
+
 def test_labelled_counters_start_at_zero_for_every_known_label(tmp_path):
     """So that increase() sees the first event: a series that appears at 1 has nothing to increase from."""
     got = samples(Metrics())

@@ -11,7 +11,7 @@ from kdtree.ddtree.reference import follow_verified_tree
 
 torch = pytest.importorskip("torch", reason="the fixed-shape walk needs torch (the server extra)")
 
-from kdtree.ddtree.accept import AcceptBuffers, follow_tree, window_permutation  # noqa: E402
+from kdtree.ddtree.accept import AcceptBuffers, cut_stats, follow_tree, window_permutation  # noqa: E402
 from kdtree.ddtree.tree import build_tree  # noqa: E402
 
 
@@ -119,3 +119,37 @@ def test_the_logprobs_sglang_computes_from_the_path_rows_are_those_of_the_emitte
             row = b * N + out.path[b, j].item()
             want = torch.log_softmax(logits[row], -1)[out.out_tokens[b, j]]
             assert torch.isclose(got[b, j], want), (b, j)
+
+
+@pytest.mark.parametrize("seed, bs, L, K, cap", [(0, 6, 7, 6, 24), (1, 8, 15, 4, 16), (2, 5, 3, 2, 40)])
+def test_the_cut_walks_the_tree_of_the_smaller_budget(seed, bs, L, K, cap):
+    """DDTREE's auto budget: the tree of budget b is the first b + 1 nodes of the tree of the cap (node for node, the
+    scores included), the walk of the cap's tree cut at b is the walk of the tree of b, and cut_stats of one walk at
+    the cap gives, for every b, the accepted length of the walk at b and the tree of b's sum of exp(score)."""
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(torch.randn(bs, L, K * 2, generator=g), -1)[..., :K]
+    lp, _ = torch.sort(lp, dim=-1, descending=True)
+    ids = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(bs * L)]).view(bs, L, K)
+    root = torch.arange(bs, dtype=torch.int64) + 100
+    full = build_tree(lp, ids, root, cap)
+    N = cap + 1
+    budgets = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < cap) + (cap,)
+    rng = random.Random(seed)
+    target = following_targets(full, L, seed, rng)
+    whole = follow_tree(full.parents, full.candidates, target, L, AcceptBuffers(bs, N, L, budgets=budgets))
+    stats = cut_stats(whole, full.scores)
+    assert len(set(whole.accepted.tolist())) > 1
+    for c, b in enumerate(budgets):
+        small = build_tree(lp[..., : min(K, b)], ids[..., : min(K, b)], root, b)
+        for name in ("candidates", "parents", "depths", "scores"):
+            assert torch.equal(getattr(small, name), getattr(full, name)[:, : b + 1]), (b, name)
+        live = torch.full((bs,), b + 1, dtype=torch.int32)
+        cut = follow_tree(full.parents, full.candidates, target, L, AcceptBuffers(bs, N, L), live)
+        alone = follow_tree(
+            small.parents, small.candidates, target[:, : b + 1], L, AcceptBuffers(bs, b + 1, L)
+        )
+        for name in ("accepted", "bonus", "path", "out_tokens"):
+            assert torch.equal(getattr(cut, name), getattr(alone, name)), (b, name)
+        assert stats[:, 0, c].tolist() == cut.accepted.float().tolist()
+        want_e = small.scores[:, 1:].exp().sum(-1)
+        assert torch.allclose(stats[:, 1, c], want_e, rtol=1e-6)

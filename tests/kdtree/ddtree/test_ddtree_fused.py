@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="the fused kernels need triton (the server 
 from test_ddtree_accept import following_targets, random_trees  # noqa: E402
 from test_ddtree_tree import assert_matches, random_lp  # noqa: E402
 
-from kdtree.ddtree.accept import AcceptBuffers, follow_tree, path_rows, window_permutation  # noqa: E402
+from kdtree.ddtree.accept import AcceptBuffers, cut_stats, follow_tree, path_rows, window_permutation  # noqa: E402
 from kdtree.ddtree.reference import build_ddtree_tree  # noqa: E402
 from kdtree.ddtree.tree import TreeBuffers, build_tree  # noqa: E402
 
@@ -157,6 +157,25 @@ def test_the_fused_walk_is_follow_tree_with_its_permutation_and_rows(fused, seed
     assert len(set(want.accepted.tolist())) > 1  # different accepted lengths
 
 
+@pytest.mark.parametrize("seed, bs, L, K, budget", [(1, 5, 7, 4, 16), (2, 3, 5, 8, 12)])
+def test_the_fused_cut_walk_and_its_statistics_are_the_torch_forms(fused, seed, bs, L, K, budget):
+    tree = random_trees(seed, bs, L, K, budget)
+    N, budgets = budget + 1, (4, 8, budget)
+    target = following_targets(tree, L, seed, random.Random(seed))
+    live = torch.tensor([1, 5, 9, N, 3][:bs], dtype=torch.int32)
+    want = follow_tree(
+        tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, budgets=budgets), live
+    )
+    cut_stats(want, tree.scores)
+    got = fused.accept_walk(
+        tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, budgets=budgets), live, tree.scores
+    )
+    for name in ("path", "accepted", "bonus", "out_tokens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.perm, window_permutation(want))
+    assert torch.allclose(got.stats, want.stats, rtol=1e-5)
+
+
 def test_the_fused_walk_leaving_at_the_root_accepts_nothing(fused):
     tree = random_trees(5, 2, 4, 3, 8)
     target = torch.full((2, 9), 49, dtype=torch.int64)
@@ -195,5 +214,7 @@ def test_both_kernels_compile_for_an_h200_without_one():
         lp_ptr="*fp32", root_stride="i32", beam_score_ptr="*fp32", scores_ptr="*fp32", mask_ptr="*i1"
     )
     assert "ptx" in compile_for_sm90(fused.tree_kernel, tree, floats).asm
-    walk = dict(N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1))
-    assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, {}).asm
+    for cut in (False, True):  # the plain walk, and DDTREE's auto budget's (its cut and its statistics)
+        walk = dict(N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1), HAS_LIVE=cut, STATS=cut, C=3, CP=4)
+        types = dict(live_ptr="*i32", scores_ptr="*fp32", stats_ptr="*fp32")
+        assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, types).asm
