@@ -17,7 +17,11 @@ For each profile, prompt length and batch: the batch's prompts once into every s
 round, then --repeats timed rounds interleaved over the servers (chain, T16, T32, ...), each decoding --max-tokens
 tokens per request (ignore_eos, greedy, streamed). Columns: decode tokens/s (median; min-max), the ratio to the
 chain's median, whether the row beats or trails the chain beyond noise (its median above the chain's fastest round,
-or below its slowest), and the accept length (tokens a step, bonus included) measured and expected.
+or below its slowest), the accept length (tokens a step, bonus included) measured and expected (under auto: the
+cap's), and the tokens verified a request (under auto: the mean of the budget + 1 it chose, from the rank record).
+
+`DDTREE-...-AUTO` runs kdtree's auto budget (KDTREE_DDTREE_BUDGET=auto, kdtree/ddtree/budget.py) with that key's
+budget as the cap; every other DDTREE row runs KDTREE_DDTREE_BUDGET=fixed, its whole tree each step.
 
     bash kernel_build/bench/device_run.sh oracle                    # on the GPU machine, into $OUT/oracle.md + .json
     python3 kernel_build/bench/benchmarks/bench_oracle.py --out oracle.md --prompts 2048 --batches 1
@@ -51,24 +55,39 @@ from tiny_model import config, prompt_of, write_model  # noqa: E402
 from kdtree.config import Mode  # noqa: E402
 
 CHAIN = "DFLASH-B16"
-DEFAULT_ALGORITHMS = f"{CHAIN},DDTREE-B16-T16,DDTREE-B16,DDTREE-B16-T64,DDTREE-B16-T128"
+AUTO = "-AUTO"  # a DDTREE key with this suffix runs KDTREE_DDTREE_BUDGET=auto at that key's budget (the cap)
+DEFAULT_ALGORITHMS = (
+    f"{CHAIN},DDTREE-B16-T16,DDTREE-B16,DDTREE-B16-T64,DDTREE-B16-T128,DDTREE-B16{AUTO},DDTREE-B16-T128{AUTO}"
+)
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def server_key(algo: str) -> str:
+    """The real_server.SPECULATIVE key an algorithm runs (its name without AUTO)."""
+    return algo.removesuffix(AUTO)
+
+
+def server_env(algo: str) -> dict:
+    """DDTREE at a fixed budget verifies its whole tree; with AUTO, kdtree's auto budget cuts it each step."""
+    if not algo.startswith("DDTREE"):
+        return {}
+    return {"KDTREE_DDTREE_BUDGET": "auto" if algo.endswith(AUTO) else "fixed"}
+
+
 def tree_budget(algo: str) -> int | None:
-    """The tree's node budget of a DDTREE algorithm key (N - 1), None for a chain."""
+    """The tree's node budget of a DDTREE algorithm key (N - 1; under AUTO the cap), None for a chain."""
     if not algo.startswith("DDTREE"):
         return None
-    args = SPECULATIVE[algo]
+    args = SPECULATIVE[server_key(algo)]
     return int(args[args.index("--speculative-num-draft-tokens") + 1]) - 1
 
 
 def expected_accept_length(algo: str, profile: tuple[float, ...]) -> float:
     """Tokens a step (the bonus included) the profile gives this algorithm on average."""
-    L = DFLASH_BLOCK[algo] - 1
+    L = DFLASH_BLOCK[server_key(algo)] - 1
     budget = tree_budget(algo)
     if budget is None:
         return 1 + expected_chain_accepted(profile, L)
@@ -88,12 +107,24 @@ def measure(
         s.complete(prompts, 2)
         timed_round(s, prompts, max_tokens)
     rounds: dict[str, list] = {a: [] for a in servers}
+    before = {a: _verified(s) for a, s in servers.items()}
     for _ in range(repeats):  # interleaved, so that a slow spell of the machine falls on every server
         for algo, s in servers.items():
             r = timed_round(s, prompts, max_tokens)
             r.pop("token_ids")
             rounds[algo].append(r)
+    for algo, s in servers.items():  # auto: the tokens it verified a request over the timed rounds
+        (t0, n0), (t1, n1) = before[algo], _verified(s)
+        if n1 > n0:
+            for r in rounds[algo]:
+                r["verified_tokens"] = (t1 - t0) / (n1 - n0)
     return rounds
+
+
+def _verified(server: RealServer) -> tuple[int, int]:
+    """(tokens verified a request summed, request steps) of DDTREE's auto budget on rank 0, (0, 0) without."""
+    d = server.record(0).ddtree_budget
+    return (d.live_tokens, d.request_steps) if d is not None else (0, 0)
 
 
 def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> list[dict]:
@@ -105,7 +136,8 @@ def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> 
         r = {"layers": layers, "profile": profile_name, "prompt": plen, "batch": batch, "algorithm": algo,
              "budget": tree_budget(algo), "tokens_per_s": tps, "median": statistics.median(tps),
              "accept_length": statistics.mean(x["accept_length"] for x in rs),
-             "expected_accept_length": expected_accept_length(algo, profile)}  # fmt: skip
+             "expected_accept_length": expected_accept_length(algo, profile),
+             "verified_tokens": rs[0].get("verified_tokens", (tree_budget(algo) or 15) + 1)}  # fmt: skip
         if chain:
             r["vs_chain"] = r["median"] / statistics.median(chain)
             r["beyond_noise"] = (
@@ -119,15 +151,16 @@ def markdown(rows: list[dict], head: list[str]) -> str:
     lines = head + [
         "",
         "| profile | prompt | batch | algorithm | decode tokens/s (median; min-max) | / chain | vs chain beyond noise "
-        "| accept length (measured / expected) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| accept length (measured / expected) | tokens verified a request |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tps = r["tokens_per_s"]
         lines.append(
             f"| {r['profile']} | {r['prompt']} | {r['batch']} | {r['algorithm']} | {r['median']:.1f}; "
             f"{min(tps):.1f}-{max(tps):.1f} | {r.get('vs_chain', float('nan')):.2f}x | "
-            f"{r.get('beyond_noise', '-')} | {r['accept_length']:.2f} / {r['expected_accept_length']:.2f} |"
+            f"{r.get('beyond_noise', '-')} | {r['accept_length']:.2f} / {r['expected_accept_length']:.2f} | "
+            f"{r['verified_tokens']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -153,9 +186,11 @@ def main() -> int:
     args = ap.parse_args()
     algos = [a.strip().upper() for a in args.algorithms.split(",") if a.strip()]
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
-    wrong = [a for a in algos if a not in DFLASH_BLOCK or DFLASH_BLOCK[a] != 16] + [
-        p for p in profiles if p not in PROFILES
-    ]
+    wrong = [
+        a
+        for a in algos
+        if DFLASH_BLOCK.get(server_key(a)) != 16 or (a.endswith(AUTO) and not a.startswith("DDTREE"))
+    ] + [p for p in profiles if p not in PROFILES]
     if wrong:
         print(f"bench_oracle: unknown {wrong}: algorithms are DFlash-drafted keys of block 16 of real_server.SPECULATIVE "
               f"({[a for a, b in DFLASH_BLOCK.items() if b == 16]}), profiles {list(PROFILES)}", file=sys.stderr)  # fmt: skip
@@ -175,8 +210,9 @@ def main() -> int:
     servers: dict[str, RealServer] = {}
     for algo in algos:
         # --sleep-on-idle: the servers not being measured must not busy-poll the CPUs the measured one needs
-        spec = ServerSpec(f"oracle-{algo.lower()}", algo, Mode.ON, layers=args.layers, max_total_tokens=tokens,
-                          extra_args=("--sleep-on-idle",), env={PROFILE_ENV: str(profile_file)})  # fmt: skip
+        spec = ServerSpec(f"oracle-{algo.lower()}", server_key(algo), Mode.ON, layers=args.layers,
+                          max_total_tokens=tokens, extra_args=("--sleep-on-idle",),
+                          env={PROFILE_ENV: str(profile_file), **server_env(algo)})  # fmt: skip
         servers[algo] = RealServer(spec, root / spec.name, model).start()
     props = torch.cuda.get_device_properties(0)
     cfg = config(layers=args.layers)
@@ -227,7 +263,7 @@ def main() -> int:
         for s in live.values():
             rec = s.record(0)
             print(f"{s.spec.name}: served_kdtree {rec.served_kdtree}, served_original {rec.served_original}, "
-                  f"fallbacks {rec.fallbacks}", flush=True)  # fmt: skip
+                  f"fallbacks {rec.fallbacks}, auto budget {rec.ddtree_budget}", flush=True)  # fmt: skip
     finally:
         for s in servers.values():
             s.stop(timeout=30)
