@@ -48,12 +48,10 @@ class DdtreeBudget(BaseModel):
     request_steps: int = 0  # those steps' requests, summed
     live_tokens: int = 0  # tokens verified a request (budget + 1), summed over the same
     steps_at: dict[str, int] = Field(default_factory=dict)  # budget -> steps
-    fixed_ms: float | None = (
-        None  # the step's time besides the verify's attention, as the policy estimates it
-    )
-    expected_accepted: dict[str, float | None] = Field(
-        default_factory=dict
-    )  # budget -> drafted tokens a request
+    # the step's time besides the verify's attention, as the policy estimates it
+    fixed_ms: float | None = None
+    # budget -> drafted tokens a request is expected to accept there
+    expected_accepted: dict[str, float | None] = Field(default_factory=dict)
 
     @property
     def mean_verify_tokens(self) -> float | None:
