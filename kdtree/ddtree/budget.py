@@ -9,17 +9,17 @@ MoE, lm_head and the drafter run at N rows whatever b is, and the captured budge
 
 The choice, made on the host before each step from what earlier steps left in pinned memory (never waiting on the
 device): b = argmax over the budgets of tokens(b) / seconds(b), ties to the larger b.
-- tokens(b) = bs * (1 + rho(b) * E(b)): E(b) is the tree's sum of exp(score) over its first b nodes (the drafter's
-  expected accepted length of that tree: Proposition 1 of the DDTree paper), averaged over requests and steps; rho(b)
-  the accepted length observed at b over the E(b) of the same steps (the drafter's calibration). A walk of the tree cut
-  at b' <= b accepts exactly the path's nodes within the first b' (the target's tokens at the visited nodes do not
-  change), so one step at b observes every budget up to b; above the largest observed, rho is the largest observed b's.
-  Every `probe_every` steps the cap is verified whole, so the larger budgets are observed again.
+- tokens(b) = bs * (1 + rho * E(b)): E(b) is the tree's sum of exp(score) over its first b nodes (the drafter's
+  expected accepted length of that tree: Proposition 1 of the DDTree paper), averaged over requests and steps; rho the
+  drafter's calibration, the drafted tokens accepted over the E of the budget verified, averaged over the same steps.
+  Every step observes E at every budget and rho at the one it verified, so no budget's estimate goes stale while
+  another is chosen. One rho for every budget, not one a budget: a budget's own ratio is observed only when it or a
+  larger one is verified, and the noise of a few steps' acceptance (a geometric count) then decides the choice.
 - seconds(b) = F + the verify attention's time at b for the batch's prefixes: `VerifyCost`, kdtree's kernel timed at
   start (`measure_cut_cost`), and F, the rest of a step, an average of the host's interval between steps minus the
   attention's time at the b and prefixes of the step before.
-Until F has a sample, and whenever kdtree does not compute the verify (modes other than on: SGLang's kernel computes
-every row, so a cut saves nothing), every b costs the same and the cap wins.
+Until F and rho have a sample, and whenever kdtree does not compute the verify (modes other than on: SGLang's kernel
+computes every row, so a cut saves nothing), every b costs the same and the cap wins.
 
 The policy is plain Python on host numbers (this module imports torch only in `measure_cut_cost`), tested on the CPU.
 """
@@ -53,15 +53,6 @@ class VerifyCost:
         return self.layers * (self.fixed[b] + self.per_key[b] * sum_prefix)
 
 
-@dataclass
-class _Slot:
-    """Exponential averages of one budget's per-request numbers."""
-
-    expected: float | None = None  # E(b), every step
-    accepted: float | None = None  # accepted within b, steps that observed b
-    expected_seen: float | None = None  # E(b) of those same steps
-
-
 def _ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 
@@ -73,17 +64,17 @@ class BudgetPolicy:
     budgets: Sequence[int]
     cost: VerifyCost | None
     weight: float = 0.2  # of a new sample in each average
-    probe_every: int = 64  # steps between two whole-cap verifies
     max_gap_s: float = (
         1.0  # a longer interval between two steps is not a step's time (idle, a prefill between)
     )
     chosen: Counter = field(default_factory=Counter)  # steps at each budget
     fixed_s: float | None = None  # F
-    _slots: dict[int, _Slot] = field(default_factory=dict)
+    _expected: dict[int, float] = field(default_factory=dict)  # E(b) a request
+    _accepted: float | None = None  # drafted tokens a request accepted, at the budget verified
+    _expected_verified: float | None = None  # E of the budget verified, the same steps
     _last: tuple[float, int, int, bool] | None = (
         None  # (time, b, sum of prefixes, kdtree served) of the last choice
     )
-    _steps: int = 0
 
     def __post_init__(self):
         self.budgets = tuple(sorted(self.budgets))
@@ -91,7 +82,6 @@ class BudgetPolicy:
             raise ValueError(f"budgets must be positive (got {self.budgets})")
         if self.cost is not None and any(b not in self.cost.fixed for b in self.budgets):
             raise ValueError(f"the cost model has no time for some of the budgets {self.budgets}")
-        self._slots = {b: _Slot() for b in self.budgets}
 
     @property
     def cap(self) -> int:
@@ -105,8 +95,7 @@ class BudgetPolicy:
         """The budget for a decode step of bs requests whose prefixes sum to sum_prefix, at host time `now` (seconds);
         serving: kdtree computes this step's verify (mode on)."""
         self._learn_fixed(now)
-        self._steps += 1
-        b = self._best(bs, sum_prefix) if serving and self._steps % self.probe_every else self.cap
+        b = self._best(bs, sum_prefix) if serving else self.cap
         self._last = (now, b, sum_prefix, serving)
         self.chosen[b] += 1
         return b
@@ -121,28 +110,18 @@ class BudgetPolicy:
             self.fixed_s = _ema(self.fixed_s, sample, self.weight)
 
     def expected_accepted(self, b: int) -> float | None:
-        """Drafted tokens a request is expected to accept at b (rho(b) * E(b)); None before any statistics."""
-        slot = self._slots[b]
-        if slot.expected is None:
+        """Drafted tokens a request is expected to accept at b (rho * E(b)); None before any statistics."""
+        if b not in self._expected or self._accepted is None:
             return None
-        rho = 1.0
-        for c in self.budgets:  # the calibration of the largest observed budget up to b
-            s = self._slots[c]
-            if c > b:
-                break
-            if s.accepted is not None and s.expected_seen:
-                rho = s.accepted / s.expected_seen
-        return rho * slot.expected
+        rho = self._accepted / self._expected_verified if self._expected_verified else 1.0
+        return rho * self._expected[b]
 
     def _best(self, bs: int, sum_prefix: int) -> int:
-        if self.cost is None or self.fixed_s is None:
+        if self.cost is None or self.fixed_s is None or self._accepted is None:
             return self.cap
         best, best_rate = self.cap, -math.inf
         for b in self.budgets:  # ascending, >= keeps the larger of equal rates
-            accepted = self.expected_accepted(b)
-            if accepted is None:
-                return self.cap
-            rate = bs * (1.0 + accepted) / (self.fixed_s + self.cost.seconds(b, sum_prefix))
+            rate = bs * (1.0 + self.expected_accepted(b)) / (self.fixed_s + self.cost.seconds(b, sum_prefix))
             if rate >= best_rate:
                 best, best_rate = b, rate
         return best
@@ -153,11 +132,10 @@ class BudgetPolicy:
         if bs < 1:
             return
         for b, a, e in zip(self.budgets, accepted, expected, strict=True):
-            slot = self._slots[b]
-            slot.expected = _ema(slot.expected, e / bs, self.weight)
-            if b <= chosen:
-                slot.accepted = _ema(slot.accepted, a / bs, self.weight)
-                slot.expected_seen = _ema(slot.expected_seen, e / bs, self.weight)
+            self._expected[b] = _ema(self._expected.get(b), e / bs, self.weight)
+            if b == chosen:
+                self._accepted = _ema(self._accepted, a / bs, self.weight)
+                self._expected_verified = _ema(self._expected_verified, e / bs, self.weight)
 
     def snapshot(self) -> dict:
         """What the rank record shows of the policy."""

@@ -501,11 +501,10 @@ class BudgetCut:
 
     def record(self, acc: AcceptBuffers, bs: int) -> None:
         """After the walk: the step's statistics into a free slot's pinned copy (none free: this step is not learnt)."""
+        self._collect()
         slot = self.slots[self.turn]
-        if slot[2] is not None and not slot[1].query():
+        if slot[2] is not None:  # its copy is still in flight
             return
-        if slot[2] is not None:
-            self.policy.observe(slot[2][0], slot[2][1], *slot[0].tolist())
         torch.sum(acc.stats[:bs], 0, out=self.summed)
         slot[0].copy_(self.summed, non_blocking=True)
         slot[1].record()

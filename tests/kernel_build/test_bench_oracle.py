@@ -66,21 +66,39 @@ def test_a_row_is_ahead_or_behind_the_chain_only_beyond_the_chains_own_spread():
     assert rows["DDTREE-B16-T64"]["vs_chain"] == pytest.approx(95 / 105)
     table = bench_oracle.markdown(list(rows.values()), ["head"])
     assert "| paper | 2048 | 1 | DDTREE-B16-T16 | 120.0; 111.0-125.0 | 1.14x | ahead | 3.00 / " in table
-    assert table.splitlines()[5].endswith("| 17.0 |")  # T16 verifies 17 tokens a request
+    assert table.splitlines()[5].endswith("| 17.0 | 25.00 |")  # T16: 17 tokens a request, 3 a step at 120 a s
 
 
 def test_an_auto_row_reports_the_tokens_it_verified_and_the_caps_expected_accept_length():
+    from kdtree.state.rank_records import DdtreeBudget
+
+    before = DdtreeBudget(
+        budgets=[4, 128], steps=10, request_steps=10, live_tokens=1290, steps_at={"128": 10}
+    )
+    after = DdtreeBudget(
+        budgets=[4, 128], steps=30, request_steps=30, live_tokens=1290 + 15 * 5 + 5 * 129,
+        steps_at={"4": 15, "128": 15}, fixed_ms=9.5, expected_accepted={"4": 1.2, "128": 2.9},
+    )  # fmt: skip
+    choices = bench_oracle.auto_choices(before, after)
+    assert choices["verified_tokens"] == (15 * 5 + 5 * 129) / 20
+    assert choices["steps_at"] == {"4": 15, "128": 5}  # the timed rounds' steps, not the server's whole life
+    assert bench_oracle.auto_choices(None, None) is None and bench_oracle.auto_choices(after, after) is None
     rounds = {
         "DFLASH-B16": [_round(100)],
-        "DDTREE-B16-T128-AUTO": [{**_round(130), "verified_tokens": 21.5}],
+        "DDTREE-B16-T128-AUTO": [{**_round(130, accept=2.6), "auto": choices}],
     }
     rows = {r["algorithm"]: r for r in bench_oracle.rows_of("paper", 2048, 1, rounds, 61)}
     auto = rows["DDTREE-B16-T128-AUTO"]
-    assert auto["budget"] == 128 and auto["verified_tokens"] == 21.5
+    assert auto["budget"] == 128 and auto["verified_tokens"] == 36.0 and auto["auto"]["fixed_ms"] == 9.5
     assert auto["expected_accept_length"] == bench_oracle.expected_accept_length(
         "DDTREE-B16-T128", ddtree_oracle.PROFILES["paper"]
     )
-    assert rows["DFLASH-B16"]["verified_tokens"] == 16
+    assert auto["step_ms"] == pytest.approx(20.0)  # 2.6 tokens a step at 130 tokens a second
+    assert rows["DFLASH-B16"]["verified_tokens"] == 16 and rows["DFLASH-B16"]["auto"] is None
+    assert rows["DFLASH-B16"]["step_ms"] == pytest.approx(30.0)
+    # at batch 4, a request's tokens a second are a quarter of the batch's
+    batch4 = bench_oracle.rows_of("paper", 2048, 4, {"DFLASH-B16": [_round(400)]}, 61)[0]
+    assert batch4["step_ms"] == pytest.approx(30.0)
 
 
 def test_the_profile_file_is_replaced_whole_and_reads_back_as_the_profile(tmp_path):

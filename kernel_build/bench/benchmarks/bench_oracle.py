@@ -13,12 +13,14 @@ nodes 9.1: the mean acceptance lengths the DDTree paper reports for DFlash and D
 accepts 1.5). One server per algorithm serves both: the profile file is rewritten between rows and each server reads
 it again on its next step (the first round of a row is not timed).
 
-For each profile, prompt length and batch: the batch's prompts once into every server's prefix cache, one untimed
+For each prompt length, batch and profile: the batch's prompts once into every server's prefix cache, one untimed
 round, then --repeats timed rounds interleaved over the servers (chain, T16, T32, ...), each decoding --max-tokens
 tokens per request (ignore_eos, greedy, streamed). Columns: decode tokens/s (median; min-max), the ratio to the
 chain's median, whether the row beats or trails the chain beyond noise (its median above the chain's fastest round,
 or below its slowest), the accept length (tokens a step, bonus included) measured and expected (under auto: the
-cap's), and the tokens verified a request (under auto: the mean of the budget + 1 it chose, from the rank record).
+cap's), the tokens verified a request (under auto: the mean of the budget + 1 it chose, from the rank record), and a
+step's wall time (the accept length over a request's share of the median round's tokens/s). Under auto the .json
+also keeps, a row, the steps at each budget and the policy's estimates (F, expected acceptance a budget).
 
 `DDTREE-...-AUTO` runs kdtree's auto budget (KDTREE_DDTREE_BUDGET=auto, kdtree/ddtree/budget.py) with that key's
 budget as the cap; every other DDTREE row runs KDTREE_DDTREE_BUDGET=fixed, its whole tree each step.
@@ -55,6 +57,7 @@ from tiny_model import config, prompt_of, write_model  # noqa: E402
 from kdtree.config import Mode  # noqa: E402
 
 CHAIN = "DFLASH-B16"
+HEARTBEAT_S = 0.5  # the servers' KDTREE_HEARTBEAT_S: a row's auto choices are read from rank 0's record
 AUTO = "-AUTO"  # a DDTREE key with this suffix runs KDTREE_DDTREE_BUDGET=auto at that key's budget (the cap)
 DEFAULT_ALGORITHMS = (
     f"{CHAIN},DDTREE-B16-T16,DDTREE-B16,DDTREE-B16-T64,DDTREE-B16-T128,DDTREE-B16{AUTO},DDTREE-B16-T128{AUTO}"
@@ -107,24 +110,32 @@ def measure(
         s.complete(prompts, 2)
         timed_round(s, prompts, max_tokens)
     rounds: dict[str, list] = {a: [] for a in servers}
-    before = {a: _verified(s) for a, s in servers.items()}
+    time.sleep(2 * HEARTBEAT_S)  # the records are the ranks' as of now
+    before = {a: s.record(0).ddtree_budget for a, s in servers.items()}
     for _ in range(repeats):  # interleaved, so that a slow spell of the machine falls on every server
         for algo, s in servers.items():
             r = timed_round(s, prompts, max_tokens)
             r.pop("token_ids")
             rounds[algo].append(r)
-    for algo, s in servers.items():  # auto: the tokens it verified a request over the timed rounds
-        (t0, n0), (t1, n1) = before[algo], _verified(s)
-        if n1 > n0:
-            for r in rounds[algo]:
-                r["verified_tokens"] = (t1 - t0) / (n1 - n0)
+    time.sleep(2 * HEARTBEAT_S)
+    for algo, s in servers.items():  # auto: what it chose over the timed rounds
+        rounds[algo][0]["auto"] = auto_choices(before[algo], s.record(0).ddtree_budget)
     return rounds
 
 
-def _verified(server: RealServer) -> tuple[int, int]:
-    """(tokens verified a request summed, request steps) of DDTREE's auto budget on rank 0, (0, 0) without."""
-    d = server.record(0).ddtree_budget
-    return (d.live_tokens, d.request_steps) if d is not None else (0, 0)
+def auto_choices(before, after) -> dict | None:
+    """What DDTREE's auto budget did between two of rank 0's records (None without it): the tokens it verified a
+    request, the steps at each budget, and the policy's estimates at the end (F, expected acceptance a budget)."""
+    if before is None or after is None or after.request_steps <= before.request_steps:
+        return None
+    steps = {b: n - before.steps_at.get(b, 0) for b, n in after.steps_at.items()}
+    return {
+        "verified_tokens": (after.live_tokens - before.live_tokens)
+        / (after.request_steps - before.request_steps),
+        "steps_at": {b: n for b, n in steps.items() if n},
+        "fixed_ms": after.fixed_ms,
+        "expected_accepted": after.expected_accepted,
+    }
 
 
 def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> list[dict]:
@@ -137,7 +148,10 @@ def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> 
              "budget": tree_budget(algo), "tokens_per_s": tps, "median": statistics.median(tps),
              "accept_length": statistics.mean(x["accept_length"] for x in rs),
              "expected_accept_length": expected_accept_length(algo, profile),
-             "verified_tokens": rs[0].get("verified_tokens", (tree_budget(algo) or 15) + 1)}  # fmt: skip
+             "verified_tokens": (rs[0].get("auto") or {}).get("verified_tokens", (tree_budget(algo) or 15) + 1),
+             "auto": rs[0].get("auto")}  # fmt: skip
+        # a step's wall time: a request's tokens a step over its tokens a second (the batch's, of the median round)
+        r["step_ms"] = 1e3 * r["accept_length"] * batch / r["median"]
         if chain:
             r["vs_chain"] = r["median"] / statistics.median(chain)
             r["beyond_noise"] = (
@@ -151,8 +165,8 @@ def markdown(rows: list[dict], head: list[str]) -> str:
     lines = head + [
         "",
         "| profile | prompt | batch | algorithm | decode tokens/s (median; min-max) | / chain | vs chain beyond noise "
-        "| accept length (measured / expected) | tokens verified a request |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| accept length (measured / expected) | tokens verified a request | step (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tps = r["tokens_per_s"]
@@ -160,7 +174,7 @@ def markdown(rows: list[dict], head: list[str]) -> str:
             f"| {r['profile']} | {r['prompt']} | {r['batch']} | {r['algorithm']} | {r['median']:.1f}; "
             f"{min(tps):.1f}-{max(tps):.1f} | {r.get('vs_chain', float('nan')):.2f}x | "
             f"{r.get('beyond_noise', '-')} | {r['accept_length']:.2f} / {r['expected_accept_length']:.2f} | "
-            f"{r['verified_tokens']:.1f} |"
+            f"{r['verified_tokens']:.1f} | {r['step_ms']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -209,10 +223,12 @@ def main() -> int:
     model = write_model(root / f"model-{args.layers}l", layers=args.layers, nextn=True)
     servers: dict[str, RealServer] = {}
     for algo in algos:
-        # --sleep-on-idle: the servers not being measured must not busy-poll the CPUs the measured one needs
+        # --sleep-on-idle: the servers not being measured must not busy-poll the CPUs the measured one needs;
+        # mem_fraction 0.85: every server holds a pool of a batch of the longest prompts on the one GPU
         spec = ServerSpec(f"oracle-{algo.lower()}", server_key(algo), Mode.ON, layers=args.layers,
-                          max_total_tokens=tokens, extra_args=("--sleep-on-idle",),
-                          env={PROFILE_ENV: str(profile_file), **server_env(algo)})  # fmt: skip
+                          max_total_tokens=tokens, extra_args=("--sleep-on-idle",), mem_fraction=0.85,
+                          env={PROFILE_ENV: str(profile_file), "KDTREE_HEARTBEAT_S": str(HEARTBEAT_S),
+                               **server_env(algo)})  # fmt: skip
         servers[algo] = RealServer(spec, root / spec.name, model).start()
     props = torch.cuda.get_device_properties(0)
     cfg = config(layers=args.layers)
@@ -240,10 +256,10 @@ def main() -> int:
                 failed[s.spec.name] = str(e).splitlines()[0]
         live = {a: s for a, s in servers.items() if s.spec.name not in failed}
         print(f"{len(live)} servers ready after {time.monotonic() - t0:.0f} s", flush=True)
-        for name in profiles:
-            write_profile(profile_file, PROFILES[name])
-            for plen in args.prompts:
-                for batch in args.batches:
+        for plen in args.prompts:  # profiles innermost: the second profile's prompts are in the prefix cache
+            for batch in args.batches:
+                for name in profiles:
+                    write_profile(profile_file, PROFILES[name])
                     where = f"profile {name}, prompt {plen}, batch {batch}"
                     if args.time_budget_s and time.monotonic() - t0 > args.time_budget_s:
                         failed[where] = f"not run: past --time-budget-s {args.time_budget_s:g}"

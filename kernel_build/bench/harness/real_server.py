@@ -170,6 +170,9 @@ class ServerSpec:
     layers: int = 8
     max_total_tokens: int = 65536
     kv_cache_dtype: str = "auto"  # SGLang's --kv-cache-dtype: auto (bf16 here), fp8_e4m3, fp8_e5m2
+    # SGLang's --mem-fraction-static. Servers sharing the GPU with large pools want more: SGLang sizes a pool from the
+    # memory free when the pool is made less (1 - fraction) x the memory free at the server's start.
+    mem_fraction: float = 0.5
     extra_args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
     own_library: bool = False  # a copy of the kernel library of its own (KDTREE_KERNEL_LIB), for fault tests
@@ -265,7 +268,7 @@ class RealServer(Orchestrated):
             "--model-path", str(self.model_dir), "--tp-size", "1", "--host", "127.0.0.1", "--port", str(self.port),
             "--attention-backend", "triton", "--trust-remote-code", "--load-format", "dummy",
             "--sampling-backend", "pytorch", "--grammar-backend", "none",
-            "--mem-fraction-static", "0.5", "--max-total-tokens", str(s.max_total_tokens),
+            "--mem-fraction-static", str(s.mem_fraction), "--max-total-tokens", str(s.max_total_tokens),
             "--cuda-graph-bs-decode", *map(str, CAPTURED_BS), "--log-level", "info",
             # SGLang's piecewise prefill graph (breakable) calls sgl_kernel.weak_ref_tensor, a compiled function
             # with no torch-native equivalent here; prefill is not target-verify, so kdtree never serves it.

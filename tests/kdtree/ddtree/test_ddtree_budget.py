@@ -46,7 +46,7 @@ def run(
 
 def test_the_cap_until_a_step_was_timed_and_whenever_kdtree_does_not_serve():
     budgets = cut_budgets(64)
-    p = BudgetPolicy(budgets, cost(budgets), probe_every=1000)
+    p = BudgetPolicy(budgets, cost(budgets))
     flat = ([1.0] * 5, [4.0] * 5)  # acceptance flat above 4: a smaller budget would do once a step is timed
     assert p.choose(0.0, 1, 4096, serving=False) == 64  # validate / standby / off: every b costs the same
     p.observe(64, 1, *flat)
@@ -62,7 +62,7 @@ def test_the_cap_until_a_step_was_timed_and_whenever_kdtree_does_not_serve():
 def test_a_long_prefix_and_a_flat_acceptance_choose_a_small_budget():
     """Acceptance that stops growing at 8 nodes, a 32k prefix where the verify's attention dominates: 8 wins."""
     budgets = cut_budgets(128)
-    p = BudgetPolicy(budgets, cost(budgets, per_key_ns_per_token=0.05, layers=61), probe_every=1000)
+    p = BudgetPolicy(budgets, cost(budgets, per_key_ns_per_token=0.05, layers=61))
     chosen = run(
         p, 40, prefix=32768, step_s=0.03, accept=lambda b: min(b, 8) * 0.5, expected=lambda b: min(b, 8)
     )
@@ -72,32 +72,94 @@ def test_a_long_prefix_and_a_flat_acceptance_choose_a_small_budget():
 
 def test_acceptance_that_keeps_growing_at_a_short_prefix_keeps_the_cap():
     budgets = cut_budgets(64)
-    p = BudgetPolicy(budgets, cost(budgets, per_key_ns_per_token=0.001, layers=61), probe_every=1000)
+    p = BudgetPolicy(budgets, cost(budgets, per_key_ns_per_token=0.001, layers=61))
     chosen = run(p, 30, prefix=2048, step_s=0.012, accept=lambda b: b / 8, expected=lambda b: b / 4)
     assert chosen[-1] == 64
-    assert p.expected_accepted(64) == pytest.approx(8.0, rel=1e-3)  # rho = 1/2 measured at the cap
+    assert p.expected_accepted(64) == pytest.approx(8.0, rel=1e-3)  # rho = 1/2
 
 
-def test_budgets_above_the_chosen_one_are_extrapolated_by_the_largest_observed_calibration():
-    """After the first step (the cap), only the chosen budget and those below it are observed: larger ones keep the
-    rho of the largest observed and their own E(b), which every step updates."""
+def test_one_calibration_from_the_budget_verified_scales_every_budgets_expected_length():
+    """rho is the drafted tokens accepted over E at the budget verified; every budget's E(b) is observed every step."""
     budgets = (4, 8, 16)
     p = BudgetPolicy(budgets, cost(budgets), weight=1.0)
-    p.observe(8, 2, accepted=[2.0, 4.0, 4.0], expected=[4.0, 8.0, 12.0])  # b = 8: 16 is not observed
-    assert p.expected_accepted(4) == pytest.approx(1.0)  # rho(4) = 1/2, E(4) = 2 a request
+    assert p.expected_accepted(8) is None
+    p.observe(8, 2, accepted=[2.0, 4.0, 4.0], expected=[4.0, 8.0, 12.0])  # b = 8: rho = 4 / 8
+    assert p.expected_accepted(4) == pytest.approx(1.0)  # rho times E(4) = 2 a request
     assert p.expected_accepted(8) == pytest.approx(2.0)
-    assert p.expected_accepted(16) == pytest.approx(3.0)  # rho(8) = 1/2 times E(16) = 6
+    assert p.expected_accepted(16) == pytest.approx(3.0)  # rho times E(16) = 6: not observed at 16, not stale
 
 
-def test_the_probe_verifies_the_whole_tree_every_probe_every_steps():
+def test_a_budget_left_unchosen_is_chosen_again_once_acceptance_grows():
+    """No budget's estimate goes stale while a smaller one is chosen: E(b) of every b comes with every step."""
     budgets = cut_budgets(64)
-    p = BudgetPolicy(budgets, cost(budgets, per_key_ns_per_token=0.05, layers=61), probe_every=10)
-    chosen = run(
-        p, 40, prefix=32768, step_s=0.03, accept=lambda b: min(b, 4) * 0.5, expected=lambda b: min(b, 4)
+    p = BudgetPolicy(budgets, cost(budgets, per_key_ns_per_token=0.05, layers=61))
+    flat = run(
+        p, 30, prefix=32768, step_s=0.03, accept=lambda b: min(b, 4) * 0.5, expected=lambda b: min(b, 4)
     )
-    assert [i for i, b in enumerate(chosen) if b == 64][1:] == [9, 19, 29, 39]
-    assert set(chosen[12:19]) == {4}
-    assert p.chosen[64] == 5 and sum(p.chosen.values()) == 40
+    assert flat[-1] == 4
+    grown = run(p, 30, prefix=32768, step_s=0.03, accept=lambda b: b * 0.5, expected=lambda b: b, t0=1.0)
+    assert grown[-1] == 64 and grown.index(64) < 10
+
+
+def _scripted_drafter(profile, cap, depths=15):
+    """The best-first tree (the reference builder) of a drafter whose every depth puts the true token at rank r with
+    probability profile[r] and whose log-probs say so (the oracle benchmark's drafter: calibrated), and a walk of it
+    that draws the ranks."""
+    import math
+    import random
+
+    from kdtree.ddtree.reference import build_ddtree_tree
+
+    rest = (1 - sum(profile)) / (cap - len(profile))
+    lp = [math.log(x) for x in sorted([*profile, *[rest] * (cap - len(profile))], reverse=True)]
+    tree = build_ddtree_tree([lp] * depths, [list(range(cap))] * depths, cap)
+    index = {r: i for i, r in enumerate(tree.ranks)}
+    rng = random.Random(0)
+
+    def walk(b):  # the path's node indices in the tree cut at b
+        ranks, path = (), []
+        while len(ranks) < depths:
+            r = rng.choices(range(len(profile) + 1), [*profile, 1 - sum(profile)])[0]
+            node = index.get((*ranks, r), cap + 1) if r < len(profile) else cap + 1
+            if node > b:
+                return path
+            ranks, path = (*ranks, r), [*path, node]
+        return path
+
+    return tree, walk
+
+
+@pytest.mark.parametrize(
+    "profile", [(0.87, 0.06, 0.025, 0.01, 0.005), (0.6, 0.15, 0.05)], ids=["paper", "low"]
+)
+@pytest.mark.parametrize("cap", [32, 128])
+def test_on_a_scripted_drafter_auto_gets_the_best_fixed_budgets_tokens_a_second(profile, cap):
+    """The oracle benchmark's two profiles (kernel_build/bench/harness/ddtree_oracle.py), an H100's cut costs at a 32k
+    prefix and 61 layers (NOTES.md), 8 ms of the rest of a step: auto within 2% of the best fixed budget in hindsight.
+    (One rho a budget, the first form, reached 94-97%: it chased the noise of a few steps' acceptance.)"""
+    import math
+
+    budgets = cut_budgets(cap)
+    us = {4: 57, 8: 65, 16: 78, 32: 108, 64: 169, 128: 296}
+    verify = VerifyCost(
+        layers=61, fixed={b: us[b] * 1e-6 for b in budgets}, per_key=dict.fromkeys(budgets, 0.0)
+    )
+    tree, walk = _scripted_drafter(profile, cap)
+    E = [sum(math.exp(s) for s in tree.scores[1 : b + 1]) for b in budgets]
+
+    def tokens_a_second(policy, fixed=None, steps=3000):
+        now, tokens = 0.0, 0
+        for _ in range(steps):
+            b = fixed or policy.choose(now, 1, 0, serving=True)
+            path = walk(b)
+            tokens += 1 + len(path)
+            if policy:
+                policy.observe(b, 1, [sum(n <= c for n in path) for c in budgets], E)
+            now += 0.008 + verify.seconds(b, 0)
+        return tokens / now
+
+    best = max(tokens_a_second(None, fixed=b) for b in budgets)
+    assert tokens_a_second(BudgetPolicy(budgets, verify)) >= 0.98 * best
 
 
 def test_a_gap_or_a_prefill_between_steps_is_not_a_steps_time():
