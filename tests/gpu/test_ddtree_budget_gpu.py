@@ -17,7 +17,9 @@ def test_the_cuts_cost_grows_with_the_budget_and_the_prefix():
     cost = measure_cut_cost(8, 128, budgets, layers=61, device=torch.device("cuda"))
     at_32k = [cost.seconds(b, 32768) for b in budgets]
     assert all(t > 0 for t in at_32k)
-    assert at_32k[-1] > 2 * at_32k[0], at_32k  # 129 tokens against 5: the tensor pipe's work, 25x
+    assert at_32k[-1] > 2 * at_32k[0], (
+        at_32k
+    )  # 129 tokens against 4: the tensor pipe's work, 17 row tiles against 1
     assert all(b >= 0.9 * a for a, b in zip(at_32k, at_32k[1:], strict=False)), at_32k  # within timing noise
     assert cost.seconds(128, 32768) > 2 * cost.seconds(128, 2048)
     # 61 layers of a 32k verify of 129 tokens on an H200-class GPU: milliseconds, not microseconds or seconds

@@ -121,17 +121,19 @@ def test_ddtree_auto_budget_counters_come_from_the_rank_record(tmp_path):
 
     record = new_record("on")
     record.ddtree_budget = DdtreeBudget(
-        budgets=[4, 8, 16], steps=10, request_steps=30, live_tokens=270, steps_at={"8": 6, "16": 4}
+        budgets=[3, 7, 15, 16], steps=10, request_steps=30, live_tokens=348, steps_at={"7": 6, "16": 4}
     )
     write_record(tmp_path, record)
     metrics = Metrics(expected_ranks=1)
     metrics.rank_views = read_records(tmp_path)
     got = samples(metrics)
-    assert got[("kdtree_rank_ddtree_steps_total", (("budget", "8"), ("rank", "0")))] == 6
+    assert got[("kdtree_rank_ddtree_steps_total", (("budget", "7"), ("rank", "0")))] == 6
     assert got[("kdtree_rank_ddtree_steps_total", (("budget", "16"), ("rank", "0")))] == 4
-    assert got[("kdtree_rank_ddtree_verify_tokens_total", (("rank", "0"),))] == 270
+    assert (
+        got[("kdtree_rank_ddtree_verify_tokens_total", (("rank", "0"),))] == 348
+    )  # 3 requests x (6 x 8 + 4 x 17)
     assert got[("kdtree_rank_ddtree_request_steps_total", (("rank", "0"),))] == 30
-    assert read_records(tmp_path)[0].record.ddtree_budget.mean_verify_tokens == 9.0
+    assert read_records(tmp_path)[0].record.ddtree_budget.mean_verify_tokens == 11.6
     write_record(tmp_path, new_record("on"))
     metrics.rank_views = read_records(tmp_path)
     assert not [k for k in samples(metrics) if k[0].startswith("kdtree_rank_ddtree")]
