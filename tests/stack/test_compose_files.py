@@ -135,9 +135,9 @@ def test_one_gpu_file_reserves_one_gpu_for_deepseek_v2_lite_with_ngram(compose, 
 
 def test_kimi_ddtree_file_runs_ddtree_on_kimi_k25_with_its_dflash_drafter(compose, tmp_path):
     """compose/kimi-ddtree.yaml as compose renders it over the eight GPUs: Kimi-K2.5 and its DFlash drafter, DDTREE
-    with a tree of 32 nodes (33 verify tokens) on the drafter's block of 8, and what DDTREE v1 asks; otherwise
-    compose.yaml's command as it is with those values in .env; SGLang's own check of the arguments (the one a
-    launch runs: kdtree/ddtree/spec.py) passes them."""
+    with a tree of 31 nodes (32 verify tokens: four row tiles at 8 heads) on the drafter's block of 8, and what DDTREE
+    v1 asks; otherwise compose.yaml's command as it is with those values in .env; SGLang's own check of the arguments
+    (the one a launch runs: kdtree/ddtree/spec.py) passes them."""
     services = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, KIMI_DDTREE)
     server = services["server"]
     assert [g["count"] for g in gpu_reservations(server)] == [8]
@@ -146,7 +146,7 @@ def test_kimi_ddtree_file_runs_ddtree_on_kimi_k25_with_its_dflash_drafter(compos
     assert arg(argv, "--speculative-algorithm") == "DDTREE"
     assert arg(argv, "--speculative-draft-model-path") == "/models/Kimi-K2.5-DFlash"
     assert (arg(argv, "--speculative-num-draft-tokens"), arg(argv, "--speculative-dflash-block-size")) == (
-        "33",
+        "32",
         "8",
     )
     values = {
