@@ -282,3 +282,36 @@ def test_the_profile_summary_counts_gpu_busy_time_once_where_kernels_overlap_and
     assert s["groups_us_per_step"] == {"kdtree verify": 5.0, "triton extend (prefix + draft)": 5.0,
                                        "triton decode": 0.0, "gemm": 5.0}  # fmt: skip
     assert profile_engine.summarize({"traceEvents": []}, 1) == {"error": "the trace has no kernel events"}
+
+
+@pytest.mark.parametrize(
+    "arg, unknown",
+    [
+        (["--modes", "on,validate"], "validate"),
+        (["--algorithms", "NGRAM-AUTO"], "NGRAM-AUTO"),
+        (["--algorithms", "DFLASH-B16,DDTREE-B12"], "DDTREE-B12"),
+    ],
+)
+def test_profile_engine_refuses_an_unknown_mode_or_server_before_anything_starts(arg, unknown):
+    import subprocess
+
+    script = REPO / "kernel_build/bench/benchmarks/profile_engine.py"
+    p = subprocess.run([sys.executable, str(script), *arg], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown" in p.stderr and unknown in p.stderr, p.stderr
+    # DDTREE keys, fixed or -AUTO, and one mode pass the check (here, without a GPU, the server is what is refused)
+    ok = ["--algorithms", "DFLASH-B16,DDTREE-B16-T15,DDTREE-B16-AUTO", "--modes", "on"]
+    p = subprocess.run([sys.executable, str(script), *ok], capture_output=True, text=True, timeout=120)
+    assert "unknown" not in p.stderr, p.stderr
+
+
+def test_a_benchmarks_ddtree_key_runs_its_budget_fixed_or_auto():
+    import real_server
+
+    assert real_server.server_key("DDTREE-B16-T31-AUTO") == "DDTREE-B16-T31" in real_server.SPECULATIVE
+    assert real_server.server_env("DDTREE-B16-T15") == {"KDTREE_DDTREE_BUDGET": "fixed"}
+    assert real_server.server_env("DDTREE-B16-AUTO") == {"KDTREE_DDTREE_BUDGET": "auto"}
+    assert real_server.server_env("DFLASH-B16") == {}
+    # the tile-filling trees verify 2^k tokens
+    for t in (15, 31):
+        args = real_server.SPECULATIVE[f"DDTREE-B16-T{t}"]
+        assert int(args[args.index("--speculative-num-draft-tokens") + 1]) == t + 1

@@ -50,7 +50,16 @@ from ddtree_oracle import (  # noqa: E402
     expected_chain_accepted,
     expected_tree_accepted,
 )
-from real_server import DFLASH_BLOCK, SPECULATIVE, RealServer, ServerSpec, unavailable  # noqa: E402
+from real_server import (  # noqa: E402
+    AUTO,
+    DFLASH_BLOCK,
+    SPECULATIVE,
+    RealServer,
+    ServerSpec,
+    server_env,
+    server_key,
+    unavailable,
+)
 from source_id import checkout  # noqa: E402
 from tiny_model import config, prompt_of, write_model  # noqa: E402
 
@@ -58,7 +67,6 @@ from kdtree.config import Mode  # noqa: E402
 
 CHAIN = "DFLASH-B16"
 HEARTBEAT_S = 0.5  # the servers' KDTREE_HEARTBEAT_S: a row's auto choices are read from rank 0's record
-AUTO = "-AUTO"  # a DDTREE key with this suffix runs KDTREE_DDTREE_BUDGET=auto at that key's budget (the cap)
 DEFAULT_ALGORITHMS = (
     f"{CHAIN},DDTREE-B16-T16,DDTREE-B16,DDTREE-B16-T64,DDTREE-B16-T128,DDTREE-B16{AUTO},DDTREE-B16-T128{AUTO}"
 )
@@ -66,18 +74,6 @@ DEFAULT_ALGORITHMS = (
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def server_key(algo: str) -> str:
-    """The real_server.SPECULATIVE key an algorithm runs (its name without AUTO)."""
-    return algo.removesuffix(AUTO)
-
-
-def server_env(algo: str) -> dict:
-    """DDTREE at a fixed budget verifies its whole tree; with AUTO, kdtree's auto budget cuts it each step."""
-    if not algo.startswith("DDTREE"):
-        return {}
-    return {"KDTREE_DDTREE_BUDGET": "auto" if algo.endswith(AUTO) else "fixed"}
 
 
 def tree_budget(algo: str) -> int | None:

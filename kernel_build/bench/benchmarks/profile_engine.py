@@ -10,6 +10,9 @@ and the kernels that take the most GPU time per step, grouped by name. A step wh
 wall time is bound by the host (the scheduler, the drafter's launches), not by attention.
 
     python3 kernel_build/bench/benchmarks/profile_engine.py --out profile.md          # profile.json beside it
+    # a DDTREE step's own cost against DFlash's chain at the same verified width (16 tokens), and auto's, in on only
+    python3 kernel_build/bench/benchmarks/profile_engine.py --layers 61 --prompts 2048,32768 --modes on \
+        --algorithms DFLASH-B16,DDTREE-B16-T15,DDTREE-B16-AUTO
     bash kernel_build/bench/device_run.sh engine-profile [args]            # the same on the GPU machine, into $OUT
 """
 
@@ -29,7 +32,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
-from real_server import RealServer, ServerSpec, unavailable  # noqa: E402
+from real_server import SPECULATIVE, RealServer, ServerSpec, server_env, server_key, unavailable  # noqa: E402
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import prompt_of, write_model  # noqa: E402
 
@@ -139,11 +142,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table here (and .json beside it)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--algorithms", default="NEXTN,NGRAM")
+    ap.add_argument(
+        "--algorithms",
+        default="NEXTN,NGRAM",
+        help="keys of real_server.SPECULATIVE; a DDTREE key runs its whole tree each step, with -AUTO kdtree's auto "
+        "budget (KDTREE_DDTREE_BUDGET)",
+    )
+    ap.add_argument(
+        "--modes", default="off,on", help="kdtree's modes to profile each algorithm in: off, on or both"
+    )
     ap.add_argument("--prompts", default="512,32768", help="prompt lengths in tokens")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--root", default="/tmp/kdtree-profile-engine")
     args = ap.parse_args()
+    algos = [a.strip().upper() for a in args.algorithms.split(",") if a.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    wrong = [
+        a for a in algos if server_key(a) not in SPECULATIVE or (a != server_key(a) and "DDTREE" not in a)
+    ]
+    wrong += [m for m in modes if m not in (Mode.OFF.value, Mode.ON.value)]
+    if wrong or not algos or not modes:
+        print(f"profile_engine: unknown {wrong or 'empty --algorithms or --modes'}: algorithms are keys of "
+              f"real_server.SPECULATIVE ({list(SPECULATIVE)}; DDTREE ones may end in -AUTO), modes off and on",
+              file=sys.stderr)  # fmt: skip
+        return 2
     reason = unavailable()
     if reason:
         print(f"profile_engine: {reason}", file=sys.stderr)
@@ -152,11 +174,11 @@ def main() -> int:
     prompts = [int(x) for x in args.prompts.split(",") if x]
     model = write_model(root / f"model-{args.layers}l", layers=args.layers, nextn=True)
     servers = {}
-    for algo in [a.strip().upper() for a in args.algorithms.split(",") if a.strip()]:
-        for mode in (Mode.OFF, Mode.ON):
-            spec = ServerSpec(f"{algo.lower()}-{args.layers}l-{mode.value}", algo, mode, layers=args.layers,
-                              max_total_tokens=max(prompts) + 8 * args.steps + 8192,
-                              extra_args=("--sleep-on-idle",))  # fmt: skip
+    for algo in algos:
+        for mode in map(Mode, modes):
+            spec = ServerSpec(f"{algo.lower()}-{args.layers}l-{mode.value}", server_key(algo), mode,
+                              layers=args.layers, max_total_tokens=max(prompts) + 8 * args.steps + 8192,
+                              extra_args=("--sleep-on-idle",), env=server_env(algo))  # fmt: skip
             servers[(algo, mode.value)] = RealServer(spec, root / spec.name, model).start()
     rows = []
     try:

@@ -57,6 +57,8 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# DDTREE-B16-T<t>'s tree sizes: 2^k - 1 fill whole row tiles of kdtree's kernel (2^k tokens), 2^k pad one
+TREE_SIZES = (15, 16, 31, 64, 128)
 SPECULATIVE = {
     "NGRAM": ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"),
     "NEXTN": (
@@ -91,14 +93,29 @@ SPECULATIVE = {
             "--speculative-dflash-block-size", "16", "--speculative-draft-load-format", "dummy",
             "--speculative-draft-attention-backend", "triton", "--page-size", "1",
         )
-        for t in (16, 64, 128)
+        for t in TREE_SIZES
     },
 }  # fmt: skip
 # the algorithms above that need a DFlash drafter, and its block
 DFLASH_BLOCK = {
     "DFLASH-B8": 8, "DFLASH-B16": 16, "DDTREE-B8": 8, "DDTREE-B16": 16,
-    **{f"DDTREE-B16-T{t}": 16 for t in (16, 64, 128)},
+    **{f"DDTREE-B16-T{t}": 16 for t in TREE_SIZES},
 }  # fmt: skip
+AUTO = "-AUTO"  # a DDTREE key with this suffix runs KDTREE_DDTREE_BUDGET=auto, that key's budget as the cap
+
+
+def server_key(algo: str) -> str:
+    """The SPECULATIVE key a benchmark's algorithm runs (its name without AUTO)."""
+    return algo.removesuffix(AUTO)
+
+
+def server_env(algo: str) -> dict:
+    """DDTREE at a fixed budget verifies its whole tree; with AUTO, kdtree's auto budget cuts it each step."""
+    if not algo.startswith("DDTREE"):
+        return {}
+    return {"KDTREE_DDTREE_BUDGET": "auto" if algo.endswith(AUTO) else "fixed"}
+
+
 CAPTURED_BS = (1, 2, 3, 4)  # verify graphs captured per server; larger batches run eagerly
 INSTALL_LINE = re.compile(
     r"\[kdtree\] installed verify override \(mode=(\w+), pid=(\d+), tp_rank=([\w?]+), via=([\w-]+)\)"
