@@ -156,7 +156,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._accept: dict[tuple[int, int], AcceptBuffers] = {}
         self._accept_slot = 0
         self._window_offsets = torch.arange(self.verify_width, dtype=torch.int64, device=self.device)
-        self._cut = BudgetCut.make(self) if self.budget > 4 else None  # KDTREE_DDTREE_BUDGET=auto, else None
+        self._cut = BudgetCut.make(self)  # KDTREE_DDTREE_BUDGET=auto, else None
 
     # -- the draft head ----------------------------------------------------------------------------------------
 
@@ -456,9 +456,13 @@ class BudgetCut:
 
     @classmethod
     def make(cls, worker) -> BudgetCut | None:
-        """None unless the setting is auto and kdtree's kernel is here (then: timed now, at start)."""
+        """None unless the setting is auto, the cap has a smaller budget to cut to, and kdtree's kernel is here (then:
+        timed now, at start)."""
         from kdtree.install import current_override
 
+        budgets = cut_budgets(worker.budget)
+        if len(budgets) < 2:  # the cap alone: nothing to choose
+            return None
         override = current_override()
         # off: nothing of kdtree's runs, and a rank started in off never switches live (kdtree.state.mode_file)
         if override is None or override.settings.ddtree_budget != "auto" or override.mode.mode is Mode.OFF:
@@ -474,7 +478,6 @@ class BudgetCut:
         group = get_dp_tp_group()  # the attention's tensor-parallel group (DDTREE refuses DP attention)
         heads = cfg.num_attention_heads // group.world_size
         layers = int(getattr(cfg, "num_attention_layers", None) or cfg.num_hidden_layers)
-        budgets = cut_budgets(worker.budget)
         cost = measure_cut_cost(heads, worker.budget, budgets, layers, worker.device)
         log.info(
             "DDTREE auto budget: budgets %s, verify attention at 8k tokens of prefix (ms): %s",
