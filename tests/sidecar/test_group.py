@@ -162,10 +162,12 @@ async def until(what, timeout: float = 20.0, every: float = 0.1):
         await asyncio.sleep(every)
 
 
-async def not_ready_naming(c, text: str, timeout: float = 20.0) -> list[str]:
+async def not_ready_naming(c, *texts: str, timeout: float = 20.0) -> list[str]:
+    """/ready's reasons once every text is in one of them (ranks go stale each on its own heartbeat)."""
+
     async def check():
         reasons = await ready_reasons(c)
-        return reasons if any(text in r for r in reasons) else None
+        return reasons if all(any(t in r for r in reasons) for t in texts) else None
 
     return await until(check, timeout)
 
@@ -278,8 +280,9 @@ async def test_ready_only_with_every_rank_of_every_node(group):
         # Node 1's ranks wedge; its HTTP server, SGLang's dummy, still answers 200.
         async with httpx.AsyncClient(timeout=5) as h:
             await h.post(f"http://127.0.0.1:{group.ports[1]}/_standin/fault", json={"fault": "wedged-ranks"})
-            reasons = await not_ready_naming(c, "node 1 rank 2: record is stale")
-            assert any("node 1 rank 3" in r for r in reasons)
+            reasons = await not_ready_naming(
+                c, "node 1 rank 2: record is stale", "node 1 rank 3: record is stale"
+            )
             assert not any("node 0" in r for r in reasons)
             assert (await h.get(f"http://127.0.0.1:{group.ports[1]}/health")).status_code == 200
             async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
