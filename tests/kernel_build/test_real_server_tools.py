@@ -281,6 +281,15 @@ def test_the_profile_summary_counts_gpu_busy_time_once_where_kernels_overlap_and
     # the named groups always, 0 where none ran; the rest by name
     assert s["groups_us_per_step"] == {"kdtree verify": 5.0, "triton extend (prefix + draft)": 5.0,
                                        "triton decode": 0.0, "gemm": 5.0}  # fmt: skip
+    # the GPU idles 15 us before nvjet (over 20 us is a wait on the host only per gap, so none here); launches counted
+    assert s["host_waits_us_per_step"] == {} and s["launches_per_step"] == 1.5
+    late = profile_engine.summarize(
+        {"traceEvents": trace["traceEvents"] + [kernel("index_kernel", 100, 5)]}, 1
+    )
+    assert late["host_waits_us_per_step"] == {
+        "index_kernel": 60.0
+    }  # charged to the launch that ended the gap
+    assert late["top_launch_counts_per_step"]["index_kernel"] == 1
     assert profile_engine.summarize({"traceEvents": []}, 1) == {"error": "the trace has no kernel events"}
 
 

@@ -7,7 +7,9 @@ replayed from CUDA graphs included) while one greedy request decodes, from its f
 prompt's last token is not in the window). From each trace: the wall time of a step
 (the span of the profiled kernels / steps), the GPU's busy time in a step (the union of its kernel intervals),
 and the kernels that take the most GPU time per step, grouped by name. A step whose GPU busy time is far below its
-wall time is bound by the host (the scheduler, the drafter's launches), not by attention.
+wall time is bound by the host (the scheduler, the drafter's launches), not by attention: the GPU's waits on the host
+(idle gaps over 20 us, charged to the kernel that ends each) and the launches a step are in the JSON, and each row's
+kernels (name, start, duration) in kernels/<row>.kernels.json.gz beside --out, for a timeline read offline.
 
     python3 kernel_build/bench/benchmarks/profile_engine.py --out profile.md          # profile.json beside it
     # a DDTREE step's own cost against DFlash's chain at the same verified width (16 tokens), and auto's, in on only
@@ -79,6 +81,17 @@ def summarize(trace: dict, steps: int) -> dict:
         by_group[group_of(e["name"])] += float(e["dur"])
         by_name[e["name"][:80]] += float(e["dur"])
     busy = union_us(spans)
+    # Where the GPU waits on the host: each idle gap of over 20 us, charged to the kernel that ends it (the launch
+    # the host was late with), and how many kernels a step launches of each name.
+    ordered = sorted(kernels, key=lambda e: float(e["ts"]))
+    waits: collections.Counter = collections.Counter()
+    end = float("-inf")
+    for e in ordered:
+        gap = float(e["ts"]) - end
+        if gap > 20.0 and end != float("-inf"):
+            waits[e["name"][:80]] += gap
+        end = max(end, float(e["ts"]) + float(e["dur"]))
+    counts = collections.Counter(e["name"][:80] for e in kernels)
     return {
         "steps": steps,
         "kernels": len(kernels),
@@ -90,11 +103,14 @@ def summarize(trace: dict, steps: int) -> dict:
             **{label: by_group[label] / steps for label, _ in GROUPS},
             **{k: v / steps for k, v in by_group.most_common(8) if k not in dict(GROUPS)},
         },
-        "top_kernels_us_per_step": {k: v / steps for k, v in by_name.most_common(12)},
+        "top_kernels_us_per_step": {k: v / steps for k, v in by_name.most_common(30)},
+        "launches_per_step": len(kernels) / steps,
+        "top_launch_counts_per_step": {k: v / steps for k, v in counts.most_common(30)},
+        "host_waits_us_per_step": {k: v / steps for k, v in waits.most_common(15)},
     }
 
 
-def profile(server: RealServer, prompt: str, steps: int, out_dir: Path) -> dict:
+def profile(server: RealServer, prompt: str, steps: int, out_dir: Path, keep_dir: Path) -> dict:
     server.complete(prompt, 2)  # the prompt into the prefix cache
     server.complete(prompt, 32)  # warm: every graph this row replays
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +132,15 @@ def profile(server: RealServer, prompt: str, steps: int, out_dir: Path) -> dict:
             opener = gzip.open if path.suffix == ".gz" else open
             with opener(path, "rt") as f:
                 trace = json.load(f)
-            path.unlink()  # traces are large; the summary is what this keeps
+            path.unlink()  # traces are large; the summary and the kernels' (name, start, duration) are what this keeps
+            kept = [
+                [e["name"], e["ts"], e["dur"]]
+                for e in trace.get("traceEvents", [])
+                if e.get("cat") == "kernel"
+            ]
+            keep_dir.mkdir(parents=True, exist_ok=True)
+            with gzip.open(keep_dir / f"{body['profile_id']}.kernels.json.gz", "wt") as f:
+                json.dump(kept, f)
             return summarize(trace, steps)
         time.sleep(0.5)
     return {"error": "no trace written in 120 s"}
@@ -181,12 +205,13 @@ def main() -> int:
                               extra_args=("--sleep-on-idle",), env=server_env(algo))  # fmt: skip
             servers[(algo, mode.value)] = RealServer(spec, root / spec.name, model).start()
     rows = []
+    keep = Path(args.out).parent / "kernels" if args.out else root / "kernels"  # each row's kernels, gzipped
     try:
         for s in servers.values():
             s.wait_ready(timeout=540)
         for (algo, mode), s in servers.items():
             for plen in prompts:
-                summary = profile(s, prompt_of(plen, seed=plen), args.steps, root / "traces")
+                summary = profile(s, prompt_of(plen, seed=plen), args.steps, root / "traces", keep)
                 rows.append({"algorithm": algo, "prompt": plen, "mode": mode, "layers": args.layers,
                              "summary": summary})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
