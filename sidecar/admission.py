@@ -12,13 +12,13 @@ import logging
 import math
 from collections.abc import Iterable
 
-from kdtree.config import FP8_PARITY_RTOL, LIVE_MODES, Mode
+from kdtree.config import LIVE_MODES, Mode
 from kdtree.state.rank_records import RankRecord, RankView
 
 from .api import Criterion, ModeAnswer, ModeRequest
 from .metrics import Metrics
 from .probe import REFUSED
-from .rank_evidence import live_records
+from .rank_evidence import fp8_bound, live_records
 from .readiness import Assessment, Readiness
 from .server_control import ServerControl
 from .settings import SidecarSettings
@@ -36,20 +36,6 @@ def non_finite_parity(records: Iterable[RankRecord]) -> list[str]:
         for name in NON_FINITE_CHECKED
         if not math.isfinite(value := getattr(r.parity, name))
     ]
-
-
-def fp8_bound(record) -> float | None:
-    """validate's bound for the fp8 KV pool a rank read (kdtree.config.FP8_PARITY_RTOL, by the dtype its record's
-    `verify_inputs` name); None when its pool is not fp8. On an fp8 pool the original (SGLang's Triton kernel) runs fp8
-    math and kdtree widens the pool exactly, so the two differ by Triton's own fp8 error, a few percent
-    (kernel_build/NOTES.md, "fp8 pools")."""
-    pools = {
-        str(d["kv_pool"][0])
-        for d in record.verify_inputs.values()
-        if isinstance(d, dict) and d.get("kv_pool")
-    }
-    bounds = [FP8_PARITY_RTOL[p] for p in pools if p in FP8_PARITY_RTOL]
-    return max(bounds) if bounds else None
 
 
 def gate_to_on(

@@ -66,7 +66,7 @@ def create_app(
         return create_worker_app(
             settings, server
         )  # its node's ranks, for the group's leader (sidecar/group_worker.py)
-    metrics = Metrics(settings.expected_tp_size)
+    metrics = Metrics(settings.expected_tp_size, settings.gate_max_rel_err)
     group = None
     if settings.group_role == "leader":
         group = GroupClient(settings)

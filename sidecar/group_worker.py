@@ -138,7 +138,7 @@ class WorkerNode:
 
 def create_worker_app(settings: SidecarSettings, server: ServerControl | None) -> FastAPI:
     node = WorkerNode(settings, server)
-    metrics = Metrics(settings.expected_tp_size)
+    metrics = Metrics(settings.expected_tp_size, settings.gate_max_rel_err)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -158,6 +158,7 @@ def create_worker_app(settings: SidecarSettings, server: ServerControl | None) -
     async def ready() -> _Json:
         r = await node.report()
         metrics.ready.set(1 if r.ready else 0)
+        metrics.assessments.inc()
         body = {"ready": r.ready, "node_rank": r.node_rank, "reasons": r.reasons, "mode_file": r.mode_file}
         return _Json(body, status_code=200 if r.ready else 503)
 

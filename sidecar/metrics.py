@@ -20,6 +20,7 @@ from kdtree.config import Mode
 from kdtree.state.rank_records import RankView
 
 from .probe import REASONS as PROBE_FAILURE_REASONS
+from .rank_evidence import fp8_bound
 from .vocabulary import Condition, Method, Outcome, Phase
 
 
@@ -48,6 +49,12 @@ class RankCollector(Collector):
         )
         abs_err = GaugeMetricFamily(
             "kdtree_rank_parity_max_abs_err", "largest absolute error seen", labels=["rank"]
+        )
+        bound = GaugeMetricFamily(
+            "kdtree_rank_parity_bound",
+            "the gate's bound on the rank's largest relative L2 error: KDTREE_GATE_MAX_REL_ERR, or validate's "
+            "tolerance for its fp8 KV pool where larger",
+            labels=["rank"],
         )
         served = CounterMetricFamily(
             "kdtree_rank_verify_calls",
@@ -89,6 +96,8 @@ class RankCollector(Collector):
             nan_inf.add_metric([rank], r.parity.nan_inf)
             rel.add_metric([rank], r.parity.max_rel_l2)
             abs_err.add_metric([rank], r.parity.max_abs_err)
+            if self.metrics.gate_max_rel_err is not None:
+                bound.add_metric([rank], max(self.metrics.gate_max_rel_err, fp8_bound(r) or 0.0))
             served.add_metric([rank, "kdtree"], r.served_kdtree)
             served.add_metric([rank, "original"], r.served_original)
             for reason, count in r.fallbacks.items():
@@ -108,6 +117,7 @@ class RankCollector(Collector):
             nan_inf,
             rel,
             abs_err,
+            bound,
             served,
             fallbacks,
             verify_tokens,
@@ -121,11 +131,14 @@ class Metrics:
     """One registry per app, so several apps (tests) never share series.
 
     expected_ranks: KDTREE_EXPECTED_TP_SIZE (0: the rank checks are off, every record is exported), exported as
-    kdtree_expected_ranks; None where the caller does not say (no gauge, every record exported)."""
+    kdtree_expected_ranks; None where the caller does not say (no gauge, every record exported).
+    gate_max_rel_err: KDTREE_GATE_MAX_REL_ERR, from which each rank's kdtree_rank_parity_bound (the bound the gate
+    holds its largest error to) is exported; None where the caller does not say (no such series)."""
 
-    def __init__(self, expected_ranks: int | None = None):
+    def __init__(self, expected_ranks: int | None = None, gate_max_rel_err: float | None = None):
         self.rank_views: list[RankView] = []  # the records read for the scrape in progress
         self.expected_ranks = expected_ranks
+        self.gate_max_rel_err = gate_max_rel_err
         self.registry = CollectorRegistry()
         r = self.registry
         self.probe_duration = Histogram(
@@ -140,6 +153,12 @@ class Metrics:
         self.accept_length = Gauge(
             "kdtree_probe_accept_length",
             "tokens a verify step gave the latest successful probe (SGLang's accept length); 0 before one",
+            registry=r,
+        )
+        self.assessments = Counter(
+            "kdtree_readiness_assessments",
+            "the sidecar's readiness assessments (GET /ready, GET /status, a transition's checks); kdtree_ready, "
+            "kdtree_condition and kdtree_server_phase are the latest one's, and only as fresh",
             registry=r,
         )
         self.ready = Gauge(

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel
 
-from kdtree.config import Mode
+from kdtree.config import FP8_PARITY_RTOL, Mode
 from kdtree.state.mode_file import read_desired_mode
 from kdtree.state.rank_records import RankRecord, RankView, read_records, work_between
 
@@ -35,6 +35,20 @@ class VolumeReading(BaseModel):
     node_started_at: dict[int, float | None] = {}
     node_mode_files: dict[int, str | None] = {}
     node_problems: list[str] = []
+
+
+def fp8_bound(record: RankRecord) -> float | None:
+    """validate's bound for the fp8 KV pool a rank read (kdtree.config.FP8_PARITY_RTOL, by the dtype its record's
+    `verify_inputs` name); None when its pool is not fp8. On an fp8 pool the original (SGLang's Triton kernel) runs fp8
+    math and kdtree widens the pool exactly, so the two differ by Triton's own fp8 error, a few percent
+    (kernel_build/NOTES.md, "fp8 pools")."""
+    pools = {
+        str(d["kv_pool"][0])
+        for d in record.verify_inputs.values()
+        if isinstance(d, dict) and d.get("kv_pool")
+    }
+    bounds = [FP8_PARITY_RTOL[p] for p in pools if p in FP8_PARITY_RTOL]
+    return max(bounds) if bounds else None
 
 
 def read_rank_views(settings: SidecarSettings) -> list[RankView]:

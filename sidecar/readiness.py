@@ -243,6 +243,7 @@ class Readiness:
         # The latest assessment is the sidecar's verdict, whoever asked for it (/ready, /status, a transition).
         self.metrics.ready.set(1 if ready else 0)
         self.metrics.condition.state(condition)
+        self.metrics.assessments.inc()
         return Assessment(
             phase=phase,
             server_phase=server_phase,

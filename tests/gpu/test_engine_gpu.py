@@ -43,7 +43,7 @@ from tiny_model import prompt_of, write_model
 
 from kdtree.config import Mode
 from kdtreectl.check import first_divergence
-from sidecar.admission import fp8_bound
+from sidecar.rank_evidence import fp8_bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 

@@ -273,6 +273,26 @@ async def test_the_ready_gauge_is_the_latest_verdict_whichever_endpoint_asked(en
     )
 
 
+def sample(text: str, name: str) -> float:
+    """One unlabelled sample of the /metrics exposition."""
+    return next(float(v) for n, _, v in (ln.partition(" ") for ln in text.splitlines()) if n == name)
+
+
+async def test_background_probes_are_not_assessments_only_ready_status_and_transitions_are(engine, tmp_path):
+    """kdtree_readiness_assessments_total (what KdtreeReadinessNotPolled watches) counts what refreshes kdtree_ready:
+    the background probe runs every KDTREE_PROBE_INTERVAL_S whoever polls, so its count says nothing of that."""
+    proc = engine("--tp-size", "2")
+    async with sidecar(make_settings(tmp_path, proc.port)) as c:
+        deadline = time.monotonic() + 30
+        while sample(text := (await c.get("/metrics")).text, "kdtree_probe_duration_seconds_count") < 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert sample(text, "kdtree_readiness_assessments_total") == 0.0
+        await c.get("/ready")
+        await c.get("/status")
+        assert sample((await c.get("/metrics")).text, "kdtree_readiness_assessments_total") == 2.0
+
+
 # ---- pure pieces ----------------------------------------------------------------------------------------
 
 

@@ -75,7 +75,7 @@ def exported(tmp_path_factory) -> dict[str, str]:
     record.fallbacks = {"dtype": 1}
     write_record(state, record)
     names: dict[str, str] = {}
-    metrics = Metrics(expected_ranks=1)
+    metrics = Metrics(expected_ranks=1, gate_max_rel_err=0.02)
     DesiredModeMetrics(metrics)  # registered beside them when KDTREE_DESIRED_MODE_FILE is set
     metrics.rank_views = read_records(state)
     for family in metrics.registry.collect():
@@ -416,11 +416,34 @@ def test_not_ready_pages_only_past_the_startup_budget():
 
 
 def test_the_parity_alert_fires_past_the_gates_tolerance():
-    """KdtreeParityOverTolerance's threshold is the gate's (KDTREE_GATE_MAX_REL_ERR's default): with another, the
-    alert fires where the gate passes, or stays quiet where it refuses."""
+    """KdtreeParityOverTolerance's threshold is the gate's, as each rank exports it (KDTREE_GATE_MAX_REL_ERR, or its
+    fp8 pool's tolerance): a constant would fire where the gate passes (an fp8 pool), or stay quiet where it refuses."""
     (rule,) = [r for r in alert_rules() if r["alert"] == "KdtreeParityOverTolerance"]
-    (threshold,) = re.findall(r"kdtree_rank_parity_max_rel_l2 > ([0-9.e-]+)", rule["expr"])
-    assert float(threshold) == SidecarSettings.model_fields["gate_max_rel_err"].default
+    assert re.search(
+        r"kdtree_rank_parity_max_rel_l2 > on \(instance, rank\) group_left kdtree_rank_parity_bound",
+        rule["expr"],
+    )
+
+
+@pytest.mark.parametrize("pool, bound", [("bfloat16", 0.02), ("float8_e4m3fn", 0.06), ("float8_e5m2", 0.12)])
+def test_each_rank_exports_the_bound_the_gate_holds_it_to(tmp_path, pool, bound):
+    from sidecar.admission import gate_to_on
+
+    record = new_record("validate")
+    record.installed = True
+    record.verify_inputs = {
+        "captured": {"kv_pool": [pool, [1, 576], 576]}
+    }  # as kdtree.verify.describe_call writes it
+    write_record(tmp_path, record)
+    metrics = Metrics(expected_ranks=1, gate_max_rel_err=0.02)
+    metrics.rank_views = read_records(tmp_path)
+    exported = [
+        s.value for f in metrics.registry.collect() for s in f.samples if s.name == "kdtree_rank_parity_bound"
+    ]
+    assert exported == [pytest.approx(bound)]
+    settings = SidecarSettings(expected_tp_size=1, gate_max_rel_err=0.02, admin_token="t")
+    (rel,) = [c for c in gate_to_on(settings, metrics.rank_views, True, "") if c.name == "max_rel_err"]
+    assert rel.threshold == pytest.approx(bound)  # the gate's own bound for the same record
 
 
 def test_a_healthy_cold_start_case_checks_every_alert():
