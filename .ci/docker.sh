@@ -4,7 +4,8 @@
 #   .ci/docker.sh tools    install docker.io, docker-compose (v1), debootstrap, and the curl and openssl the
 #                          README's demo runs (tests/stack/test_image.py), from Debian when missing
 #   .ci/docker.sh engine   start dockerd when no engine answers
-#   .ci/docker.sh base     build the bookworm base image once (debootstrap + docker import); reused when present
+#   .ci/docker.sh base     build the bookworm base image once (debootstrap + docker import); reused when present.
+#                          Alone it installs only debootstrap (when missing) and uses the engine that answers
 #   .ci/docker.sh build    build the kernel, server and sidecar targets on that base
 #   .ci/docker.sh all      all of the above, in order (default)
 #
@@ -32,6 +33,18 @@ tools() {
     log "installing ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
+}
+
+debootstrap_tool() {
+  command -v debootstrap >/dev/null && return
+  log "installing debootstrap"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+}
+
+need_engine() {  # a user's host: its own engine, never a second dockerd beside it
+  docker info >/dev/null 2>&1 && return
+  log "no Docker engine answers: start yours (e.g. systemctl start docker), or '.ci/docker.sh engine' starts dockerd"
+  exit 1
 }
 
 engine() {
@@ -99,7 +112,7 @@ build() {
 case "${1:-all}" in
   tools) tools ;;
   engine) tools; engine ;;
-  base) tools; engine; base ;;
+  base) debootstrap_tool; need_engine; base ;;
   build) tools; engine; build ;;
   all) tools; engine; base; build ;;
   *) echo "usage: $0 [tools|engine|base|build|all]" >&2; exit 2 ;;
