@@ -181,7 +181,8 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 # Where compose names each checked folder (an override file such as compose/kimi-ddtree.yaml names both itself).
 FOLDER_SETTING = {
-    "--model-path": "KDTREE_MODEL names the model's folder in it",
+    "--model-path": "KDTREE_MODEL names the model's folder in it; under compose/one-gpu.yaml or "
+    "compose/kimi-ddtree.yaml, the server command's --model-path in that file",
     "--speculative-draft-model-path": "the server command names the drafter's folder, e.g. "
     "--speculative-draft-model-path /models/Kimi-K2.5-DFlash in compose/kimi-ddtree.yaml",
 }
@@ -441,7 +442,8 @@ def plan(
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" needs {per_node} GPUs on this node, {len(found)} visible",
             "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose.override.yaml) "
-            "or lower --tp-size (KDTREE_TP_SIZE) to match",
+            "or lower --tp-size to match (KDTREE_TP_SIZE; under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, "
+            "the server command's --tp-size in that file)",
         )
     if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
         raise LaunchError(
@@ -449,7 +451,9 @@ def plan(
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" uses {per_node} on this node",
             f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
-            f"in compose.override.yaml or compose/one-gpu.yaml; Kubernetes: the nvidia.com/gpu limit) or set KDTREE_TP_SIZE={len(found)}",
+            f"in compose.override.yaml, compose/one-gpu.yaml or compose/kimi-ddtree.yaml; Kubernetes: the nvidia.com/gpu "
+            f"limit) or set --tp-size {len(found)} (KDTREE_TP_SIZE; under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, "
+            f"the server command's --tp-size in that file)",
         )
 
     have = archs()

@@ -86,7 +86,10 @@ class SidecarClient:
         try:
             return self.http.request(method, path, **kwargs)
         except httpx.HTTPError as e:
-            raise Unreachable(f"cannot reach the sidecar at {self.url}: {type(e).__name__}: {e}") from None
+            raise Unreachable(
+                f"cannot reach the sidecar at {self.url}: {type(e).__name__}: {e} "
+                "(another address: --url or KDTREE_SIDECAR_URL)"
+            ) from None
 
     def _parse(self, model: type[M], body: dict, what: str) -> M:
         try:

@@ -144,7 +144,8 @@ def test_more_gpus_visible_than_tp_size_names_both_settings(model, capsys):
     assert run(args(model, "--tp-size", "1"), n_gpus=8)[0] == EXIT_CONFIG
     line = error_line(capsys)
     assert "8 GPUs are visible and --tp-size 1 uses 1" in line
-    assert "`count:`" in line and "KDTREE_TP_SIZE=8" in line
+    assert "`count:`" in line and "--tp-size 8 (KDTREE_TP_SIZE;" in line
+    assert "the server command's --tp-size in that file" in line  # where the -f files set it, not the setting
 
 
 def test_tensor_parallel_alias_and_equals_form(model, capsys):

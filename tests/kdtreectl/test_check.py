@@ -143,6 +143,7 @@ def test_an_unreachable_server_is_exit_2_and_an_unreachable_sidecar_exit_7(stack
     assert r.returncode == 2 and "/v1/models gave no model" in r.stderr, r.stderr
     r = kdtreectl(f"http://127.0.0.1:{free_port()}", "check", "--out", str(tmp_path))
     assert r.returncode == 7 and "cannot reach the sidecar" in r.stderr and "Traceback" not in r.stderr
+    assert "--url or KDTREE_SIDECAR_URL" in r.stderr  # where another address is given
 
 
 def test_a_stack_that_is_not_ready_stops_early_with_exit_8(stack, tmp_path):
