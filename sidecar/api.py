@@ -12,7 +12,7 @@ import math
 import operator
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, model_validator
+from pydantic import BaseModel, Field, StrictBool, field_validator, model_validator
 
 from kdtree.config import Mode
 from kdtree.state.rank_records import RankView
@@ -88,6 +88,13 @@ class ModeRequest(BaseModel):
     force: StrictBool = False
     restart: StrictBool = False  # restart the server even where a live switch would do
     reason: str = Field("", max_length=REASON_MAX)
+
+    @field_validator("reason")
+    @classmethod
+    def _one_printable_line(cls, v: str) -> str:
+        if not v.isprintable():  # it is shown by /status, kdtreectl and the logs: no line breaks or escapes
+            raise ValueError("printable characters only (no line breaks, tabs or control characters)")
+        return v
 
 
 class ModeAnswer(BaseModel):

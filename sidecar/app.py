@@ -11,10 +11,10 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from kdtree.config import Mode
 from kdtree.state.atomic import json_safe
@@ -26,6 +26,7 @@ from .group_leader import GroupClient, GroupCollector, GroupServerControl
 from .group_worker import create_worker_app
 from .metrics import Metrics
 from .pod_events import PodEvents
+from .request_body import json_body, validation_detail
 from .server_control import ServerControl
 from .server_control.docker import ServerContainer
 from .server_control.process import ServerProcess
@@ -95,6 +96,11 @@ def create_app(
     app = FastAPI(title="kdtree sidecar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.controller = controller
     app.state.desired_mode = desired
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> ApiJSON:  # /gate?to=...: no echo of it
+        return ApiJSON({"detail": validation_detail(e.errors())}, status_code=422)
+
     bearer = HTTPBearer(auto_error=False)
 
     def require_admin(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -177,7 +183,7 @@ def create_app(
     # then parsing, so an unauthenticated or oversized request is answered without reading its body.
     @app.post("/mode", dependencies=[Depends(require_admin)])
     async def mode(request: Request) -> ApiJSON:
-        req = await _mode_request(request)
+        req = await json_body(request, ModeRequest, MODE_BODY_MAX, "POST /mode")
         code, answer = await controller.request_mode(req)
         if desired is not None and code == 202 and isinstance(answer.transition, Transition):
             await desired.operator_asked(req.mode, answer.transition)  # the desired mode yields to it
@@ -189,29 +195,3 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-async def _mode_request(request: Request) -> ModeRequest:
-    """POST /mode's body, at most MODE_BODY_MAX bytes (413 otherwise), as a ModeRequest (422 naming the field)."""
-    too_large = HTTPException(
-        413, f"the body is larger than {MODE_BODY_MAX} bytes; POST /mode takes a few fields"
-    )
-    try:
-        declared = int(request.headers.get("content-length", "0"))
-    except ValueError:
-        raise HTTPException(400, "Content-Length is not a number") from None
-    if declared > MODE_BODY_MAX:
-        raise too_large
-    raw = bytearray()
-    async for chunk in request.stream():  # a chunked body has no Content-Length: count as it arrives
-        raw += chunk
-        if len(raw) > MODE_BODY_MAX:
-            raise too_large
-    try:
-        return ModeRequest.model_validate_json(bytes(raw))
-    except ValidationError as e:
-        detail = [
-            {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}  # no echo of the input itself
-            for err in e.errors()
-        ]
-        raise HTTPException(422, detail) from None

@@ -20,6 +20,7 @@ Faults, and what the leader does (tests/sidecar/test_group.py):
 import asyncio
 import logging
 import os
+import time
 
 import httpx
 from prometheus_client.core import GaugeMetricFamily
@@ -31,6 +32,7 @@ from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes, write_
 from kdtree.state.rank_records import RankView
 
 from .group_worker import NodeReport
+from .probe import SingleFlight
 from .rank_evidence import VolumeReading
 from .server_control import ServerControl, ServerControlError, ServerState
 from .settings import SidecarSettings
@@ -41,6 +43,29 @@ log = logging.getLogger("kdtree.sidecar")
 REPORT_MAX = (
     4 * 1024 * 1024
 )  # bytes: a worker's NodeReport the leader reads (records of at most a node's ranks)
+ANSWER_MAX = 4096  # bytes: what the leader reads of a worker's answer to POST /group/mode or /group/restart
+READ_REUSE_S = (
+    0.5  # callers within this of a read of every worker share it (/status, /metrics, /ready at once)
+)
+
+
+def shown(text: str, limit: int = 300) -> str:
+    """A worker's text as the leader logs and shows it: at most `limit` characters, control characters escaped (a
+    worker's answer cannot forge the leader's log lines or /status)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+
+
+def _read_capped(r: httpx.Response, deadline: float) -> str | None:
+    """At most ANSWER_MAX bytes of a streamed answer; None when it was not whole by `deadline` (monotonic): a worker
+    that trickles or floods its answer costs the leader a bounded time and memory."""
+    body = bytearray()
+    for chunk in r.iter_bytes():
+        body += chunk
+        if len(body) >= ANSWER_MAX:
+            break
+        if time.monotonic() > deadline:
+            return None
+    return body[:ANSWER_MAX].decode(errors="replace")
 
 
 class GroupClient:
@@ -63,6 +88,7 @@ class GroupClient:
         self._owed_unsaved = False  # the volume did not take the latest change: retried at each read
         self.latest: dict[int, NodeReport | str] = {}
         self._paying: asyncio.Task | None = None
+        self._reads = SingleFlight(self._read_all)
 
     def _load_owed(self) -> dict[int, tuple[Mode, bool]]:
         """What a previous sidecar left owed. An unreadable file does not stop the sidecar, and is not taken as
@@ -112,15 +138,18 @@ class GroupClient:
         url = self.nodes[node]
         body = bytearray()
         try:
-            async with client.stream("GET", f"{url}/status") as r:
+            # the whole answer within the deadline (httpx's timeout bounds each read, which a trickle never trips)
+            async with asyncio.timeout(self.timeout), client.stream("GET", f"{url}/status") as r:
                 async for chunk in r.aiter_bytes():  # bounded as it arrives: a report is a node's records
                     body += chunk
                     if len(body) > REPORT_MAX:
                         return f"node {node}'s sidecar ({url}) sent a report larger than {REPORT_MAX} bytes"
+        except TimeoutError:
+            return f"node {node}'s sidecar ({url}) did not answer whole within {self.timeout:g}s"
         except httpx.HTTPError as e:
-            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {e or 'no detail'}"
+            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {shown(str(e)) or 'no detail'}"
         if r.status_code != 200:
-            text = body[:300].decode(errors="replace")
+            text = shown(body[:300].decode(errors="replace"))
             return f"node {node}'s sidecar ({url}) answered {r.status_code}: {text}"
         try:
             report = NodeReport.model_validate_json(bytes(body))
@@ -134,7 +163,11 @@ class GroupClient:
         return report
 
     async def read(self) -> dict[int, NodeReport | str]:
-        """Every worker's report, or why there is none, at once (bounded by the probe deadline)."""
+        """Every worker's report, or why there is none, at once (bounded by the probe deadline); callers within
+        READ_REUSE_S of one read share it, so the workers see one read whatever the leader's callers."""
+        return await self._reads.get(READ_REUSE_S)
+
+    async def _read_all(self) -> dict[int, NodeReport | str]:
         async with self._client(self.timeout) as client:
             found = await asyncio.gather(*(self._report(client, n) for n in self.nodes))
         self.latest = dict(zip(self.nodes, found, strict=True))
@@ -182,6 +215,7 @@ class GroupClient:
         answers."""
         async with self._client(self.timeout) as client:
             results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
+        self._reads.invalidate()  # a read from before these writes says nothing of them
         failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
         before = dict(self.owed)
         for n in self.nodes:
@@ -198,35 +232,32 @@ class GroupClient:
 
     async def _post_mode(self, client: httpx.AsyncClient, node: int, mode: Mode) -> str | None:
         url = self.nodes[node]
+        body = bytearray()
         try:
-            r = await client.post(f"{url}/group/mode", json={"mode": mode.value})
+            async with (
+                asyncio.timeout(self.timeout),
+                client.stream("POST", f"{url}/group/mode", json={"mode": mode.value}) as r,
+            ):
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) >= ANSWER_MAX:
+                        break
+        except TimeoutError:
+            return f"node {node}'s sidecar ({url}) did not answer whole within {self.timeout:g}s"
         except httpx.HTTPError as e:
-            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {e or 'no detail'}"
-        return (
-            None
-            if r.status_code == 200
-            else f"node {node}'s sidecar answered {r.status_code}: {r.text[:300]}"
-        )
+            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {shown(str(e)) or 'no detail'}"
+        if r.status_code == 200:
+            return None
+        return f"node {node}'s sidecar answered {r.status_code}: {shown(body.decode(errors='replace'))}"
 
     def restart_workers(self, stop_timeout_s: int) -> None:
         """Restart every worker's server, node 1 first (blocking: the server control's thread). A node owed the kill
         switch is skipped (it restarts when it answers again); any other failure is a ServerControlError."""
         s = self.settings
         timeout = stop_timeout_s + s.restart_wait_s + 30
-        with httpx.Client(headers=self.headers, timeout=timeout, follow_redirects=False) as client:
-            for node, url in self.nodes.items():
-                if node in self.owed:
-                    continue
-                try:
-                    r = client.post(f"{url}/group/restart")
-                except httpx.HTTPError as e:
-                    raise ServerControlError(
-                        f"node {node}'s sidecar ({url}) did not restart its server: {type(e).__name__}: {e}"
-                    ) from None
-                if r.status_code != 200:
-                    raise ServerControlError(
-                        f"node {node}'s sidecar ({url}) did not restart its server: {r.status_code} {r.text[:300]}"
-                    )
+        for node in self.nodes:
+            if node not in self.owed:
+                self._restart_one(node, timeout)
 
     async def _pay(self, nodes: list[int]) -> None:
         """Give the nodes that answer again what the kill switch owes them: the mode file, then the restart."""
@@ -241,22 +272,41 @@ class GroupClient:
                 "node %d answers again: its mode file is now %s (owed by the kill switch)", node, mode
             )
             if restart:
+                s = self.settings
                 try:
-                    await asyncio.to_thread(self._restart_one, node)
-                except (ServerControlError, httpx.HTTPError) as e:
+                    await asyncio.to_thread(
+                        self._restart_one, node, s.restart_stop_timeout_s + s.restart_wait_s + 30
+                    )
+                except ServerControlError as e:
                     log.error("node %d: the owed restart failed: %s", node, e)
                     continue
             if self.owed.get(node) == (mode, restart):  # not replaced by a newer debt meanwhile
                 del self.owed[node]
                 self._save_owed()
 
-    def _restart_one(self, node: int) -> None:
-        s = self.settings
-        timeout = s.restart_stop_timeout_s + s.restart_wait_s + 30
-        with httpx.Client(headers=self.headers, timeout=timeout) as client:
-            r = client.post(f"{self.nodes[node]}/group/restart")
+    def _restart_one(self, node: int, timeout: float) -> None:
+        """POST /group/restart to one worker (blocking), its answer read by `timeout` from the start, give or take
+        one read's timeout; ServerControlError naming the node when it did not restart its server."""
+        url = self.nodes[node]
+        deadline = time.monotonic() + timeout
+        try:
+            with (
+                httpx.Client(headers=self.headers, timeout=timeout, follow_redirects=False) as client,
+                client.stream("POST", f"{url}/group/restart") as r,
+            ):
+                text = _read_capped(r, deadline)
+        except httpx.HTTPError as e:
+            raise ServerControlError(
+                f"node {node}'s sidecar ({url}) did not restart its server: {type(e).__name__}: {shown(str(e))}"
+            ) from None
+        if text is None:
+            raise ServerControlError(
+                f"node {node}'s sidecar ({url}) did not answer whole within {timeout:g}s"
+            )
         if r.status_code != 200:
-            raise ServerControlError(f"node {node}: {r.status_code} {r.text[:300]}")
+            raise ServerControlError(
+                f"node {node}'s sidecar ({url}) did not restart its server: {r.status_code} {shown(text)}"
+            )
 
     def node_status(self, views: list[RankView], problems: list[str]) -> list[dict]:
         """/status's `group`: each node, its ranks with a record, and the problems that name it."""

@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from kdtree.config import Mode
 from kdtree.state.atomic import json_safe
@@ -36,6 +36,7 @@ from kdtree.state.rank_records import RankView
 from .api import ServerView
 from .metrics import Metrics
 from .rank_evidence import check_ranks, read_volume
+from .request_body import json_body
 from .server_control import ServerControl, ServerControlError
 from .settings import SidecarSettings
 from .volume import StateVolume, VolumeWriteFailed
@@ -173,7 +174,7 @@ def create_worker_app(settings: SidecarSettings, server: ServerControl | None) -
 
     @app.post("/group/mode", dependencies=authorized)
     async def group_mode(request: Request) -> _Json:
-        req = await _bounded_body(request, GroupModeRequest)
+        req = await json_body(request, GroupModeRequest, GROUP_BODY_MAX, "POST /group/mode")
         try:
             node.write_mode(req.mode)
         except VolumeWriteFailed as e:
@@ -202,16 +203,3 @@ def create_worker_app(settings: SidecarSettings, server: ServerControl | None) -
         )  # fmt: skip
 
     return app
-
-
-async def _bounded_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The body as `model`, at most GROUP_BODY_MAX bytes (413), read after authentication (the route's dependency)."""
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > GROUP_BODY_MAX:
-            raise HTTPException(413, f"the body is larger than {GROUP_BODY_MAX} bytes")
-    try:
-        return model.model_validate_json(bytes(raw))
-    except ValidationError as e:
-        raise HTTPException(422, [{"loc": list(x["loc"]), "msg": x["msg"]} for x in e.errors()]) from None

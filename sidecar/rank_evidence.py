@@ -42,18 +42,23 @@ def fp8_bound(record: RankRecord) -> float | None:
     `verify_inputs` name); None when its pool is not fp8. On an fp8 pool the original (SGLang's Triton kernel) runs fp8
     math and kdtree widens the pool exactly, so the two differ by Triton's own fp8 error, a few percent
     (kernel_build/NOTES.md, "fp8 pools")."""
+    # describe_call writes kv_pool as [dtype, shape, width]; anything else names no pool (a record is the server
+    # process's writing: its shape is checked here, not trusted)
     pools = {
-        str(d["kv_pool"][0])
+        d["kv_pool"][0]
         for d in record.verify_inputs.values()
-        if isinstance(d, dict) and d.get("kv_pool")
+        if isinstance(d, dict) and isinstance(d.get("kv_pool"), list) and d["kv_pool"]
     }
+    pools = {p for p in pools if isinstance(p, str)}
     bounds = [FP8_PARITY_RTOL[p] for p in pools if p in FP8_PARITY_RTOL]
     return max(bounds) if bounds else None
 
 
 def read_rank_views(settings: SidecarSettings) -> list[RankView]:
     """Every rank record in the state directory (blocking file reads: run it on the state volume's thread)."""
-    return read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s)
+    # the expected ranks and a margin (a larger earlier --tp-size's leftovers are shown, not counted)
+    limit = settings.expected_tp_size + 64 if settings.expected_tp_size else 1024
+    return read_records(settings.state_dir, max_age_s=settings.heartbeat_stale_s, limit=limit)
 
 
 def read_volume(settings: SidecarSettings) -> VolumeReading:

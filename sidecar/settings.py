@@ -255,6 +255,14 @@ class SidecarSettings(StateDirSettings):
                 "no admin token: set KDTREE_ADMIN_TOKEN to a secret (clients send 'Authorization: Bearer <secret>'), "
                 "or set KDTREE_ALLOW_OPEN_ADMIN=true to let anyone who reaches the sidecar change the mode"
             )
+        t = self.admin_token
+        if t and not (t.isascii() and t.isprintable() and not any(c.isspace() for c in t)):
+            # an HTTP header carries it: no client could send another, and a group's leader could not either
+            where = "KDTREE_ADMIN_TOKEN_FILE's secret" if self.admin_token_file else "KDTREE_ADMIN_TOKEN"
+            raise ValueError(
+                f"{where} must be printable ASCII without spaces (it travels in an HTTP header): make one with "
+                "openssl rand -hex 24"
+            )
         return self
 
 

@@ -17,7 +17,14 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdtree.config import ConfigError, Mode
-from kdtree.state.atomic import json_safe, open_regular, read_model, tail_of, write_atomically
+from kdtree.state.atomic import (
+    STATE_FILE_MODE,
+    json_safe,
+    open_regular,
+    read_model,
+    tail_of,
+    write_atomically,
+)
 
 from .vocabulary import HoldVerdict, Method, Outcome, Step
 from .volume import StateVolume, VolumeWriteFailed
@@ -99,7 +106,11 @@ class SidecarState(BaseModel):
 
 
 def append_line(path: Path, line: str) -> None:
-    with path.open("a") as f:
+    """Append one line, never through a symbolic link (the server's processes can write the volume: a link planted
+    there must not aim the sidecar's writes at another file); a new file gets the state volume's mode."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, STATE_FILE_MODE)
+    with os.fdopen(fd, "a") as f:
         f.write(line + "\n")
 
 

@@ -11,10 +11,12 @@ the reader takes those and JSON's non-standard NaN/Infinity literals alike.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
 
@@ -23,6 +25,11 @@ from kdtree.state.pids import own_pid_ns, pid_exists
 
 SCHEMA = 1
 RECORD_MAX = 16 * 1024  # bytes: a rank record is about 1 KiB; a larger file is refused unread
+RECORD_NAME = re.compile(r"rank-([0-9]{1,6})\.json")  # ASCII digits only: "rank-².json" is no rank's record
+# A counter as the ranks write it (an int64 on the device); bounded so that no reader's arithmetic or float() of it
+# can overflow on a record the server's process wrote by mistake or on purpose.
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Rank = Annotated[int, Field(ge=-1, le=2**20)]  # -1: a record whose file name carries no rank
 
 
 class Parity(BaseModel):
@@ -30,11 +37,11 @@ class Parity(BaseModel):
 
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
-    calls_compared: int = 0
+    calls_compared: Count = 0
     max_abs_err: float = 0.0
     max_rel_l2: float = 0.0
-    calls_over_tol: int = 0
-    nan_inf: int = 0  # compared calls where kdtree's output held a NaN or Inf
+    calls_over_tol: Count = 0
+    nan_inf: Count = 0  # compared calls where kdtree's output held a NaN or Inf
     rtol: float = 0.0
 
 
@@ -43,11 +50,13 @@ class DdtreeBudget(BaseModel):
 
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
-    budgets: list[int] = Field(default_factory=list)  # what it chooses among (the last: the captured budget)
-    steps: int = 0  # decode steps it chose a budget for
-    request_steps: int = 0  # those steps' requests, summed
-    live_tokens: int = 0  # tokens verified a request (budget + 1), summed over the same
-    steps_at: dict[str, int] = Field(default_factory=dict)  # budget -> steps
+    budgets: list[Count] = Field(
+        default_factory=list
+    )  # what it chooses among (the last: the captured budget)
+    steps: Count = 0  # decode steps it chose a budget for
+    request_steps: Count = 0  # those steps' requests, summed
+    live_tokens: Count = 0  # tokens verified a request (budget + 1), summed over the same
+    steps_at: dict[str, Count] = Field(default_factory=dict)  # budget -> steps
     # the step's time besides the verify's attention, as the policy estimates it
     fixed_ms: float | None = None
     # budget -> drafted tokens a request is expected to accept there
@@ -62,26 +71,26 @@ class RankRecord(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="strings")
 
     schema_version: int = SCHEMA
-    pid: int
+    pid: Annotated[int, Field(ge=0, le=2**31)]
     pid_ns: str = ""  # /proc/self/ns/pid of the writer: pids are only comparable inside one namespace
     hostname: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
+    tp_rank: Rank = 0
+    tp_size: Annotated[int, Field(ge=1, le=2**20)] = 1
     mode: str  # the mode this rank serves now
     mode_applied_at: FiniteFloat = 0.0  # when it switched to it (its start, until a live switch)
     # the modes it switches to without a restart ([]: it started in off)
     live_modes: list[str] = Field(default_factory=list)
     mode_pending: str | None = None  # the sidecar's desired mode when this rank cannot switch to it live
     installed: bool = False
-    override_layers: int = (
+    override_layers: Count = (
         0  # kdtree wrappers in forward_extend's chain in this process: 1 when installed, never 2
     )
     gpu: str | None = None
     compute_capability: str | None = None
     compiled_archs: list[str] = Field(default_factory=list)
-    served_kdtree: int = 0  # target-verify calls answered by the kdtree kernel
-    served_original: int = 0  # target-verify calls answered by SGLang's Triton path
-    fallbacks: dict[str, int] = Field(default_factory=dict)  # reason -> count
+    served_kdtree: Count = 0  # target-verify calls answered by the kdtree kernel
+    served_original: Count = 0  # target-verify calls answered by SGLang's Triton path
+    fallbacks: dict[str, Count] = Field(default_factory=dict)  # reason -> count
     parity: Parity = Field(default_factory=Parity)
     # the first eager and the first captured verify call this rank handled, as metadata (kdtree.verify.describe_call)
     verify_inputs: dict[str, dict] = Field(default_factory=dict)
@@ -96,7 +105,7 @@ class RankRecord(BaseModel):
         """Tokens one verify reads a request (the draft tree's size N: max_extend_len of the verify calls recorded
         in verify_inputs); None before the rank saw one."""
         sizes = [c.get("max_extend_len") for c in self.verify_inputs.values() if isinstance(c, dict)]
-        sizes = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool)]
+        sizes = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 2**20]
         return max(sizes) if sizes else None
 
 
@@ -142,25 +151,33 @@ class _Schema(BaseModel):
 
 
 def read_records(
-    state_dir: str | os.PathLike, max_age_s: float = 30.0, now: float | None = None
+    state_dir: str | os.PathLike, max_age_s: float = 30.0, now: float | None = None, limit: int = 1024
 ) -> list[RankView]:
     """Every rank record in state_dir, sorted by rank, each marked stale when its writer is gone.
 
     Stale means: the heartbeat is older than max_age_s, or the writer shares our pid namespace and
     its pid no longer exists. A record that cannot be read is reported stale ("unreadable: why"), never dropped.
+    At most `limit` files are read, the lowest ranks first; the rest are counted in one unreadable view (each
+    reader's work and answer stay bounded whatever the server's processes leave in the volume).
     """
     now = time.time() if now is None else now
     views: list[RankView] = []
     my_ns = own_pid_ns()
-    for path in sorted(Path(state_dir).glob("rank-*.json")):
+    paths = sorted(Path(state_dir).glob("rank-*.json"), key=_rank_order)
+    if len(paths) > limit:
+        why = f"{len(paths) - limit} more rank-*.json files than the {limit} read: remove the ones no rank writes"
+        rec = RankRecord(pid=0, mode="unknown", tp_rank=-1, heartbeat=0, last_error=why)
+        views.append(RankView(record=rec, path=str(paths[limit]), stale=True, stale_reason=why, age_s=now))
+        paths = paths[:limit]
+    for path in paths:
         try:
             rec = read_record(path)
         except (OSError, ValueError) as e:
-            rank = path.stem.removeprefix("rank-")
+            named = RECORD_NAME.fullmatch(path.name)
             rec = RankRecord(
                 pid=0,
                 mode="unknown",
-                tp_rank=int(rank) if rank.isdigit() else -1,
+                tp_rank=int(named.group(1)) if named else -1,
                 heartbeat=0,
                 last_error=f"unreadable record: {e}",
             )
@@ -179,6 +196,11 @@ def read_records(
         )
     views.sort(key=lambda v: v.record.tp_rank)
     return views
+
+
+def _rank_order(path: Path) -> tuple[int, str]:
+    named = RECORD_NAME.fullmatch(path.name)
+    return (int(named.group(1)) if named else 2**21, path.name)
 
 
 def new_record(mode: str, tp_rank: int = 0, tp_size: int = 1) -> RankRecord:

@@ -11,7 +11,7 @@ import pytest
 from kdtree.config import FP8_PARITY_RTOL, Mode
 from kdtree.state.rank_records import Parity, RankView, new_record
 from sidecar.admission import gate_to_on, non_finite_parity
-from sidecar.rank_evidence import bake_evidence, check_ranks, live_records
+from sidecar.rank_evidence import bake_evidence, check_ranks, fp8_bound, live_records
 from sidecar.settings import SidecarSettings
 
 
@@ -132,3 +132,13 @@ def test_bake_evidence_needs_the_new_modes_work_on_every_rank():
     problems = bake_evidence(settings(), Mode.ON, before, after)
     assert problems == ["rank 1: kdtree served no verify call during the bake (served_kdtree 0 -> 0)"]
     assert bake_evidence(settings(), Mode.STANDBY, before, after) == []
+
+
+@pytest.mark.parametrize("kv_pool", [5, {"a": 1}, [], [7, [1]], "float8_e5m2", None])
+def test_a_pool_written_in_no_known_shape_names_no_fp8_bound(kv_pool):
+    """A record is the server process's writing: a kv_pool that is not [dtype, shape, width] leaves the gate on
+    KDTREE_GATE_MAX_REL_ERR, with no exception (the gate, /gate and /metrics read it)."""
+    views = [view(0), view(1)]
+    views[1].record.verify_inputs = {"captured": {"kv_pool": kv_pool}}
+    assert fp8_bound(views[1].record) is None
+    assert criteria(views)["max_rel_err"].threshold == 0.02

@@ -89,6 +89,9 @@ async def test_the_target_is_one_mode_and_nothing_else_is_taken(tmp_path):
     from standin_engine import free_port
 
     async with sidecar(make_settings(tmp_path, free_port())) as c:
-        bad = await c.get("/gate?to=turbo")
+        bad = await c.get("/gate?to=turbo%0d%0aforged")
         put = await c.put("/gate")
     assert bad.status_code == 422 and put.status_code == 405
+    assert (
+        bad.json()["detail"][0]["loc"] == ["query", "to"] and "turbo" not in bad.text
+    )  # named, never echoed

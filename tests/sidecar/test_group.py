@@ -231,8 +231,14 @@ async def test_a_worker_answers_its_leader_only(group):
             r = await w.request(method, path, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 403, path
         assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE and group.nodes[1].starts == 1
-        r = await w.post("/group/mode", content=b"{" * 1000, headers=AUTH)
+        r = await w.post(
+            "/group/mode", content=b"{" * 1000, headers={**AUTH, "Content-Type": "application/json"}
+        )
         assert r.status_code == 413
+        r = await w.post(
+            "/group/mode", content=b'{"mode": "on"}', headers={**AUTH, "Content-Type": "text/plain"}
+        )
+        assert r.status_code == 415 and read_desired_mode(group.dirs[1]) == Mode.VALIDATE
         r = await w.post("/mode", json={"mode": "on"}, headers=AUTH)
         assert r.status_code == 409 and "POST /mode to the leader's sidecar" in r.json()["error"]
         r = await until(lambda: _ok(w.get("/ready", headers=AUTH)))

@@ -6,9 +6,11 @@ the group as processes: tests/sidecar/test_group.py.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
+import time
 
 import pytest
 from sidecar_harness import make_settings
@@ -18,6 +20,7 @@ from kdtree.config import Mode
 from kdtree.state import owed_modes as owed_module
 from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes
 from sidecar.group_leader import GroupClient
+from sidecar.server_control import ServerControlError
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
@@ -96,3 +99,80 @@ async def test_an_unreadable_owed_file_is_kept_aside_and_reported_not_forgotten(
     await leader.write_mode(Mode.OFF, owe=True, restart=True)  # still unreachable: owed, and known again
     assert leader.node_status([], [])[1]["owed"] == "off" and leader.node_status([], [])[1]["problems"] == []
     assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
+
+
+# ---- a worker's sidecar that answers badly: the leader's time, memory and logs stay bounded ----------------------
+
+
+async def hostile_worker(behaviour: str):
+    """A stand-in for a worker's sidecar that misbehaves (NOT the sidecar: raw HTTP/1.1 over asyncio), as a node
+    whose sidecar hangs, or a node taken over, may: `trickle` sends its headers, then a byte every 0.3 s; `flood`
+    answers 500 with a 64 MiB body; `forge` answers 500 with line breaks and an escape in its text."""
+
+    async def answer(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        try:
+            if behaviour == "trickle":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+                for _ in range(200):
+                    writer.write(b" ")
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+            elif behaviour == "flood":
+                size = 64 * 1024 * 1024
+                writer.write(b"HTTP/1.1 500 Boom\r\nContent-Length: %d\r\n\r\n" % size)
+                for _ in range(size // 65536):
+                    writer.write(b"x" * 65536)
+                    await writer.drain()
+            else:
+                body = b"no\r\n2026-12-05 ERROR kdtree.sidecar forged line\x1b[2J"
+                writer.write(b"HTTP/1.1 500 Boom\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def leader_of(tmp_path, url: str) -> GroupClient:
+    settings = make_settings(tmp_path, free_port(), expected_tp_size=TP, nnodes=NODES, group_role="leader",
+                             verify=Mode.VALIDATE, group_workers=[url], probe_deadline_s=1.0)  # fmt: skip
+    return GroupClient(settings)
+
+
+async def test_a_worker_that_trickles_its_answer_is_unread_within_the_deadline(tmp_path):
+    server, url = await hostile_worker("trickle")
+    async with server:
+        leader = leader_of(tmp_path, url)
+        t0 = time.monotonic()
+        reports = await leader.read()
+        assert "did not answer whole within 0.8s" in reports[1]
+        failed = await leader.write_mode(
+            Mode.OFF, owe=True, restart=True
+        )  # the kill switch is not held up either
+        assert "did not answer whole" in failed[1] and leader.owed == {1: (Mode.OFF, True)}
+        assert time.monotonic() - t0 < 4
+        t0 = time.monotonic()
+        with pytest.raises(ServerControlError, match="node 1's sidecar"):
+            await asyncio.to_thread(
+                leader._restart_one, 1, 1.0
+            )  # a restart's answer: by its timeout, give or take
+        assert time.monotonic() - t0 < 4
+
+
+@pytest.mark.parametrize("behaviour", ["flood", "forge"])
+async def test_what_a_worker_answers_is_read_bounded_and_shown_escaped(tmp_path, behaviour):
+    server, url = await hostile_worker(behaviour)
+    async with server:
+        leader = leader_of(tmp_path, url)
+        failed = await leader.write_mode(Mode.ON, owe=False, restart=False)
+        with pytest.raises(ServerControlError) as restart:
+            await asyncio.to_thread(leader._restart_one, 1, 5.0)
+    for text in (failed[1], str(restart.value)):
+        assert "500" in text and "\n" not in text and "\r" not in text and "\x1b" not in text
+        assert len(text) < 500
+    if behaviour == "forge":
+        assert "\\r\\n2026-12-05 ERROR" in failed[1] and "\\x1b" in failed[1]

@@ -60,6 +60,18 @@ async def test_no_token_no_mutation(engine, tmp_path):
     assert audit_events(tmp_path) == []
 
 
+@pytest.mark.parametrize("token", ["s3cr\u20acT", "two words", "tab\there", "line\x7f"])
+def test_an_admin_token_no_header_can_carry_is_refused_at_start_without_showing_it(tmp_path, token):
+    """A token outside printable ASCII could never match a client's header (or the leader's, in a group); refused
+    when the settings load, naming the setting and the fix, never the token."""
+    with pytest.raises(ValueError, match="KDTREE_ADMIN_TOKEN must be printable ASCII without spaces") as e:
+        make_settings(tmp_path, 1, admin_token=token)
+    assert token not in str(e.value)
+    (tmp_path / "token").write_text(token + "\n")
+    with pytest.raises(ValueError, match="KDTREE_ADMIN_TOKEN_FILE's secret must be printable ASCII"):
+        make_settings(tmp_path, 1, admin_token=None, admin_token_file=tmp_path / "token")
+
+
 async def test_open_admin_needs_no_token(engine, tmp_path):
     proc = engine()
     settings = make_settings(tmp_path, proc.port, admin_token=None, allow_open_admin=True)
@@ -583,6 +595,12 @@ async def test_ready_stays_200_while_the_ranks_switch(engine, tmp_path):
         (AUTH, json.dumps({"mode": "on", "dry_run": True, "reason": "x" * 501}).encode(), 422),
         ({}, b"x" * 10_000_000, 401),  # no token: refused before the body is read
         (AUTH, json.dumps({"mode": "on", "dry_run": True, "reason": "x" * 5000}).encode(), 413),
+        (AUTH, json.dumps({"mode": "on", "reason": "drill\n2026 forged line"}).encode(), 422),
+        (
+            {**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
+            b'{"mode": "on"}',
+            415,
+        ),  # curl -d's default
     ],
     ids=[
         "no-token",
@@ -595,6 +613,8 @@ async def test_ready_stays_200_while_the_ranks_switch(engine, tmp_path):
         "long-reason",
         "huge-unauthenticated",
         "too-large",
+        "reason-line-break",
+        "not-json-content-type",
     ],  # fmt: skip
 )
 async def test_post_mode_authenticates_first_then_bounds_then_validates(
@@ -602,7 +622,7 @@ async def test_post_mode_authenticates_first_then_bounds_then_validates(
 ):
     proc = engine(mode=Mode.VALIDATE)
     async with sidecar(make_settings(tmp_path, proc.port), server=proc) as c:
-        r = await c.post("/mode", content=body, headers={**headers, "Content-Type": "application/json"})
+        r = await c.post("/mode", content=body, headers={"Content-Type": "application/json", **headers})
     assert r.status_code == code, r.text
     assert audit_events(tmp_path) == [] and read_desired_mode(tmp_path) == Mode.VALIDATE
     if code == 422:

@@ -16,8 +16,9 @@ import time
 import pytest
 
 from kdtree.config import ConfigError, Mode
+from kdtree.state.atomic import STATE_FILE_MODE
 from sidecar import store as store_module
-from sidecar.store import STATE_FILE, SidecarState, Store, Transition
+from sidecar.store import AUDIT_FILE, STATE_FILE, SidecarState, Store, Transition
 from sidecar.vocabulary import Method, Step
 from sidecar.volume import StateVolume, VolumeProblem, VolumeWriteFailed
 
@@ -224,3 +225,23 @@ def test_the_mode_the_server_should_be_in_follows_the_running_transition(
         state.active = Transition(from_mode=Mode.VALIDATE, to_mode=Mode.ON, method=method, step=step)
     assert state.expected_mode() is expected
     assert state.expected_modes() == ranks_may_report
+
+
+def test_the_audit_append_never_follows_a_link_planted_in_the_volume(tmp_path, caplog):
+    """The server's processes can write the state volume: a link named like the audit log is a failed append (the
+    volume's problem, ELOOP), and the file it points at is untouched."""
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / AUDIT_FILE).symlink_to(target)
+    store = Store(state, 50)
+    store.audit("accepted", Transition(from_mode=Mode.OFF, to_mode=Mode.VALIDATE))
+    assert target.read_text() == "keep\n" and store.volume.problem.errno == "ELOOP"
+
+
+def test_a_new_audit_log_is_group_readable_as_every_file_in_the_volume(tmp_path):
+    store = Store(tmp_path, 50)
+    store.audit("accepted", Transition(from_mode=Mode.OFF, to_mode=Mode.VALIDATE))
+    assert (tmp_path / AUDIT_FILE).stat().st_mode & 0o777 == STATE_FILE_MODE
+    assert store.audit_tail(1)[0]["event"] == "accepted"
