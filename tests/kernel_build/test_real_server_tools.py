@@ -289,8 +289,36 @@ def test_the_profile_summary_counts_gpu_busy_time_once_where_kernels_overlap_and
     assert late["host_waits_us_per_step"] == {
         "index_kernel": 60.0
     }  # charged to the launch that ended the gap
-    assert late["top_launch_counts_per_step"]["index_kernel"] == 1
+    assert late["launch_counts_per_step"]["index_kernel"] == 1
     assert profile_engine.summarize({"traceEvents": []}, 1) == {"error": "the trace has no kernel events"}
+
+
+def test_the_profile_says_what_a_ddtree_step_adds_to_the_chains_kernel_by_kernel():
+    sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "benchmarks"))
+    import profile_engine
+
+    kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    chain = [kernel("gemm", 0, 100), kernel("walk", 100, 10)]
+    tree = [kernel("gemm", 0, 100), kernel("walk", 100, 30), kernel("index", 200, 5), kernel("index", 300, 5)]
+    row = lambda algo, prompt, events: {  # noqa: E731
+        "algorithm": algo, "prompt": prompt, "mode": "on", "summary": profile_engine.summarize({"traceEvents": events}, 1)
+    }  # fmt: skip
+    rows = [
+        row("DFLASH-B16", 2048, chain),
+        row("DDTREE-B16-T15", 2048, tree),
+        row("DDTREE-B16-T15", 32768, tree),
+    ]
+    text = profile_engine.beyond(rows)
+    assert (
+        "DDTREE-B16-T15 beyond DFLASH-B16, prompt 2048, on: step wall +195 us, GPU busy +30 us, launches +2.0"
+        in text
+    )
+    assert "32768" not in text  # no chain row at that prompt: nothing to compare with
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ") and "kernel" not in ln]
+    assert lines[:2] == [
+        "| walk | +20.0 | +0.0 |",
+        "| index | +10.0 | +2.0 |",
+    ]  # largest first; gemm is the same
 
 
 @pytest.mark.parametrize(

@@ -104,8 +104,11 @@ def summarize(trace: dict, steps: int) -> dict:
             **{k: v / steps for k, v in by_group.most_common(8) if k not in dict(GROUPS)},
         },
         "top_kernels_us_per_step": {k: v / steps for k, v in by_name.most_common(30)},
+        "kernels_us_per_step": {
+            k: v / steps for k, v in by_name.items()
+        },  # every name: what beyond() compares
         "launches_per_step": len(kernels) / steps,
-        "top_launch_counts_per_step": {k: v / steps for k, v in counts.most_common(30)},
+        "launch_counts_per_step": {k: v / steps for k, v in counts.items()},
         "host_waits_us_per_step": {k: v / steps for k, v in waits.most_common(15)},
     }
 
@@ -160,6 +163,35 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['algorithm']} | {r['prompt']} | {r['mode']} | {s['wall_us_per_step']:.0f} | "
                      f"{s['gpu_busy_us_per_step']:.0f} | {100 * s['gpu_idle_share']:.0f}% | {groups} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def beyond(rows: list[dict], base: str = "DFLASH-B16", top: int = 15) -> str:
+    """What each other algorithm's step adds to `base`'s at the same prompt and mode, kernel by kernel: GPU time and
+    launches a step (where a DDTREE step's own cost is, against DFlash's chain)."""
+    ok = [r for r in rows if "error" not in r["summary"]]
+    out = []
+    for b in (r for r in ok if r["algorithm"] == base):
+        for r in (
+            r for r in ok if r["algorithm"] != base and (r["prompt"], r["mode"]) == (b["prompt"], b["mode"])
+        ):
+            mine, theirs = r["summary"], b["summary"]
+            us = collections.Counter(mine["kernels_us_per_step"])
+            us.subtract(theirs["kernels_us_per_step"])
+            wall = mine["wall_us_per_step"] - theirs["wall_us_per_step"]
+            busy = mine["gpu_busy_us_per_step"] - theirs["gpu_busy_us_per_step"]
+            launches = mine["launches_per_step"] - theirs["launches_per_step"]
+            out += [
+                f"\n{r['algorithm']} beyond {base}, prompt {r['prompt']}, {r['mode']}: step wall {wall:+.0f} us, GPU "
+                f"busy {busy:+.0f} us, launches {launches:+.1f} a step; the kernels that differ most (us a step):",
+                "",
+                "| kernel | us a step | launches a step |",
+                "|---|---|---|",
+            ]
+            count = collections.Counter(mine["launch_counts_per_step"])
+            count.subtract(theirs["launch_counts_per_step"])
+            for name, d in sorted(us.items(), key=lambda kv: -abs(kv[1]))[:top]:
+                out.append(f"| {name} | {d:+.1f} | {count.get(name, 0):+.1f} |")
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -227,7 +259,7 @@ def main() -> int:
         f"{args.layers} layers (kernel_build/bench/harness/tiny_model.py), batch 1, {args.steps} decode steps a row, SGLang's profiler "
         "(GPU activity) from the request's first token on; CUDA graphs for batch 1-4, Triton attention",
     ]
-    text = "\n".join(head) + "\n\n" + markdown(rows)
+    text = "\n".join(head) + "\n\n" + markdown(rows) + "\n" + beyond(rows)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
