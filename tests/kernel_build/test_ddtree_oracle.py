@@ -81,9 +81,10 @@ def test_the_profiles_expected_accept_lengths_are_those_the_benchmark_documents(
 
 
 def test_a_profile_draws_each_rank_as_often_as_it_says_and_the_rest_off_the_candidates(tmp_path):
-    torch.manual_seed(0)
     script = oracle.Script(profile_path=_profile_file(tmp_path, "0.6,0.15,0.05"))
-    ranks = script.ranks(20000, 10, "cpu").flatten()
+    ranks = script.ranks(
+        torch.arange(200_000).view(20000, 10)
+    ).flatten()  # consecutive tokens: the hash mixes them
     n = ranks.numel()
     for r, p in enumerate((0.6, 0.15, 0.05)):
         assert (ranks == r).sum().item() / n == pytest.approx(p, abs=0.01)
@@ -103,7 +104,65 @@ def test_a_changed_profile_file_is_read_again_between_steps(tmp_path):
     os.utime(path, ns=(1, 1))  # a new mtime even on a coarse clock
     assert script.refresh("cpu") is True
     assert script._cdf is cdf  # the same tensor (captured graphs read its address), new values
-    assert script.ranks(1000, 5, "cpu").eq(0).all()
+    assert script.ranks(torch.arange(5000).view(1000, 5)).eq(0).all()
+
+
+def test_a_tokens_draw_is_the_same_whoever_drafts_it_and_independent_of_its_neighbours(tmp_path):
+    """Drawn by the token: DFLASH's chain and DDTREE's tree meet the same rank at the same token of a continuation
+    (common random numbers), and a token's draw says nothing of the next one's (the hash, not the continuation)."""
+    script = oracle.Script(profile_path=_profile_file(tmp_path, ",".join(map(str, oracle.PROFILES["paper"]))))
+    tokens = oracle.true_tokens(torch.arange(4000), 15, 8192)
+    first, again = script.ranks(tokens), script.ranks(tokens.clone())
+    assert torch.equal(first, again) and torch.equal(script.ranks(tokens[:7, 3:9]), first[:7, 3:9])
+    u = oracle.uniform_of(torch.arange(100_000))
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.005
+    assert (
+        abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.01
+    )  # consecutive tokens uncorrelated
+    assert (
+        oracle.uniform_of(torch.tensor([2**31 - 1])).item() < 1
+    )  # no int64 overflow at the largest vocabulary
+
+
+def test_the_chain_and_the_tree_are_compared_on_the_same_draws(monkeypatch, tmp_path):
+    """The oracle's DFLASH head (install_dflash) and DDTREE's candidates (install) at the same roots: the chain
+    drafts the true token exactly where the tree's rank-0 candidate is it, so where the paper profile's tree of 16
+    holds the chain, the tree accepts at least what the chain does, request by request."""
+    from kdtree.ddtree import worker
+    from kdtree.ddtree.accept import AcceptBuffers, follow_tree
+    from kdtree.ddtree.tree import build_tree
+
+    profile = oracle.PROFILES["paper"]
+    monkeypatch.setenv(oracle.PROFILE_ENV, _profile_file(tmp_path, ",".join(map(str, profile))))
+    L, K, budget, vocab, bs = 15, 16, 16, 8192, 500
+    tree_module = types.SimpleNamespace(
+        TreeDraftSampler=type("S", (worker.TreeDraftSampler,), {}), DDTreeWorker=type("W", (), {"forward_batch_generation": None})
+    )  # fmt: skip
+    chain_module = types.SimpleNamespace(
+        DFlashWorkerV2=type("D", (), {"__init__": None, "forward_batch_generation": None}),
+        _DflashDraftSampler=type("C", (), {}),
+    )
+    oracle.install(tree_module)
+    oracle.install_dflash(chain_module)
+    sampler = object.__new__(tree_module.TreeDraftSampler)
+    sampler.L, sampler.K, sampler.lm_head = L, K, types.SimpleNamespace(org_vocab_size=vocab)
+    sampler.oracle_lp = torch.tensor(oracle.profile_lp(profile, K), dtype=torch.float32)
+    root = torch.randint(0, vocab, (bs,), generator=torch.Generator().manual_seed(3))
+    lp, ids = sampler.candidates(None, root)
+    head = chain_module._DflashDraftSampler()
+    head.block_size, head.tp_size, head.org_vocab_start, head.num_org = L + 1, 1, 0, vocab
+    head.out = torch.empty(bs * L, dtype=torch.int64)
+    block = torch.zeros(bs, L + 1, dtype=torch.int64)
+    block[:, 0] = root
+    head(torch.empty(bs * (L + 1), 1), block.flatten())
+    chain = head.out.view(bs, L)
+    true = oracle.true_tokens(root, L, vocab)
+    assert torch.equal(chain == true, ids[:, :, 0] == true)  # the same draw at every token
+    chain_accepted = (chain == true).int().cumprod(1).sum(1)
+    tree = build_tree(lp, ids, root, budget)
+    target = (oracle.A * tree.candidates + oracle.C) % vocab
+    out = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, budget + 1, L))
+    assert (out.accepted >= chain_accepted).all() and (out.accepted > chain_accepted).sum() > bs // 20
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

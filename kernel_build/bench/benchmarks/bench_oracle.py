@@ -3,7 +3,9 @@
 Every server runs kdtree on, on the same tiny DeepSeek-V3-architecture model (61 layers by default) turned into the
 oracle's bigram target, with a drafter whose acceptance is scripted by a rank profile
 (kernel_build/bench/harness/ddtree_oracle.py): at every drafted depth the true token sits at rank r with the profile's
-probability, drawn anew every step on the device, and the drafter's log-probs are the profile's. DFLASH-B16 drafts its
+probability, drawn on the device by a hash of the token (so every server meets the same draw at the same token of
+the same prompt: the rows of a prompt are compared on the same luck, and its rounds repeat it; a step observes each
+token's draw once, as a fresh draw a step would be), and the drafter's log-probs are the profile's. DFLASH-B16 drafts its
 rank-0 tokens as a chain of 15; DDTREE-B16-T<n> builds the best tree of n nodes from the same block. So this measures
 the system (the tree, the verify of its n + 1 tokens, the walk, the commit, the scheduler) at a known acceptance, not
 a drafter: the accept lengths it reports are the profile's, and the expected ones are printed beside them.
@@ -235,7 +237,7 @@ def main() -> int:
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads, MLA 512 + 64 (its attention runs at full cost, "
         "its output does not reach the logits); a one-layer DFlash drafter (dummy weights) whose candidates the "
         "profile scripts. An oracle drafter measures the system, not a drafter.",
-        "Profiles (P(true token at rank r), every depth, drawn each step): "
+        "Profiles (P(true token at rank r), every depth, drawn by the token: the same draws for every server): "
         + "; ".join(f"{n} {PROFILES[n]}" for n in profiles),
         f"Server: tp 1, Triton attention, kdtree on, CUDA graphs for batch 1-4, greedy, ignore_eos, {args.max_tokens} "
         f"tokens per request, {args.repeats} timed rounds per server (interleaved) after one untimed, prompt in the "

@@ -11,9 +11,14 @@ a drafter whose candidates are scripted, so that accepted lengths and tokens can
   - fixed ranks (DDTREE_ORACLE_RANKS, comma-separated, one a drafted depth): the same every step, log-probs
     log-softmax(-STEEP * rank); the tree is the same every step and how deep the true path reaches into it is what
     `expected_accepted` computes with the reference heap (kdtree.ddtree.reference): the tests' exact checks;
-  - a rank profile (DDTREE_ORACLE_PROFILE, a file: P(rank r) for r = 0, 1, ...; PROFILES): every step draws each
-    depth's rank anew, on the device; the log-probs are the profile's, so the tree is the best one for it. Accepted
-    lengths then average `expected_tree_accepted` (DDTREE) or `expected_chain_accepted` (DFLASH): the benchmark's.
+  - a rank profile (DDTREE_ORACLE_PROFILE, a file: P(rank r) for r = 0, 1, ...; PROFILES): each true token's rank
+    is drawn from the profile, on the device, by a hash of the token itself (`uniform_of`); the log-probs are the
+    profile's, so the tree is the best one for it. Accepted lengths then average `expected_tree_accepted` (DDTREE) or
+    `expected_chain_accepted` (DFLASH): the benchmark's. Drawn by token, every algorithm meets the same luck at the
+    same token of a continuation (common random numbers: a chain and a tree are compared on the same draws, where
+    separate random streams left a token of spread in a row's accept length), and the draws are still those of a
+    fresh draw a step: a walk observes a token's rank once (past its first miss, the target's own token is committed
+    there and the next step drafts after it; tokens past a miss are not observed).
   DDTREE's candidates are `TreeDraftSampler.candidates`; DFLASH's chain is its captured draft head
   (`_DflashDraftSampler`), which drafts the true token where the script puts it at rank 0 and another one elsewhere.
 
@@ -140,17 +145,39 @@ class Script:
         self._seen = (st.st_mtime_ns, st.st_size)
         return True
 
-    def ranks(self, bs: int, L: int, device):
-        """int64 [bs, L]: the true token's rank at each drafted depth (MAX_RANKS: not a candidate). Drawn on the
-        device (graph-safe: no host read), so that a captured draft draws anew at every replay."""
+    def ranks(self, tokens):
+        """int64, tokens' shape [bs, L]: the rank of each drafted depth's true token (`tokens`) among the depth's
+        candidates (MAX_RANKS: not a candidate): fixed ranks by depth, or a profile's draw by the token (module
+        docstring). Tensor ops only (graph-safe: no host read)."""
         import torch
 
         if self._fixed_dev is None and self._cdf is None:
-            self.prepare(device)
+            self.prepare(tokens.device)
         if self.fixed is not None:
-            return self._fixed_dev.expand(bs, L)
-        u = torch.rand(bs, L, device=device)
-        return torch.searchsorted(self._cdf, u, right=True)
+            return self._fixed_dev.expand_as(tokens)
+        return torch.searchsorted(self._cdf, uniform_of(tokens), right=True)
+
+
+def uniform_of(tokens):
+    """float32 in [0, 1), tokens' shape: a token's draw, the same wherever and whenever it is drafted (a 32-bit
+    integer hash, Wellons' lowbias32 after a golden-ratio multiply; every constant below 2^32 and every product below
+    2^63, so int64 arithmetic never overflows for a vocabulary below 2^31)."""
+    x = (tokens.long() * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x735A2D97) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    return (x >> 8).float() / float(1 << 24)  # 24 bits: exact in float32, so never 1.0
+
+
+def true_tokens(root, L: int, vocab: int):
+    """int64 [bs, L]: the bigram target's greedy continuation of each root, perm^d(root) for d = 1..L."""
+    import torch
+
+    out, tok = [], root
+    for _ in range(L):
+        tok = (A * tok + C) % vocab
+        out.append(tok)
+    return torch.stack(out, dim=1)
 
 
 def read_profile(path: str) -> tuple[float, ...]:
@@ -277,14 +304,11 @@ def install(worker_module) -> None:
         bs, L, K = root.shape[0], self.L, self.K
         vocab = int(self.lm_head.org_vocab_size)
         ks = torch.arange(K, device=root.device)
-        rank = script.ranks(bs, L, root.device)  # [bs, L]; K or more: the true token is not among the K
+        true = true_tokens(root, L, vocab)
+        rank = script.ranks(true)  # [bs, L]; K or more: the true token is not among the K
         lp = self.oracle_lp.expand(bs, L, K).contiguous()
-        ids = torch.empty(bs, L, K, dtype=torch.int64, device=root.device)
-        tok = root
-        for d in range(L):
-            tok = (A * tok + C) % vocab
-            row = (tok[:, None] + 1 + ks) % vocab  # K tokens other than the true one
-            ids[:, d].copy_(torch.where(ks == rank[:, d, None], tok[:, None], row))
+        row = (true[:, :, None] + 1 + ks) % vocab  # K tokens other than the true one
+        ids = torch.where(ks == rank[:, :, None], true[:, :, None], row)
         return lp, ids
 
     sampler_init = sampler_cls.__init__
@@ -337,12 +361,9 @@ def install_dflash(dflash_module) -> None:
         B, L = self.block_size, self.block_size - 1
         bs = hidden_states.shape[0] // B
         script.check(L, None)
-        tok = input_ids.view(bs, B)[:, 0].to(torch.int64)
-        rank = script.ranks(bs, L, tok.device)
-        out = self.out[: bs * L].view(bs, L)
-        for d in range(L):
-            tok = (A * tok + C) % self.num_org
-            out[:, d].copy_(torch.where(rank[:, d] == 0, tok, (tok + 1) % self.num_org))
+        true = true_tokens(input_ids.view(bs, B)[:, 0].to(torch.int64), L, self.num_org)
+        rank = script.ranks(true)
+        self.out[: bs * L].view(bs, L).copy_(torch.where(rank == 0, true, (true + 1) % self.num_org))
 
     step = worker_cls.forward_batch_generation
 
