@@ -81,7 +81,7 @@ class GroupClient:
         self.settings = settings
         self.volume = volume or StateVolume.of(settings)
         self.nodes = {i + 1: url for i, url in enumerate(settings.group_workers)}
-        self.headers = {"Authorization": f"Bearer {settings.admin_token}"}
+        self.headers = {"Authorization": f"Bearer {settings.group_token}"}  # the workers take no other
         self.timeout = settings.probe_deadline_s * 0.8
         self.owed_problem: str | None = None  # why what the workers are owed is unknown (an unreadable file)
         self.owed: dict[int, tuple[Mode, bool]] = self._load_owed()

@@ -9,7 +9,8 @@ health server, which answers 200 whatever their ranks do. So:
   NodeReport, and GET /ready: 200 only when every rank of its node is live, in its mode file's mode, with the hook
   installed unless off, and its server process runs). It writes its mode file and restarts its server when the
   leader's sidecar asks (POST /group/mode, POST /group/restart); POST /mode is the leader's. Every endpoint but
-  /live wants the admin token (the same Secret in every pod), checked before a body is read.
+  /live wants the group token (KDTREE_GROUP_TOKEN: the same Secret in every pod, not the admin token, which a
+  worker's sidecar never holds), checked before a body is read.
 
 The leader's side, its client of these sidecars, and the faults it meets: sidecar/group_leader.py.
 """
@@ -75,11 +76,11 @@ def _bearer_check(settings: SidecarSettings):
         if creds is None:
             raise HTTPException(
                 401,
-                "a worker's sidecar answers its group's leader only: send 'Authorization: Bearer <KDTREE_ADMIN_TOKEN>'",
+                "a worker's sidecar answers its group's leader only: send 'Authorization: Bearer <KDTREE_GROUP_TOKEN>'",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        if not hmac.compare_digest(creds.credentials.encode(), str(settings.admin_token).encode()):
-            raise HTTPException(403, "the bearer token does not match KDTREE_ADMIN_TOKEN")
+        if not hmac.compare_digest(creds.credentials.encode(), str(settings.group_token).encode()):
+            raise HTTPException(403, "the bearer token does not match KDTREE_GROUP_TOKEN")
 
     return require_token
 

@@ -1,8 +1,9 @@
 """`python -m sidecar.healthcheck [PATH]`: the container's healthcheck. Exit 0 when the sidecar answers 200 on PATH
 (default /live); else exit 1, printing why: the configuration the sidecar refused (python -m sidecar
 --on-config-error hold), or the answer it gave. What it prints is the container's health output (docker inspect).
-It sends the admin token when the container has one (KDTREE_ADMIN_TOKEN_FILE or KDTREE_ADMIN_TOKEN): a group's
-worker answers nothing but /live without it (the LeaderWorkerSet worker's readinessProbe runs this on /ready).
+It sends the container's token when it has one: a group's worker's group token (KDTREE_GROUP_TOKEN_FILE or
+KDTREE_GROUP_TOKEN), else the admin token (KDTREE_ADMIN_TOKEN_FILE or KDTREE_ADMIN_TOKEN): a group's worker answers
+nothing but /live without it (the LeaderWorkerSet worker's readinessProbe runs this on /ready).
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         pass
     port = os.environ.get("KDTREE_SIDECAR_PORT") or SidecarSettings.model_fields["sidecar_port"].default
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path[0]}")
+    name = "KDTREE_GROUP_TOKEN" if os.environ.get("KDTREE_GROUP_ROLE") == "worker" else "KDTREE_ADMIN_TOKEN"
     try:
-        token_file = os.environ.get("KDTREE_ADMIN_TOKEN_FILE")
-        token = read_secret_file(Path(token_file), "KDTREE_ADMIN_TOKEN_FILE") if token_file else None
+        token_file = os.environ.get(f"{name}_FILE")
+        token = read_secret_file(Path(token_file), f"{name}_FILE") if token_file else None
     except ValueError as e:
         print(e)
         return 1
-    token = token or os.environ.get("KDTREE_ADMIN_TOKEN")
+    token = token or os.environ.get(name)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:

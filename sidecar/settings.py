@@ -95,6 +95,12 @@ class SidecarSettings(StateDirSettings):
         description="a file holding the admin token (a Kubernetes Secret volume), instead of KDTREE_ADMIN_TOKEN",
     )
     allow_open_admin: bool = False
+    # A group's own token: the leader's sidecar sends it to its workers', which take nothing else (sidecar/group_*.py).
+    group_token: str | None = None
+    group_token_file: Path | None = Field(
+        None,
+        description="a file holding the group token (a Kubernetes Secret volume), instead of KDTREE_GROUP_TOKEN",
+    )
 
     # The gate to `on`: evidence collected in validate mode.
     gate_min_calls: int = Field(1000, ge=0, description="compared verify calls each rank must have")
@@ -193,12 +199,6 @@ class SidecarSettings(StateDirSettings):
                 f"KDTREE_GROUP_ROLE=worker with KDTREE_NODE_RANK={self.node_rank} of KDTREE_NNODES={n}: a worker is "
                 "node 1 .. nnodes-1 of a group of at least 2 (LeaderWorkerSet sets LWS_WORKER_INDEX, LWS_GROUP_SIZE)"
             )
-        if role != "single" and not (self.admin_token or self.admin_token_file):
-            raise ValueError(
-                f"KDTREE_GROUP_ROLE={role} without an admin token: the leader's sidecar and its workers' authenticate "
-                "each other with it; set KDTREE_ADMIN_TOKEN (or KDTREE_ADMIN_TOKEN_FILE) to the same secret in "
-                "every pod of the group"
-            )
         if self.expected_tp_size % n:
             raise ValueError(
                 f"KDTREE_EXPECTED_TP_SIZE={self.expected_tp_size} is not divisible by KDTREE_NNODES={n}: set it to "
@@ -242,28 +242,57 @@ class SidecarSettings(StateDirSettings):
         return v
 
     @model_validator(mode="after")
-    def _admin_is_decided(self) -> SidecarSettings:
-        if self.admin_token_file is not None:
-            if self.admin_token:
-                raise ValueError(
-                    "both KDTREE_ADMIN_TOKEN and KDTREE_ADMIN_TOKEN_FILE are set: set one (the file keeps the token "
-                    "out of the process environment)"
-                )
-            self.admin_token = read_secret_file(self.admin_token_file, "KDTREE_ADMIN_TOKEN_FILE")
-        if not self.admin_token and not self.allow_open_admin:
+    def _tokens_are_decided(self) -> SidecarSettings:
+        """The admin token (POST /mode) and, in a group, the group token (the leader's calls to its workers' sidecars):
+        each from its variable or its file, never both; a worker holds the group token only (its mode is the
+        leader's to set, so a worker's pod that is taken over cannot flip the group)."""
+        self.admin_token = _secret(self.admin_token, self.admin_token_file, "KDTREE_ADMIN_TOKEN")
+        self.group_token = _secret(self.group_token, self.group_token_file, "KDTREE_GROUP_TOKEN")
+        role = self.group_role
+        if role == "worker" and self.admin_token:
+            raise ValueError(
+                "KDTREE_GROUP_ROLE=worker with an admin token: a worker's sidecar answers its leader, which sends "
+                "KDTREE_GROUP_TOKEN, and takes no mode change of its own; unset KDTREE_ADMIN_TOKEN (and _FILE) there"
+            )
+        if role == "single" and self.group_token:
+            raise ValueError(
+                "KDTREE_GROUP_TOKEN is set with KDTREE_GROUP_ROLE=single: only a group's sidecars use it; unset it"
+            )
+        if role != "single" and not self.group_token:
+            raise ValueError(
+                f"KDTREE_GROUP_ROLE={role} without a group token: the leader's sidecar and its workers' authenticate "
+                "each other with KDTREE_GROUP_TOKEN (or KDTREE_GROUP_TOKEN_FILE), the same secret in every pod of "
+                "the group and not the admin token: openssl rand -hex 24"
+            )
+        if role == "leader" and self.group_token == self.admin_token:
+            raise ValueError(
+                "KDTREE_GROUP_TOKEN equals KDTREE_ADMIN_TOKEN: the workers hold the group token, so it must not also "
+                "change the group's mode; make another (openssl rand -hex 24)"
+            )
+        if role != "worker" and not self.admin_token and not self.allow_open_admin:
             raise ValueError(
                 "no admin token: set KDTREE_ADMIN_TOKEN to a secret (clients send 'Authorization: Bearer <secret>'), "
                 "or set KDTREE_ALLOW_OPEN_ADMIN=true to let anyone who reaches the sidecar change the mode"
             )
-        t = self.admin_token
-        if t and not (t.isascii() and t.isprintable() and not any(c.isspace() for c in t)):
-            # an HTTP header carries it: no client could send another, and a group's leader could not either
-            where = "KDTREE_ADMIN_TOKEN_FILE's secret" if self.admin_token_file else "KDTREE_ADMIN_TOKEN"
-            raise ValueError(
-                f"{where} must be printable ASCII without spaces (it travels in an HTTP header): make one with "
-                "openssl rand -hex 24"
-            )
         return self
+
+
+def _secret(value: str | None, file: Path | None, name: str) -> str | None:
+    """A token from its variable or its file (one of them), checked to be one an HTTP header can carry."""
+    if file is not None:
+        if value:
+            raise ValueError(
+                f"both {name} and {name}_FILE are set: set one (the file keeps the token out of the process environment)"
+            )
+        value = read_secret_file(file, f"{name}_FILE")
+    if value and not (value.isascii() and value.isprintable() and not any(c.isspace() for c in value)):
+        # an HTTP header carries it: no client could send another, and a group's leader could not either
+        where = f"{name}_FILE's secret" if file else name
+        raise ValueError(
+            f"{where} must be printable ASCII without spaces (it travels in an HTTP header): make one with "
+            "openssl rand -hex 24"
+        )
+    return value or None
 
 
 SECRET_MAX = 4096  # bytes: a token is a line; a larger file is refused unread

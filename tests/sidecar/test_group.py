@@ -118,10 +118,16 @@ class Group:
         return f"http://127.0.0.1:{self.relay.port}"
 
 
+GROUP_TOKEN = (
+    "test-group-token"  # the leader sends it to its workers; a worker holds no other (not the admin token)
+)
+GROUP_AUTH = {"Authorization": f"Bearer {GROUP_TOKEN}"}
+
+
 def group_settings(state_dir, port, role, **overrides) -> SidecarSettings:
-    return make_settings(
-        state_dir, port, expected_tp_size=TP, nnodes=NODES, group_role=role, verify=Mode.VALIDATE, **overrides
-    )
+    tokens = dict(group_token=GROUP_TOKEN, **({"admin_token": None} if role == "worker" else {}))
+    return make_settings(state_dir, port, expected_tp_size=TP, nnodes=NODES, group_role=role, verify=Mode.VALIDATE,
+                         **{**tokens, **overrides})  # fmt: skip
 
 
 @pytest.fixture
@@ -194,13 +200,29 @@ def modes_of_ranks(g: Group) -> dict[int, str]:
         (dict(group_role="single", nnodes=2), "KDTREE_GROUP_ROLE=leader on node 0"),
         (dict(group_role="leader", nnodes=2, group_workers="http://a", expected_tp_size=3), "not divisible"),
         (
-            dict(group_role="worker", nnodes=2, node_rank=1, admin_token=None, allow_open_admin=True),
-            "same secret",
+            dict(
+                group_role="worker",
+                nnodes=2,
+                node_rank=1,
+                admin_token=None,
+                allow_open_admin=True,
+                group_token=None,
+            ),
+            "without a group token",
+        ),  # fmt: skip
+        (dict(group_role="worker", nnodes=2, node_rank=1), "unset KDTREE_ADMIN_TOKEN"),  # least privilege
+        (
+            dict(group_role="leader", nnodes=2, group_workers="http://a", group_token=TOKEN),
+            "equals KDTREE_ADMIN",
         ),
+        (dict(group_token="g"), "only a group's sidecars use it"),
+        (dict(group_role="leader", nnodes=2, group_workers="http://a", group_token="a b"), "printable ASCII"),
     ],
 )
 def test_group_settings_are_refused_with_the_fix(fields, names, tmp_path):
-    base = dict(state_dir=str(tmp_path), admin_token=TOKEN, expected_tp_size=4)
+    base = dict(state_dir=str(tmp_path), admin_token=TOKEN, expected_tp_size=4, group_token=GROUP_TOKEN)
+    if fields.get("group_role", "single") == "single":
+        base.pop("group_token")
     with pytest.raises(ConfigError, match=names):
         SidecarSettings.load(**{**base, **fields})
 
@@ -209,7 +231,7 @@ def test_group_settings_from_leaderworkerset_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("LWS_GROUP_SIZE", "2")
     monkeypatch.setenv("LWS_WORKER_INDEX", "1")
     monkeypatch.setenv("KDTREE_GROUP_ROLE", "worker")
-    s = SidecarSettings.load(state_dir=str(tmp_path), admin_token=TOKEN, expected_tp_size=8)
+    s = SidecarSettings.load(state_dir=str(tmp_path), group_token=GROUP_TOKEN, expected_tp_size=8)
     assert (s.nnodes, s.node_rank, list(s.node_ranks(1)), s.rank_name(5)) == (
         2,
         1,
@@ -232,17 +254,29 @@ async def test_a_worker_answers_its_leader_only(group):
             assert r.status_code == 403, path
         assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE and group.nodes[1].starts == 1
         r = await w.post(
-            "/group/mode", content=b"{" * 1000, headers={**AUTH, "Content-Type": "application/json"}
+            "/group/mode", content=b"{" * 1000, headers={**GROUP_AUTH, "Content-Type": "application/json"}
         )
         assert r.status_code == 413
         r = await w.post(
-            "/group/mode", content=b'{"mode": "on"}', headers={**AUTH, "Content-Type": "text/plain"}
+            "/group/mode", content=b'{"mode": "on"}', headers={**GROUP_AUTH, "Content-Type": "text/plain"}
         )
         assert r.status_code == 415 and read_desired_mode(group.dirs[1]) == Mode.VALIDATE
-        r = await w.post("/mode", json={"mode": "on"}, headers=AUTH)
+        r = await w.post("/mode", json={"mode": "on"}, headers=GROUP_AUTH)
         assert r.status_code == 409 and "POST /mode to the leader's sidecar" in r.json()["error"]
-        r = await until(lambda: _ok(w.get("/ready", headers=AUTH)))
+        r = await until(lambda: _ok(w.get("/ready", headers=GROUP_AUTH)))
         assert r.json()["node_rank"] == 1
+
+
+async def test_the_group_token_a_worker_holds_cannot_change_the_groups_mode(group):
+    """Least privilege: a worker's pod holds the group token only, and the leader's POST /mode takes the admin token
+    only, so a worker taken over cannot flip the group."""
+    async with sidecar(group.leader_settings()) as c:
+        r = await c.post("/mode", json={"mode": "off"}, headers=GROUP_AUTH)
+        assert r.status_code == 403 and "KDTREE_ADMIN_TOKEN" in r.text
+    assert (
+        read_desired_mode(group.dirs[0]) == Mode.VALIDATE
+        and read_desired_mode(group.dirs[1]) == Mode.VALIDATE
+    )
 
 
 async def test_the_workers_readiness_probe_sends_the_token(group, monkeypatch, capsys, tmp_path):
@@ -250,14 +284,25 @@ async def test_the_workers_readiness_probe_sends_the_token(group, monkeypatch, c
     from sidecar import healthcheck
 
     async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
-        await until(lambda: _ok(w.get("/ready", headers=AUTH)))
-    for var in ("KDTREE_ADMIN_TOKEN", "KDTREE_ADMIN_TOKEN_FILE"):
+        await until(lambda: _ok(w.get("/ready", headers=GROUP_AUTH)))
+    for var in (
+        "KDTREE_ADMIN_TOKEN",
+        "KDTREE_ADMIN_TOKEN_FILE",
+        "KDTREE_GROUP_TOKEN",
+        "KDTREE_GROUP_TOKEN_FILE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KDTREE_SIDECAR_PORT", group.worker_url.rsplit(":", 1)[1])
+    monkeypatch.setenv("KDTREE_GROUP_ROLE", "worker")
     assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 1
     assert "GET /ready answered 401" in capsys.readouterr().out
-    (tmp_path / "token").write_text(TOKEN + "\n")
-    monkeypatch.setenv("KDTREE_ADMIN_TOKEN_FILE", str(tmp_path / "token"))
+    monkeypatch.setenv(
+        "KDTREE_ADMIN_TOKEN", TOKEN
+    )  # a worker's sidecar takes no admin token, even if one is there
+    assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 1
+    assert "GET /ready answered 401" in capsys.readouterr().out
+    (tmp_path / "token").write_text(GROUP_TOKEN + "\n")
+    monkeypatch.setenv("KDTREE_GROUP_TOKEN_FILE", str(tmp_path / "token"))
     assert await asyncio.to_thread(healthcheck.main, ["/ready"]) == 0
     assert await asyncio.to_thread(healthcheck.main, ["/live"]) == 0
 
@@ -292,7 +337,7 @@ async def test_ready_only_with_every_rank_of_every_node(group):
             assert not any("node 0" in r for r in reasons)
             assert (await h.get(f"http://127.0.0.1:{group.ports[1]}/health")).status_code == 200
             async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
-                r = await w.get("/ready", headers=AUTH)
+                r = await w.get("/ready", headers=GROUP_AUTH)
                 assert r.status_code == 503 and "node 1 rank 2: record is stale" in r.json()["reasons"][0]
             await h.post(f"http://127.0.0.1:{group.ports[1]}/_standin/fault", json={"fault": "none"})
         await wait_ready(c)
@@ -328,7 +373,7 @@ async def test_a_partition_between_the_sidecars(group):
         assert 'kdtree_group_node_up{node="1"} 0.0' in (await c.get("/metrics")).text
         # The worker itself is fine: its own readiness says so to whoever reaches it.
         async with httpx.AsyncClient(base_url=group.worker_url, timeout=10) as w:
-            assert (await w.get("/ready", headers=AUTH)).status_code == 200
+            assert (await w.get("/ready", headers=GROUP_AUTH)).status_code == 200
         # A flip other than the kill switch is refused while a node is unread, naming it; nothing changes.
         r = await c.post("/mode", json={"mode": "on"}, headers=AUTH)
         assert r.status_code == 503 and "node 1's sidecar" in r.json()["error"], r.json()

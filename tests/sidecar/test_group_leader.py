@@ -37,6 +37,7 @@ def silent_worker_settings(tmp_path) -> SidecarSettings:
         group_role="leader",
         verify=Mode.VALIDATE,
         group_workers=[f"http://127.0.0.1:{free_port()}"],
+        group_token="test-group-token",
     )
 
 
@@ -139,7 +140,8 @@ async def hostile_worker(behaviour: str):
 
 def leader_of(tmp_path, url: str) -> GroupClient:
     settings = make_settings(tmp_path, free_port(), expected_tp_size=TP, nnodes=NODES, group_role="leader",
-                             verify=Mode.VALIDATE, group_workers=[url], probe_deadline_s=1.0)  # fmt: skip
+                             verify=Mode.VALIDATE, group_workers=[url], probe_deadline_s=1.0,
+                             group_token="test-group-token")  # fmt: skip
     return GroupClient(settings)
 
 

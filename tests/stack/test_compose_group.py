@@ -17,6 +17,7 @@ import pytest
 from test_compose_files import compose, env_file, rendered  # noqa: F401 - `compose` is a fixture
 
 REPO = Path(__file__).resolve().parents[2]
+GROUP_TOKEN = "ci-group-token"
 FILES = [
     REPO / "compose.yaml",
     REPO / "tests" / "stack" / "compose.ci.yaml",
@@ -25,7 +26,9 @@ FILES = [
 
 
 def test_the_two_node_file_renders_two_nodes_apart(compose, tmp_path):  # noqa: F811
-    services = rendered(compose, env_file(tmp_path), *FILES)
+    env = env_file(tmp_path)
+    env.write_text(env.read_text() + "KDTREE_GROUP_TOKEN=g0up\n")
+    services = rendered(compose, env, *FILES)
     leader, worker = services["sidecar"]["environment"], services["sidecar-worker"]["environment"]
     assert (leader["KDTREE_GROUP_ROLE"], leader["KDTREE_GROUP_WORKERS"]) == (
         "leader",
@@ -33,7 +36,10 @@ def test_the_two_node_file_renders_two_nodes_apart(compose, tmp_path):  # noqa: 
     )
     assert (worker["KDTREE_GROUP_ROLE"], worker["KDTREE_NODE_RANK"]) == ("worker", "1")
     assert leader["KDTREE_EXPECTED_TP_SIZE"] == worker["KDTREE_EXPECTED_TP_SIZE"] == "4"
-    assert leader["KDTREE_ADMIN_TOKEN"] == worker["KDTREE_ADMIN_TOKEN"]
+    assert leader["KDTREE_GROUP_TOKEN"] == worker["KDTREE_GROUP_TOKEN"] == "g0up"
+    assert (
+        "KDTREE_ADMIN_TOKEN" not in worker
+    )  # least privilege: a worker's sidecar holds the group token only
     for name in ("sidecar-worker", "server-worker"):
         assert services[name]["network_mode"] == "service:netns-worker", name  # node 1's own namespace
         (volume,) = [v for v in services[name]["volumes"] if "/var/run/kdtree" in str(v)]
@@ -57,6 +63,7 @@ def group_stack(tmp_path_factory):
     models.chmod(0o755)
     s = Stack(tmp_path_factory.mktemp("group"), models, files=FILES)
     s.env["KDTREE_TP_SIZE"] = "4"
+    s.env["KDTREE_GROUP_TOKEN"] = GROUP_TOKEN
     try:
         s.compose("up", "-d")
         yield s
@@ -88,7 +95,10 @@ def test_compose_group_is_ready_only_with_both_nodes_ranks(group_stack):
     worker = "http://netns-worker:8080"
     assert from_leader(group_stack, "GET", f"{worker}/live", None) == 200
     assert from_leader(group_stack, "POST", f"{worker}/group/mode", None, {"mode": "off"}) == 401
-    assert from_leader(group_stack, "GET", f"{worker}/ready", TOKEN) == 200
+    assert (
+        from_leader(group_stack, "GET", f"{worker}/ready", TOKEN) == 403
+    )  # the admin token opens nothing there
+    assert from_leader(group_stack, "GET", f"{worker}/ready", GROUP_TOKEN) == 200
 
 
 @pytest.mark.docker

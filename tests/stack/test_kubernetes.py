@@ -308,8 +308,8 @@ def test_env_names_are_settings(rendered, target):
 
 
 def _load(cls, c: dict, monkeypatch, tmp_path):
-    """The settings class as this container's environment makes it (a secret stands in as 't', and so does a file
-    of a Secret volume it mounts, written under tmp_path)."""
+    """The settings class as this container's environment makes it (a secret stands in as 't', and a file of a
+    Secret volume it mounts as 't' too, written under tmp_path; the group's token, which must differ, as 'g')."""
     for name in list(os.environ):
         if name.startswith("KDTREE_"):
             monkeypatch.delenv(name)
@@ -319,7 +319,7 @@ def _load(cls, c: dict, monkeypatch, tmp_path):
             mount = next(m for p, m in mounts(c).items() if value.startswith(p.rstrip("/") + "/"))
             stand_in = tmp_path / mount["name"] / value.rsplit("/", 1)[1]
             stand_in.parent.mkdir(exist_ok=True)
-            stand_in.write_text("t\n")
+            stand_in.write_text("g\n" if mount["name"] == "group-token" else "t\n")
             value = str(stand_in)
         monkeypatch.setenv(e["name"], value)
     return cls()

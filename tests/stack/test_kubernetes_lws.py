@@ -200,7 +200,10 @@ def test_each_sidecar_loads_its_role(objects, which, index, monkeypatch, tmp_pat
         assert label is None  # from the downward API, not a literal
     else:
         assert s.group_role == "worker" and s.group_workers == []
-    assert s.admin_token == "t"
+    assert s.group_token == "g"
+    assert s.admin_token == (
+        "t" if which == "leaderTemplate" else None
+    )  # least privilege: none in a worker's pod
 
 
 def test_probes_are_the_single_node_pods(objects, tmp_path):
@@ -217,7 +220,7 @@ def test_probes_are_the_single_node_pods(objects, tmp_path):
     assert worker["livenessProbe"] == base_sidecar["livenessProbe"]
     assert worker["readinessProbe"]["exec"]["command"] == ["python", "-m", "sidecar.healthcheck", "/ready"]
     settings = SidecarSettings(
-        admin_token="t",
+        group_token="g",
         state_dir=str(tmp_path),
         group_role="worker",
         nnodes=2,
@@ -226,3 +229,21 @@ def test_probes_are_the_single_node_pods(objects, tmp_path):
     )
     routes = {getattr(r, "path", None) for r in create_app(settings).routes}
     assert {"/live", "/ready", "/status", "/group/mode", "/group/restart"} <= routes
+
+
+def test_a_workers_pod_holds_the_group_token_and_no_admin_token(objects):
+    """Least privilege: the group token is a Secret file in each sidecar (never the server's, never an environment);
+    the admin token is in the leader's pod only, so a worker's pod taken over cannot change the group's mode."""
+    for which in TEMPLATES:
+        spec = template(objects, which)["spec"]
+        sidecar, server = pod_container(objects, which, "sidecar"), pod_container(objects, which, "server")
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        mounted = {m["name"] for m in sidecar["volumeMounts"]}
+        assert secrets["group-token"] == "kdtree-group" and "group-token" in mounted
+        assert not {m["name"] for m in server["volumeMounts"]} & set(secrets)
+        names = {e["name"] for c in (sidecar, server) for e in c.get("env", [])}
+        assert "KDTREE_GROUP_TOKEN" not in names and "KDTREE_ADMIN_TOKEN" not in names
+        if which == "leaderTemplate":
+            assert secrets["admin-token"] == "kdtree-admin" and "admin-token" in mounted
+        else:
+            assert "kdtree-admin" not in secrets.values() and "KDTREE_ADMIN_TOKEN_FILE" not in names
