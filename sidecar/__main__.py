@@ -22,8 +22,6 @@ from .app import create_app
 from .healthcheck import REFUSAL, clear_refusal, write_refusal
 from .settings import SidecarSettings
 
-CONCURRENCY_MAX = 256  # a few pollers, the probes, kdtreectl and a group's leader need far fewer
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sidecar", description="the kdtree sidecar")
@@ -53,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             while True:
                 signal.pause()
         return 2
-    # Connections and requests at once, beyond which uvicorn answers 503 at once: a client holding many connections
-    # open (uvicorn has no timeout for reading headers) cannot take the memory and descriptors /live and /ready need.
-    uvicorn.run(app, host=settings.sidecar_host, port=settings.sidecar_port, log_level="info",
-                limit_concurrency=CONCURRENCY_MAX)  # fmt: skip
+    uvicorn.run(app, host=settings.sidecar_host, port=settings.sidecar_port, log_level="info")
     return 0
 
 

@@ -168,9 +168,14 @@ class GroupClient:
         return await self._reads.get(READ_REUSE_S)
 
     async def _read_all(self) -> dict[int, NodeReport | str]:
+        generation = self._reads.generation
         async with self._client(self.timeout) as client:
             found = await asyncio.gather(*(self._report(client, n) for n in self.nodes))
-        self.latest = dict(zip(self.nodes, found, strict=True))
+        reports = dict(zip(self.nodes, found, strict=True))
+        if generation != self._reads.generation:
+            # a write to the workers began meanwhile: this read may predate it, so `latest` keeps a newer one
+            return reports
+        self.latest = reports
         if self._owed_unsaved:
             self._save_owed(retry=True)
         if self.owed and (self._paying is None or self._paying.done()):
@@ -213,9 +218,11 @@ class GroupClient:
         """Write `mode` into every worker's mode file; returns the nodes that did not take it (why). owe (the kill
         switch, a rollback): those nodes are owed the mode, and a restart when `restart`, until their sidecar
         answers."""
-        async with self._client(self.timeout) as client:
-            results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
-        self._reads.invalidate()  # a read from before these writes says nothing of them
+        try:
+            async with self._client(self.timeout) as client:
+                results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
+        finally:
+            self._reads.invalidate()  # a read from before these writes says nothing of them
         failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
         before = dict(self.owed)
         for n in self.nodes:
@@ -255,9 +262,12 @@ class GroupClient:
         switch is skipped (it restarts when it answers again); any other failure is a ServerControlError."""
         s = self.settings
         timeout = stop_timeout_s + s.restart_wait_s + 30
-        for node in self.nodes:
-            if node not in self.owed:
-                self._restart_one(node, timeout)
+        try:
+            for node in self.nodes:
+                if node not in self.owed:
+                    self._restart_one(node, timeout)
+        finally:
+            self._reads.invalidate()
 
     async def _pay(self, nodes: list[int]) -> None:
         """Give the nodes that answer again what the kill switch owes them: the mode file, then the restart."""
@@ -266,8 +276,10 @@ class GroupClient:
                 continue
             mode, restart = self.owed[node]
             async with self._client(self.timeout) as client:
-                if await self._post_mode(client, node, mode):
-                    continue
+                failed = await self._post_mode(client, node, mode)
+            self._reads.invalidate()
+            if failed:
+                continue
             log.warning(
                 "node %d answers again: its mode file is now %s (owed by the kill switch)", node, mode
             )
@@ -280,6 +292,8 @@ class GroupClient:
                 except ServerControlError as e:
                     log.error("node %d: the owed restart failed: %s", node, e)
                     continue
+                finally:
+                    self._reads.invalidate()
             if self.owed.get(node) == (mode, restart):  # not replaced by a newer debt meanwhile
                 del self.owed[node]
                 self._save_owed()

@@ -92,6 +92,11 @@ class SingleFlight(Generic[T]):
     def cached(self) -> T | None:
         return self._value
 
+    @property
+    def generation(self) -> int:
+        """Moves at each invalidate(): a fetch that began under another generation predates what invalidated it."""
+        return self._generation
+
     def invalidate(self) -> None:
         """Forget the cached value; a fetch already in flight is not reused either."""
         self._generation += 1

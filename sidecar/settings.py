@@ -252,7 +252,8 @@ class SidecarSettings(StateDirSettings):
         if role == "worker" and self.admin_token:
             raise ValueError(
                 "KDTREE_GROUP_ROLE=worker with an admin token: a worker's sidecar answers its leader, which sends "
-                "KDTREE_GROUP_TOKEN, and takes no mode change of its own; unset KDTREE_ADMIN_TOKEN (and _FILE) there"
+                "KDTREE_GROUP_TOKEN, and takes no mode change of its own; unset KDTREE_ADMIN_TOKEN (and _FILE) there, "
+                "and set KDTREE_GROUP_TOKEN (or _FILE) to the group's token, as on the leader"
             )
         if role == "single" and self.group_token:
             raise ValueError(

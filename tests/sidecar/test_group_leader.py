@@ -178,3 +178,27 @@ async def test_what_a_worker_answers_is_read_bounded_and_shown_escaped(tmp_path,
         assert len(text) < 500
     if behaviour == "forge":
         assert "\\r\\n2026-12-05 ERROR" in failed[1] and "\\x1b" in failed[1]
+
+
+async def test_a_read_that_began_before_a_write_to_the_workers_does_not_replace_a_newer_one(
+    tmp_path, monkeypatch
+):
+    """The leader shares one read of its workers between callers; a read still in flight when a write to the workers
+    (the kill switch, say) began may predate it, so it never becomes `latest` (what /status and the metrics show)."""
+    leader = GroupClient(silent_worker_settings(tmp_path))
+    release = asyncio.Event()
+
+    async def slow_report(client, node):
+        await release.wait()
+        return "from before the write"
+
+    monkeypatch.setattr(leader, "_report", slow_report)
+    in_flight = asyncio.create_task(leader.read())
+    await asyncio.sleep(0.05)
+    await leader.write_mode(Mode.OFF, owe=True, restart=True)  # the worker does not answer: owed off
+    leader.latest = {1: "newer"}
+    release.set()
+    assert await in_flight == {1: "from before the write"}  # its callers asked before the write
+    assert leader.latest == {1: "newer"}
+    monkeypatch.setattr(leader, "_report", lambda client, node: asyncio.sleep(0, "after the write"))
+    assert await leader.read() == {1: "after the write"} and leader.latest == {1: "after the write"}
