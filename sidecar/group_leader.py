@@ -134,23 +134,35 @@ class GroupClient:
     def _client(self, timeout: float) -> httpx.AsyncClient:
         return httpx.AsyncClient(headers=self.headers, timeout=timeout, follow_redirects=False)
 
-    async def _report(self, client: httpx.AsyncClient, node: int) -> NodeReport | str:
+    async def _fetch(
+        self, client: httpx.AsyncClient, node: int, method: str, path: str, limit: int, **kwargs
+    ) -> tuple[int, bytes] | str:
+        """A worker's answer (status, body), or why there is none: whole within the deadline (httpx's timeout bounds
+        each read, which a trickle never trips), and at most `limit` + one chunk of it read (a longer body is cut)."""
         url = self.nodes[node]
         body = bytearray()
         try:
-            # the whole answer within the deadline (httpx's timeout bounds each read, which a trickle never trips)
-            async with asyncio.timeout(self.timeout), client.stream("GET", f"{url}/status") as r:
-                async for chunk in r.aiter_bytes():  # bounded as it arrives: a report is a node's records
+            async with asyncio.timeout(self.timeout), client.stream(method, f"{url}{path}", **kwargs) as r:
+                async for chunk in r.aiter_bytes():
                     body += chunk
-                    if len(body) > REPORT_MAX:
-                        return f"node {node}'s sidecar ({url}) sent a report larger than {REPORT_MAX} bytes"
+                    if len(body) > limit:
+                        break
         except TimeoutError:
             return f"node {node}'s sidecar ({url}) did not answer whole within {self.timeout:g}s"
         except httpx.HTTPError as e:
             return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {shown(str(e)) or 'no detail'}"
-        if r.status_code != 200:
-            text = shown(body[:300].decode(errors="replace"))
-            return f"node {node}'s sidecar ({url}) answered {r.status_code}: {text}"
+        return r.status_code, bytes(body)
+
+    async def _report(self, client: httpx.AsyncClient, node: int) -> NodeReport | str:
+        url = self.nodes[node]
+        answer = await self._fetch(client, node, "GET", "/status", REPORT_MAX)
+        if isinstance(answer, str):
+            return answer
+        status, body = answer
+        if len(body) > REPORT_MAX:  # a report is a node's records
+            return f"node {node}'s sidecar ({url}) sent a report larger than {REPORT_MAX} bytes"
+        if status != 200:
+            return f"node {node}'s sidecar ({url}) answered {status}: {shown(body.decode(errors='replace'))}"
         try:
             report = NodeReport.model_validate_json(bytes(body))
         except ValidationError as e:
@@ -238,24 +250,15 @@ class GroupClient:
         return failed
 
     async def _post_mode(self, client: httpx.AsyncClient, node: int, mode: Mode) -> str | None:
-        url = self.nodes[node]
-        body = bytearray()
-        try:
-            async with (
-                asyncio.timeout(self.timeout),
-                client.stream("POST", f"{url}/group/mode", json={"mode": mode.value}) as r,
-            ):
-                async for chunk in r.aiter_bytes():
-                    body += chunk
-                    if len(body) >= ANSWER_MAX:
-                        break
-        except TimeoutError:
-            return f"node {node}'s sidecar ({url}) did not answer whole within {self.timeout:g}s"
-        except httpx.HTTPError as e:
-            return f"node {node}'s sidecar ({url}) did not answer: {type(e).__name__}: {shown(str(e)) or 'no detail'}"
-        if r.status_code == 200:
-            return None
-        return f"node {node}'s sidecar answered {r.status_code}: {shown(body.decode(errors='replace'))}"
+        answer = await self._fetch(client, node, "POST", "/group/mode", ANSWER_MAX, json={"mode": mode.value})
+        if isinstance(answer, str):
+            return answer
+        status, body = answer
+        return (
+            None
+            if status == 200
+            else f"node {node}'s sidecar answered {status}: {shown(body.decode(errors='replace'))}"
+        )
 
     def restart_workers(self, stop_timeout_s: int) -> None:
         """Restart every worker's server, node 1 first (blocking: the server control's thread). A node owed the kill
