@@ -89,6 +89,9 @@ class GroupClient:
         self.latest: dict[int, NodeReport | str] = {}
         self._paying: asyncio.Task | None = None
         self._reads = SingleFlight(self._read_all)
+        # one write of the workers' mode files at a time: a debt's POST that began before a flip's must not land after
+        # it (the node would keep the older mode), and the debt is read again under the lock
+        self._writes = asyncio.Lock()
 
     def _load_owed(self) -> dict[int, tuple[Mode, bool]]:
         """What a previous sidecar left owed. An unreadable file does not stop the sidecar, and is not taken as
@@ -230,20 +233,21 @@ class GroupClient:
         """Write `mode` into every worker's mode file; returns the nodes that did not take it (why). owe (the kill
         switch, a rollback): those nodes are owed the mode, and a restart when `restart`, until their sidecar
         answers."""
-        try:
-            async with self._client(self.timeout) as client:
-                results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
-        finally:
-            self._reads.invalidate()  # a read from before these writes says nothing of them
-        failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
-        before = dict(self.owed)
-        for n in self.nodes:
-            if n in failed and owe:
-                self.owed[n] = (mode, restart)
-            elif n not in failed:
-                self.owed.pop(n, None)  # the latest mode written replaces what was owed
-        if self.owed != before:
-            self._save_owed()
+        async with self._writes:
+            try:
+                async with self._client(self.timeout) as client:
+                    results = await asyncio.gather(*(self._post_mode(client, n, mode) for n in self.nodes))
+            finally:
+                self._reads.invalidate()  # a read from before these writes says nothing of them
+            failed = {n: why for n, why in zip(self.nodes, results, strict=True) if why}
+            before = dict(self.owed)
+            for n in self.nodes:
+                if n in failed and owe:
+                    self.owed[n] = (mode, restart)
+                elif n not in failed:
+                    self.owed.pop(n, None)  # the latest mode written replaces what was owed
+            if self.owed != before:
+                self._save_owed()
         if not failed and self.owed_problem is not None:
             log.warning("every node took mode %s: cleared: %s", mode.value, self.owed_problem)
             self.owed_problem = None  # whatever the unreadable file owed, every node now has the latest mode
@@ -275,12 +279,13 @@ class GroupClient:
     async def _pay(self, nodes: list[int]) -> None:
         """Give the nodes that answer again what the kill switch owes them: the mode file, then the restart."""
         for node in nodes:
-            if node not in self.owed:  # paid meanwhile by a newer write of every node's mode file
-                continue
-            mode, restart = self.owed[node]
-            async with self._client(self.timeout) as client:
-                failed = await self._post_mode(client, node, mode)
-            self._reads.invalidate()
+            async with self._writes:
+                if node not in self.owed:  # paid meanwhile by a newer write of every node's mode file
+                    continue
+                mode, restart = self.owed[node]
+                async with self._client(self.timeout) as client:
+                    failed = await self._post_mode(client, node, mode)
+                self._reads.invalidate()
             if failed:
                 continue
             log.warning(

@@ -202,3 +202,31 @@ async def test_a_read_that_began_before_a_write_to_the_workers_does_not_replace_
     assert leader.latest == {1: "newer"}
     monkeypatch.setattr(leader, "_report", lambda client, node: asyncio.sleep(0, "after the write"))
     assert await leader.read() == {1: "after the write"} and leader.latest == {1: "after the write"}
+
+
+async def test_a_debt_paid_while_a_flip_writes_the_same_node_never_lands_after_the_flip(
+    tmp_path, monkeypatch
+):
+    """The kill switch's debt to node 1 is being paid (its POST in flight) when an operator's flip writes every node's
+    mode file: the node ends with the flip's mode, whichever write began first."""
+    leader = GroupClient(silent_worker_settings(tmp_path))
+    leader.owed = {1: (Mode.OFF, False)}
+    landed: list[Mode] = []  # node 1's mode file, write by write
+    debt_posting, release = asyncio.Event(), asyncio.Event()
+
+    async def post_mode(client, node, mode):  # a stand-in for the worker's POST /group/mode
+        if mode is Mode.OFF:
+            debt_posting.set()
+            await release.wait()
+        landed.append(mode)
+        return None
+
+    monkeypatch.setattr(leader, "_post_mode", post_mode)
+    paying = asyncio.create_task(leader._pay([1]))
+    await debt_posting.wait()
+    flip = asyncio.create_task(leader.write_mode(Mode.ON, owe=False, restart=False))
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.gather(paying, flip)
+    assert landed == [Mode.OFF, Mode.ON] and leader.owed == {}
+    assert read_owed_modes(tmp_path, NODES) == {}
