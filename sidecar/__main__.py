@@ -20,6 +20,7 @@ from kdtree.config import ConfigError
 
 from .app import create_app
 from .healthcheck import REFUSAL, clear_refusal, write_refusal
+from .http_server import server_config
 from .settings import SidecarSettings
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             while True:
                 signal.pause()
         return 2
-    uvicorn.run(app, host=settings.sidecar_host, port=settings.sidecar_port, log_level="info")
+    uvicorn.Server(server_config(app, settings.sidecar_host, settings.sidecar_port)).run()
     return 0
 
 

@@ -17,6 +17,7 @@ import uvicorn
 from standin_engine import free_port
 
 from sidecar.app import create_app
+from sidecar.http_server import server_config
 from sidecar.settings import SidecarSettings
 from sidecar.store import Store
 
@@ -107,9 +108,7 @@ def audit_events(state_dir) -> list[str]:
 def serve(settings: SidecarSettings, server):
     """The sidecar app under uvicorn in a thread; yields its URL."""
     port = free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(create_app(settings, server), host="127.0.0.1", port=port, log_level="warning")
-    )
+    uv = uvicorn.Server(server_config(create_app(settings, server), "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     with sidecar_sized_heap():
         thread.start()
