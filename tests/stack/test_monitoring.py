@@ -393,6 +393,10 @@ def test_alert_rule_file_structure():
             if "`kdtreectl mode off`" in annotations["description"]:
                 assert "restart" in annotations["description"], name
     assert len(names) == len(set(names)), "alert names repeat"
+    listed = set(re.findall(r"`(Kdtree[A-Za-z]+)`", (REPO / "monitoring" / "README.md").read_text()))
+    assert listed == set(names), (
+        f"monitoring/README.md's list of alerts differs from alerts.yml: {listed ^ set(names)}"
+    )
     assert REQUIRED_ALERTS <= set(names), REQUIRED_ALERTS - set(names)
 
 
