@@ -15,9 +15,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-REQUEST_ARRIVAL_S = (
-    10.0  # the sidecar's requests are a few hundred bytes: a generous bound for any real client
-)
+# the sidecar's requests are a few hundred bytes: a generous bound for any real client
+REQUEST_ARRIVAL_S = 10.0
 
 
 class DeadlinedH11Protocol(H11Protocol):
