@@ -7,13 +7,12 @@ runs the next one after it on the path, if the machine has one."""
 import os
 import sys
 
+import ddtree_oracle  # imports nothing of SGLang's
 import sglang_stubs  # noqa: F401
 
-# the oracle servers and the sync report (kernel_build/bench/harness/ddtree_oracle.py)
-if any(os.environ.get(v) for v in ("DDTREE_ORACLE_RANKS", "DDTREE_ORACLE_PROFILE", "DDTREE_SYNC_REPORT")):
-    import ddtree_oracle
-
-    ddtree_oracle.install_after_import()
+# the oracle servers, the sync report and the host report, where their variables ask for them
+# (kernel_build/bench/harness/ddtree_oracle.py, on the path beside this folder)
+ddtree_oracle.install_after_import()
 
 
 def _run_next_sitecustomize():

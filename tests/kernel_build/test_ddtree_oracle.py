@@ -223,3 +223,47 @@ def test_the_dflash_chain_under_a_profile_accepts_on_average_its_rank_0_run(monk
     assert run.mean().item() == pytest.approx(
         oracle.expected_chain_accepted(profile, B - 1), abs=4 * run.std().item() / bs**0.5
     )
+
+
+def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(tmp_path):
+    """DDTREE_HOST_REPORT: prefill and idle batches pass through untimed (and break the interval), the plain window
+    is timed, the profiled window lands in cProfile's tables, and the report is written when that window ends."""
+    import json
+
+    calls = []
+
+    class Mode:
+        def __init__(self, extend):
+            self.extend = extend
+
+        def is_extend(self):
+            return self.extend
+
+        def is_idle(self):
+            return False
+
+    def batch(extend=False):
+        return types.SimpleNamespace(forward_mode=Mode(extend), is_extend_in_batch=False)
+
+    def step(self, b):
+        calls.append(b.forward_mode.extend)
+        return len(calls)
+
+    worker_cls = type("W", (), {"forward_batch_generation": step, "speculative_num_draft_tokens": 33})
+    oracle.install_host_report(worker_cls, str(tmp_path), skip=2, plain=4, profiled=3)
+    w = worker_cls()
+    assert w.forward_batch_generation(batch(extend=True)) == 1  # a prefill: passed through
+    for extend in (
+        [False] * 3 + [True] + [False] * 3 + [False] * 2
+    ):  # skip 2, plain 4 with a prefill, profiled 2
+        w.forward_batch_generation(batch(extend))
+    assert list(tmp_path.iterdir()) == []  # the profiled window has not ended
+    w.forward_batch_generation(batch())
+    w.forward_batch_generation(batch())  # past the windows: nothing more is recorded
+    assert calls == [True] + [False] * 3 + [True] + [False] * 7
+    (report,) = tmp_path.glob("*-W.json")
+    got = json.loads(report.read_text())
+    assert got["worker"] == "W" and got["verify_tokens"] == 33 and got["steps_timed"] == 4
+    # the plain window's first step follows a skipped one; the step after the prefill has no interval
+    assert len(got["host_ms"]["each"]) == 4 and len(got["interval_ms"]["each"]) == 3
+    assert "step" in report.with_suffix(".txt").read_text()  # the profiled function's row

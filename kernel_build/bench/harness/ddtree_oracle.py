@@ -31,7 +31,9 @@ patches SGLang's DFlash worker module and kdtree.ddtree.worker as they are impor
 
 Apart from the oracle, DDTREE_SYNC_REPORT=<file> (any DDTREE server) runs every decode step of DDTreeWorker under
 torch.cuda.set_sync_debug_mode("warn") and keeps in that file (JSON) the steps seen and each host synchronisation
-torch reported, with the line of kdtree's or SGLang's code that asked for it.
+torch reported, with the line of kdtree's or SGLang's code that asked for it. DDTREE_HOST_REPORT=<folder> (any
+DDTREE or DFLASH server) times the host side of the worker's decode steps (`install_host_report`): where a step's
+Python goes, DDTREE's against DFlash's chain.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ HEAD_SCALE = 1000.0
 ENV = "DDTREE_ORACLE_RANKS"
 PROFILE_ENV = "DDTREE_ORACLE_PROFILE"
 SYNC_ENV = "DDTREE_SYNC_REPORT"
+HOST_ENV = "DDTREE_HOST_REPORT"
+ENVS = (
+    ENV,
+    PROFILE_ENV,
+    SYNC_ENV,
+    HOST_ENV,
+)  # any of them set: the engine site's sitecustomize installs this module
 # The benchmark's two acceptance profiles (P(the true token at rank r) at every drafted depth, independently).
 # "paper": matched to the mean acceptance lengths the DDTree paper reports, not to per-depth rates: a block-16 chain
 # accepts 5.86 drafted tokens a step (tau 6.86, DFlash's range on math and code) and the best tree of 256 nodes 9.12
@@ -289,10 +298,85 @@ def install_sync_report(worker_module, path: str) -> None:
     worker_cls.forward_batch_generation = forward_batch_generation
 
 
+def install_host_report(worker_cls, folder: str, skip: int = 20, plain: int = 60, profiled: int = 60) -> None:
+    """The host's time in `worker_cls.forward_batch_generation`'s decode steps, into <folder>/<pid>-<class>.json and
+    .txt: after `skip` steps, `plain` steps timed (the call's host time, and the interval between consecutive calls:
+    under overlap scheduling the scheduler's period, the step's wall time), then `profiled` steps under cProfile
+    (its tables in the .txt: the functions by own and by cumulative time). A host time near the interval means the
+    step waits on the host, not the GPU."""
+    import cProfile
+    import io
+    import json
+    import pstats
+    import statistics
+    import time
+
+    step = worker_cls.forward_batch_generation
+    prof = cProfile.Profile()
+    st = {"n": 0, "last": None, "host": [], "interval": []}
+    base = os.path.join(folder, f"{os.getpid()}-{worker_cls.__name__}")
+
+    def write(self) -> None:
+        def ms(xs):
+            if not xs:
+                return None
+            return {
+                "mean": 1e3 * statistics.fmean(xs),
+                "median": 1e3 * statistics.median(xs),
+                "each": [round(1e3 * x, 3) for x in xs],
+            }
+
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(40)
+        with open(base + ".txt", "w") as f:
+            f.write(out.getvalue())
+        with open(base + ".json", "w") as f:
+            json.dump(
+                {
+                    "worker": worker_cls.__name__,
+                    "verify_tokens": int(getattr(self, "speculative_num_draft_tokens", 0)),
+                    "budget_setting": os.environ.get("KDTREE_DDTREE_BUDGET"),
+                    "steps_timed": len(st["host"]),
+                    "steps_profiled": profiled,
+                    "host_ms": ms(st["host"]),
+                    "interval_ms": ms(st["interval"]),
+                },
+                f,
+            )
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            st["last"] = None  # a prefill between two decode steps is not a decode step's period
+            return step(self, batch, *args, **kwargs)
+        n, t0 = st["n"], time.perf_counter()
+        st["n"] = n + 1
+        if st["last"] is not None and skip <= n < skip + plain:
+            st["interval"].append(t0 - st["last"])
+        st["last"] = t0
+        profiling = skip + plain <= n < skip + plain + profiled
+        if profiling:
+            prof.enable()
+        try:
+            return step(self, batch, *args, **kwargs)
+        finally:
+            if profiling:
+                prof.disable()
+                if n == skip + plain + profiled - 1:
+                    write(self)
+            elif skip <= n < skip + plain:
+                st["host"].append(time.perf_counter() - t0)
+
+    worker_cls.forward_batch_generation = forward_batch_generation
+
+
 def install(worker_module) -> None:
-    """kdtree.ddtree.worker, just imported: the sync report, and the scripted tree candidates."""
+    """kdtree.ddtree.worker, just imported: the sync and host reports, and the scripted tree candidates."""
     if os.environ.get(SYNC_ENV):
         install_sync_report(worker_module, os.environ[SYNC_ENV])
+    if os.environ.get(HOST_ENV):
+        install_host_report(worker_module.DDTreeWorker, os.environ[HOST_ENV])
     script = _script_from_env()
     if script is None:
         return
@@ -338,7 +422,10 @@ def install(worker_module) -> None:
 def install_dflash(dflash_module) -> None:
     """sglang.srt.speculative.dflash_worker_v2, just imported: the bigram target (for DFLASH and DDTREE, whose worker
     is a DFlashWorkerV2) and, for DFLASH, a scripted chain: at depth d the captured draft head proposes the true
-    token perm^d(root) where the script puts it at rank 0, else another token (a chain drafts its rank-0 tokens)."""
+    token perm^d(root) where the script puts it at rank 0, else another token (a chain drafts its rank-0 tokens).
+    And the host report of DFlash's own decode steps."""
+    if os.environ.get(HOST_ENV):
+        install_host_report(dflash_module.DFlashWorkerV2, os.environ[HOST_ENV])
     script = _script_from_env()
     if script is None:
         return
@@ -405,7 +492,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def install_after_import() -> None:
     """In a server process (the engine site's sitecustomize): the oracle's patches, as their modules are imported."""
-    if os.environ.get(ENV) or os.environ.get(PROFILE_ENV):
+    if any(os.environ.get(v) for v in (ENV, PROFILE_ENV, HOST_ENV)):
         sys.meta_path.insert(0, _AfterImport("sglang.srt.speculative.dflash_worker_v2", install_dflash))
-    if os.environ.get(ENV) or os.environ.get(PROFILE_ENV) or os.environ.get(SYNC_ENV):
+    if any(os.environ.get(v) for v in ENVS):
         sys.meta_path.insert(0, _AfterImport("kdtree.ddtree.worker", install))
