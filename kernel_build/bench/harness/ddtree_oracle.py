@@ -51,12 +51,6 @@ ENV = "DDTREE_ORACLE_RANKS"
 PROFILE_ENV = "DDTREE_ORACLE_PROFILE"
 SYNC_ENV = "DDTREE_SYNC_REPORT"
 HOST_ENV = "DDTREE_HOST_REPORT"
-ENVS = (
-    ENV,
-    PROFILE_ENV,
-    SYNC_ENV,
-    HOST_ENV,
-)  # any of them set: the engine site's sitecustomize installs this module
 # The benchmark's two acceptance profiles (P(the true token at rank r) at every drafted depth, independently).
 # "paper": matched to the mean acceptance lengths the DDTree paper reports, not to per-depth rates: a block-16 chain
 # accepts 5.86 drafted tokens a step (tau 6.86, DFlash's range on math and code) and the best tree of 256 nodes 9.12
@@ -494,5 +488,5 @@ def install_after_import() -> None:
     """In a server process (the engine site's sitecustomize): the oracle's patches, as their modules are imported."""
     if any(os.environ.get(v) for v in (ENV, PROFILE_ENV, HOST_ENV)):
         sys.meta_path.insert(0, _AfterImport("sglang.srt.speculative.dflash_worker_v2", install_dflash))
-    if any(os.environ.get(v) for v in ENVS):
+    if any(os.environ.get(v) for v in (ENV, PROFILE_ENV, SYNC_ENV, HOST_ENV)):
         sys.meta_path.insert(0, _AfterImport("kdtree.ddtree.worker", install))
