@@ -103,7 +103,7 @@ def test_an_auto_row_reports_the_tokens_it_verified_and_the_caps_expected_accept
 
 def test_the_profile_file_is_replaced_whole_and_reads_back_as_the_profile(tmp_path):
     path = tmp_path / "profile"
-    bench_oracle.write_profile(path, ddtree_oracle.PROFILES["pessimistic"])
+    ddtree_oracle.write_profile(path, ddtree_oracle.PROFILES["pessimistic"])
     assert ddtree_oracle.read_profile(str(path)) == ddtree_oracle.PROFILES["pessimistic"]
     assert not list(tmp_path.glob("*.tmp"))
 

@@ -341,6 +341,26 @@ def test_profile_engine_refuses_an_unknown_mode_or_server_before_anything_starts
     assert "unknown" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize(
+    "arg, named",
+    [
+        (["--oracle", "optimistic", "--algorithms", "DFLASH-B16"], "optimistic"),
+        (["--oracle", "paper", "--algorithms", "DFLASH-B16,NGRAM"], "NGRAM"),
+    ],
+)
+def test_profile_engine_refuses_an_oracle_it_cannot_run_before_anything_starts(arg, named):
+    """--oracle scripts DFlash's drafter: a profile the oracle does not have, or an algorithm without that drafter,
+    is refused naming it; a known profile with DFlash-drafted algorithms passes the check."""
+    import subprocess
+
+    script = REPO / "kernel_build/bench/benchmarks/profile_engine.py"
+    p = subprocess.run([sys.executable, str(script), *arg], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--oracle" in p.stderr and named in p.stderr, p.stderr
+    ok = ["--oracle", "pessimistic", "--algorithms", "DFLASH-B16,DDTREE-B16-T15", "--modes", "on"]
+    p = subprocess.run([sys.executable, str(script), *ok], capture_output=True, text=True, timeout=120)
+    assert "--oracle" not in p.stderr, p.stderr
+
+
 def test_a_benchmarks_ddtree_key_runs_its_budget_fixed_or_auto():
     import real_server
 

@@ -51,6 +51,7 @@ from ddtree_oracle import (  # noqa: E402
     PROFILES,
     expected_chain_accepted,
     expected_tree_accepted,
+    write_profile,
 )
 from real_server import (  # noqa: E402
     AUTO,
@@ -93,12 +94,6 @@ def expected_accept_length(algo: str, profile: tuple[float, ...]) -> float:
     if budget is None:
         return 1 + expected_chain_accepted(profile, L)
     return 1 + expected_tree_accepted(profile, budget, budget, L)  # K = budget, as the worker takes it
-
-
-def write_profile(path: Path, profile: tuple[float, ...]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(",".join(repr(p) for p in profile))
-    tmp.replace(path)  # whole: a server never reads half a profile
 
 
 def measure(

@@ -15,6 +15,9 @@ kernels (name, start, duration) in kernels/<row>.kernels.json.gz beside --out, f
     # a DDTREE step's own cost against DFlash's chain at the same verified width (16 tokens), and auto's, in on only
     python3 kernel_build/bench/benchmarks/profile_engine.py --layers 61 --prompts 2048,32768 --modes on \
         --algorithms DFLASH-B16,DDTREE-B16-T15,DDTREE-B16-AUTO
+    # the same with the steps accepting what the oracle's paper profile says (about 6 tokens a step, not 1)
+    python3 kernel_build/bench/benchmarks/profile_engine.py --layers 61 --prompts 32768 --modes on \
+        --algorithms DFLASH-B16,DDTREE-B16-T15 --oracle paper
     bash kernel_build/bench/device_run.sh engine-profile [args]            # the same on the GPU machine, into $OUT
 """
 
@@ -34,7 +37,16 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
-from real_server import SPECULATIVE, RealServer, ServerSpec, server_env, server_key, unavailable  # noqa: E402
+from ddtree_oracle import PROFILE_ENV, PROFILES, write_profile  # noqa: E402
+from real_server import (  # noqa: E402
+    DFLASH_BLOCK,
+    SPECULATIVE,
+    RealServer,
+    ServerSpec,
+    server_env,
+    server_key,
+    unavailable,
+)
 from source_id import checkout  # noqa: E402  (this script's folder is on sys.path)
 from tiny_model import prompt_of, write_model  # noqa: E402
 
@@ -210,6 +222,12 @@ def main() -> int:
     ap.add_argument("--prompts", default="512,32768", help="prompt lengths in tokens")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--root", default="/tmp/kdtree-profile-engine")
+    ap.add_argument(
+        "--oracle",
+        default=None,
+        help=f"a profile of ddtree_oracle.PROFILES ({list(PROFILES)}): every server runs the oracle's bigram target "
+        "and scripted drafter, so its steps accept what the profile says (DFlash-drafted algorithms only)",
+    )
     args = ap.parse_args()
     algos = [a.strip().upper() for a in args.algorithms.split(",") if a.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -222,6 +240,11 @@ def main() -> int:
               f"real_server.SPECULATIVE ({list(SPECULATIVE)}; DDTREE ones may end in -AUTO), modes off and on",
               file=sys.stderr)  # fmt: skip
         return 2
+    undrafted = [a for a in algos if server_key(a) not in DFLASH_BLOCK]
+    if args.oracle is not None and (args.oracle not in PROFILES or undrafted):
+        print(f"profile_engine: --oracle {args.oracle}: a profile of {list(PROFILES)}, with DFlash-drafted "
+              f"algorithms only ({list(DFLASH_BLOCK)}; not {undrafted})", file=sys.stderr)  # fmt: skip
+        return 2
     reason = unavailable()
     if reason:
         print(f"profile_engine: {reason}", file=sys.stderr)
@@ -229,12 +252,17 @@ def main() -> int:
     root = Path(args.root)
     prompts = [int(x) for x in args.prompts.split(",") if x]
     model = write_model(root / f"model-{args.layers}l", layers=args.layers, nextn=True)
+    oracle_env = {}
+    if args.oracle is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        write_profile(root / "oracle-profile", PROFILES[args.oracle])
+        oracle_env = {PROFILE_ENV: str(root / "oracle-profile")}
     servers = {}
     for algo in algos:
         for mode in map(Mode, modes):
             spec = ServerSpec(f"{algo.lower()}-{args.layers}l-{mode.value}", server_key(algo), mode,
                               layers=args.layers, max_total_tokens=max(prompts) + 8 * args.steps + 8192,
-                              extra_args=("--sleep-on-idle",), env=server_env(algo))  # fmt: skip
+                              extra_args=("--sleep-on-idle",), env={**server_env(algo), **oracle_env})  # fmt: skip
             servers[(algo, mode.value)] = RealServer(spec, root / spec.name, model).start()
     rows = []
     keep = Path(args.out).parent / "kernels" if args.out else root / "kernels"  # each row's kernels, gzipped
@@ -257,7 +285,13 @@ def main() -> int:
         f"GPU: {props.name} ({props.multi_processor_count} SMs), {datetime.date.today()}, commit {checkout()}",
         f"Command: {' '.join(sys.argv)}",
         f"{args.layers} layers (kernel_build/bench/harness/tiny_model.py), batch 1, {args.steps} decode steps a row, SGLang's profiler "
-        "(GPU activity) from the request's first token on; CUDA graphs for batch 1-4, Triton attention",
+        "(GPU activity) from the request's first token on; CUDA graphs for batch 1-4, Triton attention"
+        + (
+            f"; the oracle's bigram target and scripted drafter at the {args.oracle} profile "
+            f"{PROFILES[args.oracle]} (kernel_build/bench/harness/ddtree_oracle.py)"
+            if args.oracle
+            else ""
+        ),
     ]
     text = "\n".join(head) + "\n\n" + markdown(rows) + "\n" + beyond(rows)
     print(text)

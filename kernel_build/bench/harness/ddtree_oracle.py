@@ -206,6 +206,14 @@ def read_profile(path: str) -> tuple[float, ...]:
     return p
 
 
+def write_profile(path, profile: tuple[float, ...]) -> None:
+    """A profile file (`read_profile`'s), replaced whole: a server never reads half a profile."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(",".join(repr(p) for p in profile))
+    os.replace(tmp, path)
+
+
 def profile_lp(profile: tuple[float, ...], K: int) -> list[float]:
     """The drafter's log-probs under a profile (each depth alike): log profile[r], then the remaining probability
     spread over the other K - R ranks (kept non-increasing). The tree built from them is the tree that maximises
