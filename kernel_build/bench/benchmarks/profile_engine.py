@@ -241,9 +241,13 @@ def main() -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     undrafted = [a for a in algos if server_key(a) not in DFLASH_BLOCK]
-    if args.oracle is not None and (args.oracle not in PROFILES or undrafted):
-        print(f"profile_engine: --oracle {args.oracle}: a profile of {list(PROFILES)}, with DFlash-drafted "
-              f"algorithms only ({list(DFLASH_BLOCK)}; not {undrafted})", file=sys.stderr)  # fmt: skip
+    if args.oracle is not None and args.oracle not in PROFILES:
+        print(f"profile_engine: --oracle {args.oracle}: not a profile of the oracle; use one of {list(PROFILES)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.oracle is not None and undrafted:
+        print(f"profile_engine: --oracle scripts DFlash's drafter, which {undrafted} do not run: profile them "
+              f"without --oracle, or choose among {list(DFLASH_BLOCK)}", file=sys.stderr)  # fmt: skip
         return 2
     reason = unavailable()
     if reason:
