@@ -60,6 +60,8 @@ def timed_round(server: RealServer, prompts: list[str], max_tokens: int) -> dict
         "ttft_s": statistics.median(s.first_s - t0 for s in streamed),
         "token_ids": [s.token_ids for s in streamed],
         "accept_length": statistics.mean(accept) if accept else float("nan"),
+        # each request's decode chunks: (ms since its first chunk, tokens), where a slow step or a slow end shows
+        "chunks": [[(round(1e3 * (t - s.first_s), 3), n) for t, n in s.chunks[1:]] for s in streamed],
     }
 
 

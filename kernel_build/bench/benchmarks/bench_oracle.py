@@ -142,7 +142,7 @@ def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> 
              "accept_length": statistics.mean(x["accept_length"] for x in rs),
              "expected_accept_length": expected_accept_length(algo, profile),
              "verified_tokens": (rs[0].get("auto") or {}).get("verified_tokens", (tree_budget(algo) or 15) + 1),
-             "auto": rs[0].get("auto")}  # fmt: skip
+             "auto": rs[0].get("auto"), "chunks": [x.get("chunks") for x in rs]}  # fmt: skip
         # a step's wall time: a request's tokens a step over its tokens a second (the batch's, of the median round)
         r["step_ms"] = 1e3 * r["accept_length"] * batch / r["median"]
         if chain:
@@ -266,7 +266,7 @@ def main() -> int:
                     new = rows_of(name, plen, batch, rounds, args.layers)
                     rows += new
                     for r in new:
-                        print(json.dumps(r), flush=True)
+                        print(json.dumps({k: v for k, v in r.items() if k != "chunks"}), flush=True)
                     # row by row: a run cut short keeps its table
                     write(args.out, rows, failed, head, markdown)
         for s in live.values():

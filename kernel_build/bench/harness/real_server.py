@@ -198,12 +198,14 @@ class ServerSpec:
 @dataclass
 class Streamed:
     """One streamed completion: its tokens, when its first and last chunk of tokens came (time.perf_counter
-    seconds), and how many tokens the first chunk held (the prefill's)."""
+    seconds), how many tokens the first chunk held (the prefill's), and each chunk's (arrival, tokens): a decode
+    chunk is one verify step's tokens, so the arrivals' gaps are the steps' wall times."""
 
     token_ids: list[int] = field(default_factory=list)
     first_s: float = 0.0
     last_s: float = 0.0
     first_tokens: int = 0
+    chunks: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -235,6 +237,7 @@ def read_stream(lines, n: int, on_first=None) -> tuple[list[Streamed], list[floa
                     s.first_s, s.first_tokens = now, len(ids)
                 s.last_s = now
                 s.token_ids.extend(ids)
+                s.chunks.append((now, len(ids)))
                 if on_first is not None and all(x.token_ids for x in out):
                     on_first()
                     on_first = None
