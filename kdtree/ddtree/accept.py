@@ -13,13 +13,26 @@ positions prefix .. prefix + N - 1 of the request's row of req_to_token); the ac
 depths 0..a, exactly their positions, so the commit is a permutation of the window's slots in req_to_token:
 the path's slots first, in path order, then the others. Valid with page size 1 (the launcher's rule).
 
-On CUDA the worker runs these three as one kernel (`kdtree.ddtree.fused.accept_walk`, the same values); the torch
-forms here are its CPU path and the oracle its tests compare it with.
+On CUDA the worker runs these three, and the commit (`commit_window`), as one kernel (`kdtree.ddtree.fused.accept_walk`,
+the same values); the torch forms here are its CPU path and the oracle its tests compare it with.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class WindowCommit(NamedTuple):
+    """What the commit of a step rewrites and reads: the requests' prefix lengths and rows of req_to_token (each
+    request's window is columns prefix .. prefix + N - 1 of its row), and the drafter's write ids of the window's N
+    slots a request ([bs, N] or [bs * N])."""
+
+    prefix: torch.Tensor
+    req_pool_indices: torch.Tensor
+    req_to_token: torch.Tensor
+    draft_ids: torch.Tensor
 
 
 class AcceptBuffers:
@@ -48,6 +61,8 @@ class AcceptBuffers:
         self.new_seq_lens = torch.zeros(bs, **i64)  # prefix + a + 1 (likewise)
         self.perm = torch.zeros(bs, N, **i64)  # window_permutation (fused.accept_walk writes it)
         self.rows = torch.zeros(bs, L + 1, **i64)  # path_rows (likewise)
+        self.path_loc = torch.zeros(bs, L + 1, **i64)  # commit_window: the path's drafter write ids
+        self.draft_positions = torch.zeros(bs, L + 1, **i64)  # commit_window: prefix + 0 .. L
         self.cur = torch.zeros(bs, **i64)
         self.want = torch.zeros(bs, 1, **i64)
         self.match = torch.zeros(bs, N, dtype=torch.bool, device=device)
@@ -108,6 +123,25 @@ def window_permutation(out: AcceptBuffers) -> torch.Tensor:
     o.key.scatter_reduce_(1, o.path, big, reduce="amin")  # each path node's depth on the path
     torch.where(o.key <= L, o.key, o.node_index + (L + 1), out=o.key)
     return torch.argsort(o.key, dim=1, stable=True)
+
+
+def commit_window(out: AcceptBuffers, commit: WindowCommit) -> AcceptBuffers:
+    """The step's commit after the walk in `out` (its perm and path): the window's slots in req_to_token permuted,
+    the accepted path's first (so the committed KV is contiguous), out.commit_lens = accepted + 1, out.new_seq_lens
+    = prefix + accepted + 1, out.path_loc = the drafter's write ids at the path's nodes and out.draft_positions =
+    prefix + 0 .. L: where and at which positions the drafter's KV of the path is written."""
+    bs, N, L = out.shape
+    o = out
+    prefix = commit.prefix.to(torch.int64)
+    torch.add(o.accepted, 1, out=o.commit_lens)
+    torch.add(prefix, o.commit_lens, out=o.new_seq_lens)
+    rows = commit.req_pool_indices.to(torch.int64)[:, None]
+    cols = prefix[:, None] + o.node_index
+    old = commit.req_to_token[rows, cols]
+    commit.req_to_token[rows, cols] = torch.gather(old, 1, o.perm)
+    torch.gather(commit.draft_ids.reshape(bs, N).to(torch.int64), 1, o.path, out=o.path_loc)
+    torch.add(prefix[:, None], o.depth_index, out=o.draft_positions)
+    return o
 
 
 def path_rows(out: AcceptBuffers) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""DDTree's two per-step stages as one Triton kernel each: the draft tree and the acceptance walk with its commit.
+"""DDTree's per-step stages as one Triton kernel each: the draft tree, the verify's inputs (positions and the ancestor
+masks in SGLang's layout) and the acceptance walk with its commit. One launch where torch takes a dozen: under overlap
+scheduling the host's time a step is what DDTREE's step costs beyond the chain's (kernel_build/NOTES.md).
 
 `tree_kernel` writes exactly what `kdtree.ddtree.tree.build_tree` writes into a `TreeBuffers` (same values, same
 order and tie rule: see that module), one program per request, in four phases separated by block barriers over
@@ -21,11 +23,14 @@ Which shapes: `fits` (blocks padded to powers of two: L * budget and the merge a
 most FUSED_MAX_CANDIDATES, a speed limit: at K = budget, budgets up to 32). `build_draft_tree` gives every other
 shape, and CPU tensors, to build_tree (torch ops, the same values).
 
+`verify_layout_kernel` writes what `kdtree.ddtree.tree.verify_layout` writes, one row of one request per program.
+
 `walk_kernel` does `kdtree.ddtree.accept.follow_tree`, `window_permutation` and `path_rows` for one request per
 program and writes AcceptBuffers' path, accepted, bonus, out_tokens, perm and rows (every shape); given DDTREE's cut
-(`live`) it walks only each request's first live[b] nodes, and given the tree's scores it writes `cut_stats` too.
+(`live`) it walks only each request's first live[b] nodes, given the tree's scores it writes `cut_stats` too, and
+given a `WindowCommit` it does `commit_window`.
 
-Both allocate nothing and read nothing back to the host: a call is one launch, capturable in a CUDA graph.
+All three allocate nothing and read nothing back to the host: a call is one launch, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -34,8 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kdtree.ddtree.accept import AcceptBuffers, cut_stats, follow_tree, path_rows, window_permutation
-from kdtree.ddtree.tree import TreeBuffers, build_tree
+from kdtree.ddtree.accept import (
+    AcceptBuffers,
+    WindowCommit,
+    commit_window,
+    cut_stats,
+    follow_tree,
+    path_rows,
+    window_permutation,
+)
+from kdtree.ddtree.tree import TreeBuffers, build_tree, verify_layout
 
 SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
 # budget * K (padded) above which build_draft_tree keeps build_tree. Measured on an H200 (bs 1, L 15, graph replays;
@@ -359,6 +372,15 @@ def walk_kernel(
     scores_ptr,  # [bs, N] float32, the tree's scores (STATS)
     budgets_ptr,  # [C] int64, the budgets the statistics are for (STATS)
     stats_ptr,  # [bs, 2, C] float32: accepted and expected accepted at each budget (STATS)
+    prefix_ptr,  # [bs] the prefix lengths (COMMIT, as are the rest)
+    pool_rows_ptr,  # [bs] the requests' rows of req_to_token
+    r2t_ptr,  # req_to_token [rows, cols]
+    r2t_stride,
+    draft_ids_ptr,  # [bs, N] the drafter's write ids of the window
+    path_loc_ptr,  # [bs, L + 1] int64
+    draft_pos_ptr,  # [bs, L + 1] int64
+    commit_lens_ptr,  # [bs] int32
+    new_lens_ptr,  # [bs] int64
     N: tl.constexpr,
     L: tl.constexpr,
     NP: tl.constexpr,
@@ -367,6 +389,7 @@ def walk_kernel(
     STATS: tl.constexpr,
     C: tl.constexpr,
     CP: tl.constexpr,
+    COMMIT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, NP)
@@ -403,7 +426,19 @@ def walk_kernel(
     tl.store(bonus_ptr + b, bonus)
     off = (pos < 0) & nm
     rest = tl.cumsum(off.to(tl.int64), 0) - off.to(tl.int64)  # off-path nodes before this one
-    tl.store(perm_ptr + b * N + tl.where(off, accepted + 1 + rest, pos), n.to(tl.int64), mask=nm)
+    new_pos = tl.where(off, accepted + 1 + rest, pos)  # node n's slot moves to window position new_pos
+    tl.store(perm_ptr + b * N + new_pos, n.to(tl.int64), mask=nm)
+    if COMMIT:  # accept.commit_window
+        prefix = tl.load(prefix_ptr + b).to(tl.int64)
+        window = r2t_ptr + tl.load(pool_rows_ptr + b).to(tl.int64) * r2t_stride + prefix
+        old = tl.load(window + n, mask=nm)
+        tl.debug_barrier()  # every slot read before any is rewritten (the permutation is in place)
+        tl.store(window + new_pos, old, mask=nm)
+        loc = tl.load(draft_ids_ptr + b * N + path, mask=jm)
+        tl.store(path_loc_ptr + b * (L + 1) + j, loc.to(tl.int64), mask=jm)
+        tl.store(draft_pos_ptr + b * (L + 1) + j, prefix + j, mask=jm)
+        tl.store(commit_lens_ptr + b, (accepted + 1).to(tl.int32))
+        tl.store(new_lens_ptr + b, prefix + accepted + 1)
     if STATS:  # cut_stats: the path's nodes within each budget, and the tree's sum of exp(score) there
         c = tl.arange(0, CP)
         budget = tl.load(budgets_ptr + c, mask=c < C, other=0)
@@ -425,10 +460,12 @@ def accept_walk(
     out: AcceptBuffers,
     live: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
+    commit: WindowCommit | None = None,
 ) -> AcceptBuffers:
     """follow_tree, then out.perm = window_permutation and out.rows = path_rows: one launch on CUDA (or under
     Triton's interpreter), the torch forms elsewhere. live (int32, at least bs entries): request b's tree is its
-    first live[b] nodes (DDTREE's cut). scores [bs, N]: also out.stats = cut_stats at out.budgets."""
+    first live[b] nodes (DDTREE's cut). scores [bs, N]: also out.stats = cut_stats at out.budgets. commit: also
+    commit_window (in the same launch)."""
     bs, N = parents.shape
     if out.shape != (bs, N, L):
         raise ValueError(f"AcceptBuffers are for (bs, N, L) = {out.shape}, the call is {(bs, N, L)}")
@@ -440,11 +477,16 @@ def accept_walk(
     if parents.is_cuda or _interpreting():
         parents, candidates, target = parents.contiguous(), candidates.contiguous(), target.contiguous()
         o, C = out, out.budgets.numel()
+        c = commit or WindowCommit(o.accepted, o.accepted, o.accepted, o.accepted)  # unread without COMMIT
+        if commit is not None and (c.req_to_token.stride(1) != 1 or c.draft_ids.numel() != bs * N):
+            raise ValueError("commit: req_to_token's rows must be contiguous and draft_ids hold bs * N ids")
         walk_kernel[(bs,)](
             parents, candidates, target, o.path, o.accepted, o.bonus, o.out_tokens, o.perm, o.rows,
             live if live is not None else o.accepted, scores.contiguous() if stats else o.stats, o.budgets, o.stats,
+            c.prefix, c.req_pool_indices, c.req_to_token, c.req_to_token.stride(0), c.draft_ids.contiguous(),
+            o.path_loc, o.draft_positions, o.commit_lens, o.new_seq_lens,
             N=N, L=L, NP=_p2(N), LP=_p2(L + 1), HAS_LIVE=live is not None, STATS=stats, C=max(C, 1),
-            CP=_p2(max(C, 1)), num_warps=NUM_WARPS,
+            CP=_p2(max(C, 1)), COMMIT=commit is not None, num_warps=NUM_WARPS,
         )  # fmt: skip
         return out
     follow_tree(parents, candidates, target, L, out, live)
@@ -452,7 +494,52 @@ def accept_walk(
     out.rows.copy_(path_rows(out))
     if stats:
         cut_stats(out, scores)
+    if commit is not None:
+        commit_window(out, commit)
     return out
+
+
+@triton.jit
+def verify_layout_kernel(
+    mask_ptr,  # [bs, N, N] uint8, the ancestor masks
+    depths_ptr,  # [bs, N] int64
+    prefix_ptr,  # [bs] the prefix lengths
+    buf_ptr,  # uint8, SGLang's custom-mask buffer
+    positions_ptr,  # [bs, N] int64
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    BB: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64)  # the row (node) this program writes
+    start = tl.zeros([], dtype=tl.int64)  # the earlier requests' N (prefix + N) entries
+    for c0 in range(0, b, BB):
+        c = c0 + tl.arange(0, BB)
+        p = tl.load(prefix_ptr + c, mask=c < b, other=0).to(tl.int64)
+        start += tl.sum(tl.where(c < b, N * (p + N), 0), 0)
+    prefix = tl.load(prefix_ptr + b).to(tl.int64)
+    j = tl.arange(0, NP)
+    jm = j < N
+    m = tl.load(mask_ptr + (b * N + i) * N + j, mask=jm)
+    tl.store(buf_ptr + start + i * (prefix + N) + prefix + j, m, mask=jm)
+    tl.store(positions_ptr + b * N + i, prefix + tl.load(depths_ptr + b * N + i))
+
+
+def write_verify_layout(
+    mask: torch.Tensor, depths: torch.Tensor, prefix: torch.Tensor, buf: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """tree.verify_layout (the verify's positions, and the ancestor masks into SGLang's custom-mask buffer): one
+    launch on CUDA (or under Triton's interpreter), the torch form elsewhere. Returns positions [bs, N]."""
+    bs, N = mask.shape[0], mask.shape[1]
+    if not (mask.is_cuda or _interpreting()):
+        return verify_layout(mask, depths, prefix, buf, positions)
+    if not (mask.is_contiguous() and depths.is_contiguous() and positions.is_contiguous()):
+        raise ValueError("write_verify_layout: mask, depths and positions must be contiguous")
+    verify_layout_kernel[(bs, N)](
+        mask.view(torch.uint8), depths, prefix.contiguous(), buf.view(torch.uint8).view(-1), positions,
+        N=N, NP=_p2(N), BB=128, num_warps=1,
+    )  # fmt: skip
+    return positions
 
 
 def _interpreting() -> bool:

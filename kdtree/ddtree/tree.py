@@ -204,3 +204,21 @@ def build_tree(
         torch.gather(b.mask, 1, rows, out=b.mask_tmp)
         torch.logical_or(b.mask_tmp, b.eye, out=b.mask)
     return b
+
+
+def verify_layout(
+    mask: torch.Tensor, depths: torch.Tensor, prefix: torch.Tensor, buf: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The trees as the target's verify reads them: positions [bs, N] = prefix + depth, and each ancestor mask
+    [bs, N, N] written into `buf` in SGLang's FULL custom-mask layout (request b's N rows of prefix_b + N columns,
+    from the sum of the earlier requests' N (prefix + N) entries). Only each row's last N columns, the tree block,
+    are written: the prefix's columns are never read, by Triton's extend kernel as by kdtree."""
+    N = mask.shape[1]
+    p = prefix.to(torch.int64)
+    row = p + N  # the columns a row has
+    start = torch.cumsum(N * row, 0) - N * row  # exclusive: where request b's rows begin
+    i = torch.arange(N, dtype=torch.int64, device=mask.device)
+    idx = start[:, None, None] + i[None, :, None] * row[:, None, None] + p[:, None, None] + i[None, None, :]
+    buf.view(torch.uint8).view(-1)[idx.reshape(-1)] = mask.reshape(-1).to(torch.uint8)
+    torch.add(p[:, None], depths, out=positions)
+    return positions

@@ -6,12 +6,14 @@ One decode step, per request (bs requests at once, fixed shapes, no host synchro
    lm_head (SGLang's `candidate_topk`, tensor-parallel aware) and builds the best-first tree of `budget` nodes
    (`kdtree.ddtree.fused.build_draft_tree`: one Triton kernel, or build_tree's torch ops for large budgets);
 2. the target verifies the tree's N = budget + 1 tokens in one TARGET_VERIFY pass, positions prefix + depth,
-   the ancestor mask written into the attention backend's verify-mask buffer (so kdtree serves it in `on`);
+   the ancestor mask written into the attention backend's verify-mask buffer (so kdtree serves it in `on`; both by
+   `kdtree.ddtree.fused.write_verify_layout`, one Triton kernel);
 3. the target's token at every node (argmax, or one sample of SGLang's verify distribution per node) and
-   `kdtree.ddtree.fused.accept_walk` (one Triton kernel) give the accepted path, the bonus and the commit's
-   permutation;
-4. the commit permutes the window's slots in req_to_token (accepted path first) and materialises the drafter's
-   KV from the target's hidden states of the path's nodes, as DFlash does for its chain.
+   `kdtree.ddtree.fused.accept_walk` (one Triton kernel) give the accepted path and the bonus, and commit: the
+   window's slots permuted in req_to_token (accepted path first), the commit's lengths;
+4. the drafter's KV materialised from the target's hidden states of the path's nodes, as DFlash does for its chain.
+Under overlap scheduling the host's time a step shows in the step's period once the scheduler's loop is as long as
+the GPU's step (61 layers at 32k: kernel_build/NOTES.md), so the step keeps its launches few.
 
 Everything else (pools, prefill, graphs, the drafter) is DFlashWorkerV2's. Importing this module imports SGLang.
 """
@@ -50,9 +52,9 @@ from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
 from kdtree.config import Mode
-from kdtree.ddtree.accept import AcceptBuffers
+from kdtree.ddtree.accept import AcceptBuffers, WindowCommit
 from kdtree.ddtree.budget import BudgetPolicy, cut_budgets, measure_cut_cost
-from kdtree.ddtree.fused import accept_walk, build_draft_tree
+from kdtree.ddtree.fused import accept_walk, build_draft_tree, write_verify_layout
 from kdtree.ddtree.tree import TreeBuffers
 
 log = logging.getLogger("kdtree.ddtree")
@@ -70,6 +72,7 @@ class TreeOutputs:
         self.depths = torch.zeros(rows, N, **i64)
         self.scores = torch.zeros(rows, N, dtype=torch.float32, device=device)
         self.mask = torch.zeros(rows, N, N, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(rows, N, **i64)  # the verify's (the worker writes them: prefix + depth)
 
 
 class TreeDraftSampler:
@@ -155,7 +158,6 @@ class DDTreeWorker(DFlashWorkerV2):
         # two accept/bonus slots allow
         self._accept: dict[tuple[int, int], AcceptBuffers] = {}
         self._accept_slot = 0
-        self._window_offsets = torch.arange(self.verify_width, dtype=torch.int64, device=self.device)
         self._cut = BudgetCut.make(self)  # KDTREE_DDTREE_BUDGET=auto, else None
 
     # -- the draft head ----------------------------------------------------------------------------------------
@@ -289,11 +291,11 @@ class DDTreeWorker(DFlashWorkerV2):
         parents, depths = tree.parents[:bs], tree.depths[:bs]
 
         # 2. the verify of the tree's N tokens, mask into the backend's verify-mask buffer
-        positions = (prefix[:, None] + depths).reshape(-1)
-        custom_mask = self._write_verify_mask(tree.mask[:bs], prefix, host_sum)
+        custom_mask = self._verify_mask_buffer(bs, host_sum)
+        positions = write_verify_layout(tree.mask[:bs], depths, prefix, custom_mask, tree.positions[:bs])
         verify_input = DFlashVerifyInput(
             draft_token=tree_ids.reshape(-1),
-            positions=positions,
+            positions=positions.reshape(-1),
             draft_token_num=N,
             custom_mask=custom_mask,
             capture_hidden_mode=CaptureHiddenMode.FULL,
@@ -337,34 +339,33 @@ class DDTreeWorker(DFlashWorkerV2):
         if acc is None:
             budgets = self._cut.policy.budgets if self._cut is not None else ()
             acc = self._accept[key] = AcceptBuffers(bs, N, L, device, budgets)
-        accept_walk(parents, cands, target, L, acc, live, tree.scores[:bs] if live is not None else None)
+        # the walk and the commit in one launch: the path's slots to the window's front in req_to_token, the
+        # commit's lengths, and where the drafter's KV of the path goes
+        commit = WindowCommit(
+            prefix, batch.req_pool_indices, req_to_token, self._draft_write_ids(verify_plan)
+        )
+        accept_walk(
+            parents, cands, target, L, acc, live, tree.scores[:bs] if live is not None else None, commit
+        )
         if live is not None:
             self._cut.record(acc, bs)
         if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
             compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=acc.rows)
-        commit_lens = torch.add(acc.accepted, 1, out=acc.commit_lens)
-        new_seq_lens = torch.add(prefix, commit_lens, out=acc.new_seq_lens)
+        commit_lens, new_seq_lens = acc.commit_lens, acc.new_seq_lens
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        # 4. commit: the path's slots to the window's front, the drafter's KV from the path's hidden states
-        perm = acc.perm
-        rows = batch.req_pool_indices.to(torch.int64)[:, None]
-        cols = prefix.to(torch.int64)[:, None] + self._window_offsets
-        old = req_to_token[rows, cols]
-        req_to_token[rows, cols] = torch.gather(old, 1, perm)
+        # 4. the drafter's KV from the path's hidden states
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE: the target verify returned no hidden states")
         hidden = hidden[: bs * N].view(bs, N, -1)
         path_hidden = torch.gather(hidden, 1, acc.path[:, :, None].expand(bs, B, hidden.shape[-1]))
-        draft_ids = self._draft_write_ids(verify_plan).view(bs, N)
-        path_loc = torch.gather(draft_ids, 1, acc.path)
         self._append_target_hidden_to_draft_kv_by_loc(
             target_hidden=path_hidden.reshape(bs * B, -1),
-            cache_loc=path_loc.reshape(-1),
-            cache_loc_2d=path_loc,
-            positions=(prefix[:, None] + self._block_pos_offsets).reshape(-1),
+            cache_loc=acc.path_loc.reshape(-1),
+            cache_loc_2d=acc.path_loc,
+            positions=acc.draft_positions.reshape(-1),
             commit_lens=commit_lens,
         )
         logits_output.hidden_states = None
@@ -390,28 +391,15 @@ class DDTreeWorker(DFlashWorkerV2):
             indexer_topk_output=target_out.indexer_topk_output,
         )
 
-    def _write_verify_mask(self, mask: torch.Tensor, prefix: torch.Tensor, host_sum: int) -> torch.Tensor:
-        """The ancestor mask in SGLang's FULL layout (request b's N rows of prefix_b + N columns, from
-        mask_indptr[b]); only the tree block (the last N columns) is read, by Triton and by kdtree. Written in
-        place into the backend's verify-mask buffer when the batch fits it, as EAGLE does, so a graph replay's
-        copy is a copy onto itself."""
-        bs, N = mask.shape[0], mask.shape[1]
+    def _verify_mask_buffer(self, bs: int, host_sum: int) -> torch.Tensor:
+        """Where the verify's ancestor masks go (SGLang's FULL layout: `kdtree.ddtree.tree.verify_layout`): the
+        backend's verify-mask buffer when the batch fits it, as EAGLE does, so a graph replay's copy is a copy onto
+        itself; an eager batch above the captured sizes gets a buffer of its own (host lengths known there)."""
+        N = self.verify_width
         vm = self.target_worker.model_runner.attn_backend.verify_mask
         if vm is not None and vm.fits(bs):
-            buf = vm.buffer
-        else:  # an eager batch above the captured sizes: a buffer of its own (host lengths known here)
-            buf = torch.zeros(N * host_sum + N * N * bs, dtype=torch.uint8, device=mask.device)
-        row = prefix.to(torch.int64) + N  # columns a row has
-        start = torch.cumsum(N * row, 0) - N * row  # exclusive: where request b's rows begin
-        i = self._window_offsets
-        idx = (
-            start[:, None, None]
-            + i[None, :, None] * row[:, None, None]
-            + prefix.to(torch.int64)[:, None, None]
-        )
-        idx = idx + i[None, None, :]
-        buf.view(torch.uint8).view(-1)[idx.reshape(-1)] = mask.reshape(-1).to(torch.uint8)
-        return buf
+            return vm.buffer
+        return torch.zeros(N * host_sum + N * N * bs, dtype=torch.uint8, device=self.device)
 
 
 def target_tokens(logits: torch.Tensor, sampling_info, bs: int, N: int, draft_input=None) -> torch.Tensor:

@@ -172,3 +172,73 @@ def test_the_cut_walk_and_its_statistics_equal_the_torch_forms_and_replay_in_a_g
         assert torch.equal(got.perm, window_permutation(want))
         assert torch.allclose(got.stats, cut_stats(want, tree.scores), rtol=1e-5), cut
         assert (got.accepted <= torch.tensor(cut, device="cuda") - 1).all()
+
+
+@pytest.mark.parametrize("bs, L, budget", [(1, 15, 15), (4, 15, 32), (3, 7, 128)])
+def test_the_verify_layout_and_the_walks_commit_equal_the_torch_forms_and_replay_in_a_graph(bs, L, budget):
+    """The step's two other launches on CUDA: write_verify_layout (positions, and the masks into SGLang's layout)
+    and accept_walk's commit (req_to_token's windows permuted, the drafter's path slots, the commit's lengths)
+    equal tree.verify_layout and accept.commit_window; captured once, they replay on new prefixes and trees with no
+    host synchronisation and no allocation."""
+    from kdtree.ddtree.accept import WindowCommit, commit_window
+    from kdtree.ddtree.fused import write_verify_layout
+    from kdtree.ddtree.tree import verify_layout
+
+    K, N = budget, budget + 1
+    g = torch.Generator(device="cuda").manual_seed(budget + bs)
+    lp = torch.empty(bs, L, K, device="cuda")
+    ids = torch.empty(bs, L, K, dtype=torch.int64, device="cuda")
+    roots = torch.arange(5, 5 + bs, device="cuda")
+    tree = TreeBuffers(bs, L, K, budget, "cuda")
+    target = torch.zeros(bs, N, dtype=torch.int64, device="cuda")
+    prefix = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    most = 3000
+    buf = torch.zeros(N * bs * (most + N), dtype=torch.uint8, device="cuda")
+    positions = torch.zeros(bs, N, dtype=torch.int64, device="cuda")
+    table = torch.zeros(bs + 2, most + N, dtype=torch.int32, device="cuda")
+    c = WindowCommit(prefix, torch.arange(bs, 0, -1, dtype=torch.int64, device="cuda"), table,
+                     torch.zeros(bs * N, dtype=torch.int64, device="cuda"))  # fmt: skip
+    acc = AcceptBuffers(bs, N, L, "cuda")
+
+    def step():
+        build_draft_tree(lp, ids, roots, budget, tree)
+        write_verify_layout(tree.mask, tree.depths, prefix, buf, positions)
+        accept_walk(tree.parents, tree.candidates, target, L, acc, commit=c)
+
+    def fill(i):
+        fill_inputs(g, lp, ids, ("real", "ties", "absent")[i % 3])
+        prefix.copy_(torch.randint(0, most, (bs,), generator=g, device="cuda"))
+        table.copy_(torch.randperm(table.numel(), generator=g, device="cuda").view_as(table).to(torch.int32))
+        c.draft_ids.copy_(torch.randperm(10 * bs * N, generator=g, device="cuda")[: bs * N])
+        buf.fill_(7)
+
+    fill(0)
+    step()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph, _, _ = capture_graph(step)
+    allocated = torch.cuda.memory_allocated()
+    for i in range(4):
+        fill(i)
+        want_tree = build_tree(lp, ids, roots, budget)
+        target.copy_(random_targets(g, want_tree))
+        want_buf, want_pos, want_table = buf.clone(), torch.zeros_like(positions), table.clone()
+        verify_layout(want_tree.mask, want_tree.depths, prefix, want_buf, want_pos)
+        want = follow_tree(
+            want_tree.parents, want_tree.candidates, target, L, AcceptBuffers(bs, N, L, "cuda")
+        )
+        want.perm.copy_(window_permutation(want))
+        commit_window(want, WindowCommit(prefix, c.req_pool_indices, want_table, c.draft_ids))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buf, want_buf) and torch.equal(positions, want_pos), i
+        assert torch.equal(table, want_table), i
+        for name in ("path_loc", "draft_positions", "commit_lens", "new_seq_lens", "accepted"):
+            assert torch.equal(getattr(acc, name), getattr(want, name)), (i, name)
+    del want_tree, want, want_buf, want_pos, want_table
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated

@@ -11,7 +11,14 @@ from kdtree.ddtree.reference import follow_verified_tree
 
 torch = pytest.importorskip("torch", reason="the fixed-shape walk needs torch (the server extra)")
 
-from kdtree.ddtree.accept import AcceptBuffers, cut_stats, follow_tree, window_permutation  # noqa: E402
+from kdtree.ddtree.accept import (  # noqa: E402
+    AcceptBuffers,
+    WindowCommit,
+    commit_window,
+    cut_stats,
+    follow_tree,
+    window_permutation,
+)
 from kdtree.ddtree.tree import build_tree  # noqa: E402
 
 
@@ -68,6 +75,48 @@ def test_the_walk_and_the_commit_match_the_reference_walk(seed, bs, L, K, budget
             range(a + 1)
         )  # positions prefix + j hold depth j
     assert len(seen_lengths) > 1  # the targets exercise different accepted lengths
+
+
+def commit_case(seed: int, bs: int, L: int, K: int, budget: int):
+    """A walked batch and what its commit reads: prefixes of different lengths, the requests in rows of a
+    req_to_token table in another order (a row no request owns among them), distinct slot ids everywhere."""
+    tree = random_trees(seed, bs, L, K, budget)
+    N = budget + 1
+    target = following_targets(tree, L, seed, random.Random(seed))
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 40, (bs,), generator=g)
+    rows = torch.randperm(bs + 1, generator=g)[:bs].to(torch.int32)
+    table = torch.randperm((bs + 1) * (40 + N + 5), generator=g).to(torch.int32).view(bs + 1, -1)
+    draft_ids = torch.randperm(10 * bs * N, generator=g)[: bs * N]
+    return tree, target, WindowCommit(prefix, rows, table, draft_ids)
+
+
+def reference_commit(out: AcceptBuffers, c: WindowCommit):
+    """The commit as a loop: (table, path_loc, draft_positions, commit_lens, new_seq_lens)."""
+    bs, N, L = out.shape
+    perm, table = window_permutation(out), c.req_to_token.clone()
+    ids = c.draft_ids.view(bs, N)
+    loc, pos = [], []
+    for b in range(bs):
+        r, p = int(c.req_pool_indices[b]), int(c.prefix[b])
+        window = table[r, p : p + N].clone()
+        table[r, p : p + N] = window[perm[b]]
+        loc.append([int(ids[b, i]) for i in out.path[b]])
+        pos.append([p + j for j in range(L + 1)])
+    return table, loc, pos, (out.accepted + 1).tolist(), (c.prefix + out.accepted + 1).tolist()
+
+
+@pytest.mark.parametrize("seed, bs, L, K, budget", [(0, 4, 3, 2, 5), (1, 8, 7, 4, 16), (3, 3, 2, 1, 9)])
+def test_the_commit_moves_the_paths_slots_to_the_windows_front_and_nothing_else(seed, bs, L, K, budget):
+    tree, target, c = commit_case(seed, bs, L, K, budget)
+    out = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, budget + 1, L))
+    table, loc, pos, lens, new = reference_commit(out, c)
+    out.perm.copy_(window_permutation(out))  # the walk's (accept_walk writes it)
+    commit_window(out, c)
+    assert torch.equal(c.req_to_token, table)
+    assert out.path_loc.tolist() == loc and out.draft_positions.tolist() == pos
+    assert out.commit_lens.tolist() == lens and out.new_seq_lens.tolist() == new
+    assert len(set(lens)) > 1
 
 
 def test_a_target_that_leaves_at_the_root_accepts_nothing_and_gives_its_bonus():

@@ -20,12 +20,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="the fused kernels need torch (the server extra)")
 pytest.importorskip("triton", reason="the fused kernels need triton (the server extra)")
 
-from test_ddtree_accept import following_targets, random_trees  # noqa: E402
+from test_ddtree_accept import commit_case, following_targets, random_trees, reference_commit  # noqa: E402
 from test_ddtree_tree import assert_matches, random_lp  # noqa: E402
 
 from kdtree.ddtree.accept import AcceptBuffers, cut_stats, follow_tree, path_rows, window_permutation  # noqa: E402
 from kdtree.ddtree.reference import build_ddtree_tree  # noqa: E402
-from kdtree.ddtree.tree import TreeBuffers, build_tree  # noqa: E402
+from kdtree.ddtree.tree import TreeBuffers, build_tree, verify_layout  # noqa: E402
 
 TREE_FIELDS = ("input_ids", "candidates", "parents", "depths", "scores", "mask", "num_nodes")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -176,6 +176,37 @@ def test_the_fused_cut_walk_and_its_statistics_are_the_torch_forms(fused, seed, 
     assert torch.allclose(got.stats, want.stats, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed, bs, L, K, budget", [(1, 5, 7, 4, 16), (3, 3, 2, 1, 9)])
+def test_the_fused_walk_commits_as_commit_window_does(fused, seed, bs, L, K, budget):
+    tree, target, c = commit_case(seed, bs, L, K, budget)
+    N = budget + 1
+    want = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L))
+    table, loc, pos, lens, new = reference_commit(want, c)
+    got = fused.accept_walk(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L), commit=c)
+    assert torch.equal(c.req_to_token, table)  # the windows permuted, every other entry as it was
+    assert got.path_loc.tolist() == loc and got.draft_positions.tolist() == pos
+    assert got.commit_lens.tolist() == lens and got.new_seq_lens.tolist() == new
+    assert got.commit_lens.dtype == torch.int32
+
+
+@pytest.mark.parametrize("bs, N", [(1, 16), (3, 9), (4, 33)])
+def test_the_fused_verify_layout_writes_what_verify_layout_writes(fused, bs, N):
+    tree = random_trees(bs + N, bs, 3, 4, N - 1)
+    prefix = torch.tensor([7, 0, 130, 2][:bs], dtype=torch.int64)
+    size = int(N * (prefix + N).sum())
+    want_buf, got_buf = (
+        torch.full((size + 5,), 7, dtype=torch.uint8),
+        torch.full((size + 5,), 7, dtype=torch.uint8),
+    )
+    want_pos, got_pos = torch.zeros(bs, N, dtype=torch.int64), torch.zeros(bs, N, dtype=torch.int64)
+    verify_layout(tree.mask, tree.depths, prefix, want_buf, want_pos)
+    assert fused.write_verify_layout(tree.mask, tree.depths, prefix, got_buf, got_pos) is got_pos
+    assert torch.equal(got_buf, want_buf) and torch.equal(got_pos, want_pos)
+    assert (
+        int((want_buf == 1).sum()) == int(tree.mask.sum()) and int((want_buf == 7).sum()) > 5
+    )  # prefixes untouched
+
+
 def test_the_fused_walk_leaving_at_the_root_accepts_nothing(fused):
     tree = random_trees(5, 2, 4, 3, 8)
     target = torch.full((2, 9), 49, dtype=torch.int64)
@@ -186,8 +217,8 @@ def test_the_fused_walk_leaving_at_the_root_accepts_nothing(fused):
     assert got.rows[:, 0].tolist() == [0, 9]
 
 
-def test_both_kernels_compile_for_an_h200_without_one():
-    """The compiled path types things the interpreter lets pass (a loop variable changing type, say): compile both
+def test_the_kernels_compile_for_an_h200_without_one():
+    """The compiled path types things the interpreter lets pass (a loop variable changing type, say): compile them
     kernels for sm_90 ahead of time, at a worker shape, with no GPU."""
     if INTERPRETED:
         pytest.skip("compiles in the parent process")
@@ -217,4 +248,15 @@ def test_both_kernels_compile_for_an_h200_without_one():
     for cut in (False, True):  # the plain walk, and DDTREE's auto budget's (its cut and its statistics)
         walk = dict(N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1), HAS_LIVE=cut, STATS=cut, C=3, CP=4)
         types = dict(live_ptr="*i32", scores_ptr="*fp32", stats_ptr="*fp32")
-        assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, types).asm
+        assert "ptx" in compile_for_sm90(fused.walk_kernel, {**walk, "COMMIT": False}, types).asm
+    walk = dict(
+        N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1), HAS_LIVE=False, STATS=False, C=1, CP=1, COMMIT=True
+    )
+    types = dict(
+        r2t_ptr="*i32", r2t_stride="i64", pool_rows_ptr="*i64", commit_lens_ptr="*i32", stats_ptr="*fp32"
+    )
+    assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, types).asm  # the step's walk with its commit
+    layout = dict(N=budget + 1, NP=NP, BB=128)
+    assert (
+        "ptx" in compile_for_sm90(fused.verify_layout_kernel, layout, dict(mask_ptr="*u8", buf_ptr="*u8")).asm
+    )
