@@ -57,6 +57,20 @@ def random_targets(g, tree: TreeBuffers, follow: float = 0.85):
     return torch.where(keep, target, torch.randint(0, 1000, (bs, N), generator=g, device=target.device))
 
 
+def checked_capture(step):
+    """step() run once (it compiles), once more under torch's sync debug mode "error" (a host synchronisation fails
+    the test), then captured: its graph and the memory allocated after the capture."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph, _, _ = capture_graph(step)
+    return graph, torch.cuda.memory_allocated()
+
+
 def assert_same_walk(tree: TreeBuffers, target, L: int):
     bs, N = tree.parents.shape
     want = follow_tree(tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, "cuda"))
@@ -110,16 +124,7 @@ def test_fused_stages_sync_never_and_replay_in_a_cuda_graph(bs, L, budget):
         accept_walk(tree.parents, tree.candidates, target, L, acc)
 
     fill_inputs(g, lp, ids, "real")
-    step()  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-    graph, _, _ = capture_graph(step)
-    allocated = torch.cuda.memory_allocated()
+    graph, allocated = checked_capture(step)
     for i, kind in enumerate(("real", "ties", "absent", "real")):
         fill_inputs(g, lp, ids, kind)
         want_tree = build_tree(lp, ids, roots, budget)
@@ -213,15 +218,7 @@ def test_the_verify_layout_and_the_walks_commit_equal_the_torch_forms_and_replay
         buf.fill_(7)
 
     fill(0)
-    step()  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    graph, _, _ = capture_graph(step)
-    allocated = torch.cuda.memory_allocated()
+    graph, allocated = checked_capture(step)
     for i in range(4):
         fill(i)
         want_tree = build_tree(lp, ids, roots, budget)
