@@ -267,3 +267,57 @@ def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(t
     # the plain window's first step follows a skipped one; the step after the prefill has no interval
     assert len(got["host_ms"]["each"]) == 4 and len(got["interval_ms"]["each"]) == 3
     assert "step" in report.with_suffix(".txt").read_text()  # the profiled function's row
+
+
+def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results_in_its_window(tmp_path):
+    """Given SGLang's Scheduler class (here a stand-in with process_batch_result's signature), the report also
+    keeps how long the loop waited for each decode step's copy_done while the plain window was open, waiting on it
+    before the original does; prefills and results without a copy event pass through untimed."""
+    import json
+    import time
+
+    class Mode:
+        def __init__(self, extend):
+            self.extend = extend
+
+        def is_extend(self):
+            return self.extend
+
+        def is_decode(self):
+            return not self.extend
+
+        def is_idle(self):
+            return False
+
+    class Done:  # a copy event that completes 5 ms after the wait begins
+        waited = 0
+
+        def synchronize(self):
+            if not Done.waited:
+                time.sleep(0.005)
+            Done.waited += 1
+
+    def batch(extend=False):
+        return types.SimpleNamespace(forward_mode=Mode(extend), is_extend_in_batch=False)
+
+    processed = []
+    scheduler_cls = type("S", (), {"process_batch_result": lambda self, b, r: processed.append(r)})
+    worker_cls = type(
+        "W", (), {"forward_batch_generation": lambda self, b: None, "speculative_num_draft_tokens": 16}
+    )
+    oracle.install_host_report(
+        worker_cls, str(tmp_path), skip=1, plain=3, profiled=1, scheduler_cls=scheduler_cls
+    )
+    w, sched = worker_cls(), scheduler_cls()
+    sched.process_batch_result(batch(), types.SimpleNamespace(copy_done=Done()))  # before the window: untimed
+    assert Done.waited == 0
+    for _ in range(4):  # step 0 skipped, steps 1-3 the plain window
+        w.forward_batch_generation(batch())
+        sched.process_batch_result(batch(), types.SimpleNamespace(copy_done=Done()))
+        sched.process_batch_result(batch(extend=True), types.SimpleNamespace(copy_done=Done()))
+        sched.process_batch_result(batch(), types.SimpleNamespace(copy_done=None))
+    w.forward_batch_generation(batch())  # the profiled step: the report is written
+    got = json.loads(next(tmp_path.glob("*-W.json")).read_text())
+    waits = got["scheduler_wait_ms"]["each"]
+    assert len(waits) == 3 and waits[0] >= 5 and max(waits[1:]) < 5
+    assert len(processed) == 13  # every call reached the original

@@ -33,7 +33,8 @@ Apart from the oracle, DDTREE_SYNC_REPORT=<file> (any DDTREE server) runs every 
 torch.cuda.set_sync_debug_mode("warn") and keeps in that file (JSON) the steps seen and each host synchronisation
 torch reported, with the line of kdtree's or SGLang's code that asked for it. DDTREE_HOST_REPORT=<folder> (any
 DDTREE or DFLASH server) times the host side of the worker's decode steps (`install_host_report`): where a step's
-Python goes, DDTREE's against DFlash's chain.
+Python goes, DDTREE's against DFlash's chain, and how long the scheduler's loop waits for each step's results (near
+zero: the host sets the period).
 """
 
 from __future__ import annotations
@@ -300,12 +301,16 @@ def install_sync_report(worker_module, path: str) -> None:
     worker_cls.forward_batch_generation = forward_batch_generation
 
 
-def install_host_report(worker_cls, folder: str, skip: int = 20, plain: int = 60, profiled: int = 60) -> None:
+def install_host_report(
+    worker_cls, folder: str, skip: int = 20, plain: int = 60, profiled: int = 60, scheduler_cls=None
+) -> None:
     """The host's time in `worker_cls.forward_batch_generation`'s decode steps, into <folder>/<pid>-<class>.json and
     .txt: after `skip` steps, `plain` steps timed (the call's host time, and the interval between consecutive calls:
     under overlap scheduling the scheduler's period, the step's wall time), then `profiled` steps under cProfile
     (its tables in the .txt: the functions by own and by cumulative time). A host time near the interval means the
-    step waits on the host, not the GPU."""
+    step waits on the host, not the GPU. Given SGLang's Scheduler class, also how long its loop waits for each
+    decode step's results during the plain window (`process_batch_result`'s copy_done, waited for here first): near
+    zero, the loop is as long as the GPU's step or longer, and the host sets the period."""
     import cProfile
     import io
     import json
@@ -315,7 +320,7 @@ def install_host_report(worker_cls, folder: str, skip: int = 20, plain: int = 60
 
     step = worker_cls.forward_batch_generation
     prof = cProfile.Profile()
-    st = {"n": 0, "last": None, "host": [], "interval": []}
+    st = {"n": 0, "last": None, "host": [], "interval": [], "wait": [], "timing": False}
     base = os.path.join(folder, f"{os.getpid()}-{worker_cls.__name__}")
 
     def write(self) -> None:
@@ -344,6 +349,7 @@ def install_host_report(worker_cls, folder: str, skip: int = 20, plain: int = 60
                     "steps_profiled": profiled,
                     "host_ms": ms(st["host"]),
                     "interval_ms": ms(st["interval"]),
+                    "scheduler_wait_ms": ms(st["wait"]),
                 },
                 f,
             )
@@ -357,6 +363,7 @@ def install_host_report(worker_cls, folder: str, skip: int = 20, plain: int = 60
         if st["last"] is not None and skip <= n < skip + plain:
             st["interval"].append(t0 - st["last"])
         st["last"] = t0
+        st["timing"] = skip <= n < skip + plain
         profiling = skip + plain <= n < skip + plain + profiled
         if profiling:
             prof.enable()
@@ -371,6 +378,24 @@ def install_host_report(worker_cls, folder: str, skip: int = 20, plain: int = 60
                 st["host"].append(time.perf_counter() - t0)
 
     worker_cls.forward_batch_generation = forward_batch_generation
+    if scheduler_cls is None:
+        return
+    process = scheduler_cls.process_batch_result
+
+    def process_batch_result(self, batch, result, *args, **kwargs):
+        done = getattr(result, "copy_done", None)
+        if st["timing"] and done is not None and batch.forward_mode.is_decode():
+            t0 = time.perf_counter()
+            done.synchronize()  # the original's own wait then returns at once
+            st["wait"].append(time.perf_counter() - t0)
+        return process(self, batch, result, *args, **kwargs)
+
+    scheduler_cls.process_batch_result = process_batch_result
+
+
+def _scheduler_cls():
+    """SGLang's Scheduler, when its module is loaded (a server's scheduler process imports it before any worker)."""
+    return getattr(sys.modules.get("sglang.srt.managers.scheduler"), "Scheduler", None)
 
 
 def install(worker_module) -> None:
@@ -378,7 +403,7 @@ def install(worker_module) -> None:
     if os.environ.get(SYNC_ENV):
         install_sync_report(worker_module, os.environ[SYNC_ENV])
     if os.environ.get(HOST_ENV):
-        install_host_report(worker_module.DDTreeWorker, os.environ[HOST_ENV])
+        install_host_report(worker_module.DDTreeWorker, os.environ[HOST_ENV], scheduler_cls=_scheduler_cls())
     script = _script_from_env()
     if script is None:
         return
@@ -427,7 +452,9 @@ def install_dflash(dflash_module) -> None:
     token perm^d(root) where the script puts it at rank 0, else another token (a chain drafts its rank-0 tokens).
     And the host report of DFlash's own decode steps."""
     if os.environ.get(HOST_ENV):
-        install_host_report(dflash_module.DFlashWorkerV2, os.environ[HOST_ENV])
+        install_host_report(
+            dflash_module.DFlashWorkerV2, os.environ[HOST_ENV], scheduler_cls=_scheduler_cls()
+        )
     script = _script_from_env()
     if script is None:
         return
