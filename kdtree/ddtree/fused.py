@@ -483,7 +483,7 @@ def accept_walk(
         walk_kernel[(bs,)](
             parents, candidates, target, o.path, o.accepted, o.bonus, o.out_tokens, o.perm, o.rows,
             live if live is not None else o.accepted, scores.contiguous() if stats else o.stats, o.budgets, o.stats,
-            c.prefix, c.req_pool_indices, c.req_to_token, c.req_to_token.stride(0), c.draft_ids.contiguous(),
+            c.prefix.contiguous(), c.req_pool_indices.contiguous(), c.req_to_token, c.req_to_token.stride(0), c.draft_ids.contiguous(),
             o.path_loc, o.draft_positions, o.commit_lens, o.new_seq_lens,
             N=N, L=L, NP=_p2(N), LP=_p2(L + 1), HAS_LIVE=live is not None, STATS=stats, C=max(C, 1),
             CP=_p2(max(C, 1)), COMMIT=commit is not None, num_warps=NUM_WARPS,

@@ -383,6 +383,8 @@ def install_host_report(
     process = scheduler_cls.process_batch_result
 
     def process_batch_result(self, batch, result, *args, **kwargs):
+        # Under overlap this is step n - 1's result, handled after step n's launch: the window is one step early.
+        # The wait comes before the original's own bookkeeping, so it is an upper bound of the loop's wait.
         done = getattr(result, "copy_done", None)
         if st["timing"] and done is not None and batch.forward_mode.is_decode():
             t0 = time.perf_counter()

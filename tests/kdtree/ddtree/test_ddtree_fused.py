@@ -189,10 +189,41 @@ def test_the_fused_walk_commits_as_commit_window_does(fused, seed, bs, L, K, bud
     assert got.commit_lens.dtype == torch.int32
 
 
-@pytest.mark.parametrize("bs, N", [(1, 16), (3, 9), (4, 33)])
+def test_the_fused_cut_walk_commits_as_the_torch_forms_do(fused):
+    """The launch DDTREE's auto budget makes: the cut, its statistics and the commit together."""
+    bs, L, K, budget = 3, 5, 4, 12
+    tree, target, c = commit_case(4, bs, L, K, budget)
+    N, budgets = budget + 1, (3, 7, budget)
+    live = torch.tensor([4, N, 8], dtype=torch.int32)
+    want = follow_tree(
+        tree.parents, tree.candidates, target, L, AcceptBuffers(bs, N, L, budgets=budgets), live
+    )
+    cut_stats(want, tree.scores)
+    table, loc, pos, lens, new = reference_commit(want, c)
+    got = fused.accept_walk(
+        tree.parents,
+        tree.candidates,
+        target,
+        L,
+        AcceptBuffers(bs, N, L, budgets=budgets),
+        live,
+        tree.scores,
+        c,
+    )
+    assert (
+        torch.equal(c.req_to_token, table)
+        and got.path_loc.tolist() == loc
+        and got.draft_positions.tolist() == pos
+    )
+    assert got.commit_lens.tolist() == lens and got.new_seq_lens.tolist() == new
+    assert torch.allclose(got.stats, want.stats, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bs, N", [(1, 16), (3, 9), (4, 33), (300, 5)])
 def test_the_fused_verify_layout_writes_what_verify_layout_writes(fused, bs, N):
+    """300 requests: the kernel's sum over the earlier requests' entries runs in several blocks."""
     tree = random_trees(bs + N, bs, 3, 4, N - 1)
-    prefix = torch.tensor([7, 0, 130, 2][:bs], dtype=torch.int64)
+    prefix = torch.tensor(([7, 0, 130, 2] * bs)[:bs], dtype=torch.int64)
     size = int(N * (prefix + N).sum())
     want_buf, got_buf = (
         torch.full((size + 5,), 7, dtype=torch.uint8),
@@ -245,17 +276,14 @@ def test_the_kernels_compile_for_an_h200_without_one():
         lp_ptr="*fp32", root_stride="i32", beam_score_ptr="*fp32", scores_ptr="*fp32", mask_ptr="*i1"
     )
     assert "ptx" in compile_for_sm90(fused.tree_kernel, tree, floats).asm
-    for cut in (False, True):  # the plain walk, and DDTREE's auto budget's (its cut and its statistics)
-        walk = dict(N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1), HAS_LIVE=cut, STATS=cut, C=3, CP=4)
-        types = dict(live_ptr="*i32", scores_ptr="*fp32", stats_ptr="*fp32")
-        assert "ptx" in compile_for_sm90(fused.walk_kernel, {**walk, "COMMIT": False}, types).asm
-    walk = dict(
-        N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1), HAS_LIVE=False, STATS=False, C=1, CP=1, COMMIT=True
-    )
-    types = dict(
-        r2t_ptr="*i32", r2t_stride="i64", pool_rows_ptr="*i64", commit_lens_ptr="*i32", stats_ptr="*fp32"
-    )
-    assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, types).asm  # the step's walk with its commit
+    # the plain walk; DDTREE's auto budget's (its cut and its statistics); the worker's step with auto (and its commit)
+    for cut, commit in ((False, False), (True, False), (True, True)):
+        walk = dict(
+            N=budget + 1, L=L, NP=NP, LP=fused._p2(L + 1), HAS_LIVE=cut, STATS=cut, C=3, CP=4, COMMIT=commit
+        )
+        types = dict(live_ptr="*i32", scores_ptr="*fp32", stats_ptr="*fp32", r2t_ptr="*i32", r2t_stride="i64",
+                     pool_rows_ptr="*i64", commit_lens_ptr="*i32")  # fmt: skip
+        assert "ptx" in compile_for_sm90(fused.walk_kernel, walk, types).asm
     layout = dict(N=budget + 1, NP=NP, BB=128)
     assert (
         "ptx" in compile_for_sm90(fused.verify_layout_kernel, layout, dict(mask_ptr="*u8", buf_ptr="*u8")).asm
