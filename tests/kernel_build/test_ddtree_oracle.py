@@ -225,25 +225,33 @@ def test_the_dflash_chain_under_a_profile_accepts_on_average_its_rank_0_run(monk
     )
 
 
+class _Mode:
+    """A stand-in for SGLang's ForwardMode: a prefill (extend) or a decode step."""
+
+    def __init__(self, extend):
+        self.extend = extend
+
+    def is_extend(self):
+        return self.extend
+
+    def is_decode(self):
+        return not self.extend
+
+    def is_idle(self):
+        return False
+
+
+def batch(extend=False):
+    """A stand-in ScheduleBatch, as the host report reads it."""
+    return types.SimpleNamespace(forward_mode=_Mode(extend), is_extend_in_batch=False)
+
+
 def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(tmp_path):
     """DDTREE_HOST_REPORT: prefill and idle batches pass through untimed (and break the interval), the plain window
     is timed, the profiled window lands in cProfile's tables, and the report is written when that window ends."""
     import json
 
     calls = []
-
-    class Mode:
-        def __init__(self, extend):
-            self.extend = extend
-
-        def is_extend(self):
-            return self.extend
-
-        def is_idle(self):
-            return False
-
-    def batch(extend=False):
-        return types.SimpleNamespace(forward_mode=Mode(extend), is_extend_in_batch=False)
 
     def step(self, b):
         calls.append(b.forward_mode.extend)
@@ -276,19 +284,6 @@ def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results
     import json
     import time
 
-    class Mode:
-        def __init__(self, extend):
-            self.extend = extend
-
-        def is_extend(self):
-            return self.extend
-
-        def is_decode(self):
-            return not self.extend
-
-        def is_idle(self):
-            return False
-
     class Done:  # a copy event that completes 5 ms after the wait begins
         waited = 0
 
@@ -296,9 +291,6 @@ def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results
             if not Done.waited:
                 time.sleep(0.005)
             Done.waited += 1
-
-    def batch(extend=False):
-        return types.SimpleNamespace(forward_mode=Mode(extend), is_extend_in_batch=False)
 
     processed = []
     scheduler_cls = type("S", (), {"process_batch_result": lambda self, b, r: processed.append(r)})
