@@ -241,6 +241,19 @@ class _Mode:
         return False
 
 
+class Clock:
+    """A stand-in for CUDA's timing events (torch.cuda.Event(enable_timing=True)): record() reads a counter the test
+    advances in ms, elapsed_time gives the difference."""
+
+    now = 0.0
+
+    def record(self):
+        self.t = Clock.now
+
+    def elapsed_time(self, later):
+        return later.t - self.t
+
+
 def batch(extend=False):
     """A stand-in ScheduleBatch, as the host report reads it."""
     return types.SimpleNamespace(forward_mode=_Mode(extend), is_extend_in_batch=False)
@@ -258,7 +271,7 @@ def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(t
         return len(calls)
 
     worker_cls = type("W", (), {"forward_batch_generation": step, "speculative_num_draft_tokens": 33})
-    oracle.install_host_report(worker_cls, str(tmp_path), skip=2, plain=4, profiled=3)
+    oracle.install_host_report(worker_cls, str(tmp_path), skip=2, plain=4, profiled=3, clock=Clock)
     w = worker_cls()
     assert w.forward_batch_generation(batch(extend=True)) == 1  # a prefill: passed through
     for extend in (
@@ -298,7 +311,7 @@ def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results
         "W", (), {"forward_batch_generation": lambda self, b: None, "speculative_num_draft_tokens": 16}
     )
     oracle.install_host_report(
-        worker_cls, str(tmp_path), skip=1, plain=3, profiled=1, scheduler_cls=scheduler_cls
+        worker_cls, str(tmp_path), skip=1, plain=3, profiled=1, scheduler_cls=scheduler_cls, clock=Clock
     )
     w, sched = worker_cls(), scheduler_cls()
     sched.process_batch_result(batch(), types.SimpleNamespace(copy_done=Done()))  # before the window: untimed
@@ -313,3 +326,65 @@ def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results
     waits = got["scheduler_wait_ms"]["each"]
     assert len(waits) == 3 and waits[0] >= 5 and max(waits[1:]) < 5
     assert len(processed) == 13  # every call reached the original
+
+
+def test_the_host_report_times_each_phase_of_a_decode_step_on_the_gpus_clock(tmp_path):
+    """In the plain window, events (here a stand-in clock for CUDA's timing events: record() reads a counter) mark
+    the step's start and end and each call of the draft forward, the target's verify and the drafter's KV append;
+    the report keeps each phase's mean and the time between consecutive steps, never across a prefill."""
+    import json
+
+    def advance(ms):
+        Clock.now += ms
+
+    class Runner:
+        def forward(self, fb):
+            advance(2.0)
+
+    class Target:
+        def forward_batch_generation(self, **kw):
+            advance(7.0)
+
+    def step(self, b):
+        advance(0.5)  # before the draft
+        self.draft_model_runner.forward(None)
+        advance(0.25)
+        self.target_worker.forward_batch_generation(is_verify=True)
+        advance(0.125)
+        self._append_target_hidden_to_draft_kv_by_loc()
+        advance(1.0)  # after the append
+
+    worker_cls = type(
+        "W",
+        (),
+        {
+            "forward_batch_generation": step,
+            "_append_target_hidden_to_draft_kv_by_loc": lambda self: advance(0.0625),
+            "speculative_num_draft_tokens": 16,
+        },
+    )
+    oracle.install_host_report(worker_cls, str(tmp_path), skip=1, plain=4, profiled=1, clock=Clock)
+    w = worker_cls()
+    w.draft_model_runner, w.target_worker = Runner(), Target()
+    for extend in (
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ):  # skipped, 2 timed, a prefill, 2 timed, profiled
+        w.forward_batch_generation(batch(extend))
+        advance(3.0)  # the GPU between steps (and across the prefill: 3 + its own 0 here + 3)
+    got = json.loads(next(tmp_path.glob("*-W.json")).read_text())["gpu_phase_ms"]
+    assert got == {
+        "start": 0.5,
+        "draft": 2.0,
+        "draft end": 0.25,
+        "verify": 7.0,
+        "verify end": 0.125,
+        "append": 0.0625,
+        "append end": 1.0,
+        "between_steps": 3.0,  # the two pairs of consecutive steps; the pair across the prefill is left out
+    }

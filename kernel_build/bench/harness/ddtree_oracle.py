@@ -302,7 +302,13 @@ def install_sync_report(worker_module, path: str) -> None:
 
 
 def install_host_report(
-    worker_cls, folder: str, skip: int = 20, plain: int = 60, profiled: int = 60, scheduler_cls=None
+    worker_cls,
+    folder: str,
+    skip: int = 20,
+    plain: int = 60,
+    profiled: int = 60,
+    scheduler_cls=None,
+    clock=None,
 ) -> None:
     """The host's time in `worker_cls.forward_batch_generation`'s decode steps, into <folder>/<pid>-<class>.json and
     .txt: after `skip` steps, `plain` steps timed (the call's host time, and the interval between consecutive calls:
@@ -310,18 +316,65 @@ def install_host_report(
     (its tables in the .txt: the functions by own and by cumulative time). A host time near the interval means the
     step waits on the host, not the GPU. Given SGLang's Scheduler class, also how long its loop waits for each
     decode step's results during the plain window (`process_batch_result`'s copy_done, waited for here first): near
-    zero, the loop is as long as the GPU's step or longer, and the host sets the period."""
+    zero, the loop is as long as the GPU's step or longer, and the host sets the period. And, in the plain window,
+    the GPU's time in each phase of the step (`gpu_phase_ms`: events recorded in the stream at the step's start and
+    end and around the draft forward, the target's verify and the drafter's KV append, `clock()` making each; CUDA
+    events with timing by default): with the host waiting on results, the GPU sets the period, and the phases say
+    where it goes; `between_steps` is the GPU's time from one step's end to the next one's start."""
     import cProfile
     import io
+    import itertools
     import json
     import pstats
     import statistics
     import time
 
+    os.makedirs(folder, exist_ok=True)  # a missing folder would end the server at the report's write
+    if clock is None:
+        import torch
+
+        def clock():
+            return torch.cuda.Event(enable_timing=True)
+
     step = worker_cls.forward_batch_generation
     prof = cProfile.Profile()
     st = {"n": 0, "last": None, "host": [], "interval": [], "wait": [], "timing": False}
+    marks: list[list] = []  # per timed step: (phase, event) in stream order
     base = os.path.join(folder, f"{os.getpid()}-{worker_cls.__name__}")
+
+    def mark(name: str) -> None:
+        if st["timing"] and marks:
+            event = clock()
+            event.record()
+            marks[-1].append((name, event))
+
+    def around(obj, attr: str, name: str) -> None:
+        """obj.attr marked before and after each call, patched once on the instance."""
+        fn = getattr(obj, attr, None)
+        if fn is None or getattr(fn, "_phase_marked", False):
+            return
+
+        def marked(*args, **kwargs):
+            mark(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mark(name + " end")
+
+        marked._phase_marked = True
+        setattr(obj, attr, marked)
+
+    def gpu_phases() -> dict:
+        """Per phase (from a mark to the next), the mean ms over the timed steps that had it."""
+        spans: dict[str, list[float]] = {}
+        previous_end = None
+        for step_marks in marks:
+            if previous_end is not None and step_marks:
+                spans.setdefault("between_steps", []).append(previous_end.elapsed_time(step_marks[0][1]))
+            for (name, a), (_, b) in itertools.pairwise(step_marks):
+                spans.setdefault(name, []).append(a.elapsed_time(b))
+            previous_end = step_marks[-1][1] if step_marks and step_marks[-1][0] == "end" else None
+        return {k: round(statistics.fmean(v), 4) for k, v in spans.items()}
 
     def write(self) -> None:
         def ms(xs):
@@ -350,13 +403,19 @@ def install_host_report(
                     "host_ms": ms(st["host"]),
                     "interval_ms": ms(st["interval"]),
                     "scheduler_wait_ms": ms(st["wait"]),
+                    "gpu_phase_ms": gpu_phases() if marks else None,
                 },
                 f,
             )
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
-            st["last"] = None  # a prefill between two decode steps is not a decode step's period
+            st["last"], st["timing"] = (
+                None,
+                False,
+            )  # a prefill between two decode steps is not a decode step's period
+            if marks and marks[-1]:
+                marks.append([])  # nor is the GPU's time across it
             return step(self, batch, *args, **kwargs)
         n, t0 = st["n"], time.perf_counter()
         st["n"] = n + 1
@@ -365,11 +424,18 @@ def install_host_report(
         st["last"] = t0
         st["timing"] = skip <= n < skip + plain
         profiling = skip + plain <= n < skip + plain + profiled
+        if st["timing"]:
+            around(getattr(self, "draft_model_runner", None), "forward", "draft")
+            around(getattr(self, "target_worker", None), "forward_batch_generation", "verify")
+            around(self, "_append_target_hidden_to_draft_kv_by_loc", "append")
+            marks.append([])
+            mark("start")
         if profiling:
             prof.enable()
         try:
             return step(self, batch, *args, **kwargs)
         finally:
+            mark("end")
             if profiling:
                 prof.disable()
                 if n == skip + plain + profiled - 1:

@@ -1,0 +1,89 @@
+"""What a verify's tree mask and DDTREE's live rows cost kdtree's kernel against the causal chain at the same width.
+
+In the real server (61 layers, 32k, H100; kernel_build/NOTES.md, "The tree at the chain's width"), DDTREE's target
+verify at the chain's 16 tokens took 0.36 ms a step more GPU time than DFlash's chain verify. Its attention differs in
+two inputs only: the tree's mask in SGLang's FULL layout (the chain passes none: causal) and q_live (DDTREE's verify
+always passes the device's live-rows buffer). This times the kernel alone in the three forms, graph replays as in
+kdtree.bench. On the GPU machine (after device_run.sh's build, with its PYTHONPATH: gpu_env.sh):
+    python kernel_build/bench/tuning/mask_cost.py [--shapes 1x8x16x2048,1x8x16x32768] [--out mask.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from kdtree import bench, kernel
+from kdtree.bench import input_sets, shape_costs
+from kdtree.reference import kdtree_call, make_batch
+
+FORMS = ("causal", "tree", "tree+q_live")
+
+
+def time_form(batches, q_live) -> float:
+    """us per call: one graph of a call per input set, replayed (kdtree.bench's method)."""
+    outs, wss = [], []
+    for b in batches:
+        T, H = b.q.shape[:2]
+        outs.append(torch.empty(T, H * 512, dtype=torch.bfloat16, device="cuda"))
+        wss.append(
+            torch.empty(
+                kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"),
+                dtype=torch.uint8,
+                device="cuda",
+            )
+        )
+
+    def run():
+        for b, o, w in zip(batches, outs, wss, strict=True):
+            kdtree_call(b, o, w, q_live=q_live)
+
+    g, _, _ = bench.capture_graph(run)
+    for _ in range(3):
+        g.replay()
+    return bench.replay_us(g, max(1, math.ceil(bench.CALLS_PER_ROUND / len(batches))), len(batches))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--shapes", default="1x8x16x2048,1x8x16x32768,4x8x16x32768", help="bs x heads x N x prefix"
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="each form timed this many times, interleaved")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    for spec in a.shapes.split(","):
+        bs, h, n, p = (int(x) for x in spec.split("x"))
+        sets = input_sets(shape_costs(bs, h, n, p)[0])
+        batches = {
+            "causal": [make_batch(bs, h, n, p, tree=False, seed=s, spare_slots=0) for s in range(sets)],
+            "tree": [make_batch(bs, h, n, p, tree=True, seed=s, spare_slots=0) for s in range(sets)],
+        }
+        live = torch.full((bs,), n, dtype=torch.int32, device="cuda")  # every token live, as a fixed budget's
+        times = {f: [] for f in FORMS}
+        for _ in range(a.rounds):
+            times["causal"].append(time_form(batches["causal"], None))
+            times["tree"].append(time_form(batches["tree"], None))
+            times["tree+q_live"].append(time_form(batches["tree"], live))
+        row = {"batch": bs, "heads": h, "draft": n, "prefix": p} | {f: min(v) for f, v in times.items()}
+        rows.append(row)
+        print(
+            f"bs {bs} H {h} N {n} P {p}: "
+            + ", ".join(f"{f} {row[f]:.1f} us" for f in FORMS)
+            + f" (tree / causal {row['tree'] / row['causal']:.3f}, +q_live {row['tree+q_live'] / row['causal']:.3f})",
+            flush=True,
+        )
+        del batches
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
