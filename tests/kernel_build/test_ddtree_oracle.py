@@ -253,6 +253,9 @@ class Clock:
     def elapsed_time(self, later):
         return later.t - self.t
 
+    def synchronize(self):
+        pass
+
 
 def batch(extend=False):
     """A stand-in ScheduleBatch, as the host report reads it."""
@@ -261,7 +264,8 @@ def batch(extend=False):
 
 def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(tmp_path):
     """DDTREE_HOST_REPORT: prefill and idle batches pass through untimed (and break the interval), the plain window
-    is timed, the profiled window lands in cProfile's tables, and the report is written when that window ends."""
+    is timed and its report written two steps after it, the profiled window lands in cProfile's tables, written
+    when that window ends."""
     import json
 
     calls = []
@@ -274,12 +278,13 @@ def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(t
     oracle.install_host_report(worker_cls, str(tmp_path), skip=2, plain=4, profiled=3, clock=Clock)
     w = worker_cls()
     assert w.forward_batch_generation(batch(extend=True)) == 1  # a prefill: passed through
-    for extend in (
-        [False] * 3 + [True] + [False] * 3 + [False] * 2
-    ):  # skip 2, plain 4 with a prefill, profiled 2
+    for extend in [False] * 3 + [True] + [False] * 3:  # skip 2, plain 4 with a prefill
         w.forward_batch_generation(batch(extend))
-    assert list(tmp_path.iterdir()) == []  # the profiled window has not ended
+    w.forward_batch_generation(batch())  # the profiled window's first step
+    assert list(tmp_path.iterdir()) == []  # the plain window's report comes a step later
     w.forward_batch_generation(batch())
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]  # the profiled window has not ended
+    w.forward_batch_generation(batch())  # its last step: the tables
     w.forward_batch_generation(batch())  # past the windows: nothing more is recorded
     assert calls == [True] + [False] * 3 + [True] + [False] * 7
     (report,) = tmp_path.glob("*-W.json")
@@ -321,7 +326,8 @@ def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results
         sched.process_batch_result(batch(), types.SimpleNamespace(copy_done=Done()))
         sched.process_batch_result(batch(extend=True), types.SimpleNamespace(copy_done=Done()))
         sched.process_batch_result(batch(), types.SimpleNamespace(copy_done=None))
-    w.forward_batch_generation(batch())  # the profiled step: the report is written
+    w.forward_batch_generation(batch())  # the profiled step
+    w.forward_batch_generation(batch())  # two steps after the plain window: the report is written
     got = json.loads(next(tmp_path.glob("*-W.json")).read_text())
     waits = got["scheduler_wait_ms"]["each"]
     assert len(waits) == 3 and waits[0] >= 5 and max(waits[1:]) < 5
@@ -366,15 +372,8 @@ def test_the_host_report_times_each_phase_of_a_decode_step_on_the_gpus_clock(tmp
     oracle.install_host_report(worker_cls, str(tmp_path), skip=1, plain=4, profiled=1, clock=Clock)
     w = worker_cls()
     w.draft_model_runner, w.target_worker = Runner(), Target()
-    for extend in (
-        False,
-        False,
-        False,
-        True,
-        False,
-        False,
-        False,
-    ):  # skipped, 2 timed, a prefill, 2 timed, profiled
+    # skipped, 2 timed, a prefill, 2 timed, profiled, then the step that writes the report
+    for extend in (False, False, False, True, False, False, False, False):
         w.forward_batch_generation(batch(extend))
         advance(3.0)  # the GPU between steps (and across the prefill: 3 + its own 0 here + 3)
     got = json.loads(next(tmp_path.glob("*-W.json")).read_text())["gpu_phase_ms"]

@@ -310,10 +310,11 @@ def install_host_report(
     scheduler_cls=None,
     clock=None,
 ) -> None:
-    """The host's time in `worker_cls.forward_batch_generation`'s decode steps, into <folder>/<pid>-<class>.json and
-    .txt: after `skip` steps, `plain` steps timed (the call's host time, and the interval between consecutive calls:
-    under overlap scheduling the scheduler's period, the step's wall time), then `profiled` steps under cProfile
-    (its tables in the .txt: the functions by own and by cumulative time). A host time near the interval means the
+    """The host's time in `worker_cls.forward_batch_generation`'s decode steps, into <folder>/<pid>-<class>.json (two
+    steps after the plain window) and .txt (after the profiled one): after `skip` steps, `plain` steps timed (the
+    call's host time, and the interval between consecutive calls: under overlap scheduling the scheduler's period,
+    the step's wall time), then `profiled` steps under cProfile (its tables in the .txt: the functions by own and by
+    cumulative time; a benchmark's rounds that overlap this window are slowed by it). A host time near the interval means the
     step waits on the host, not the GPU. Given SGLang's Scheduler class, also how long its loop waits for each
     decode step's results during the plain window (`process_batch_result`'s copy_done, waited for here first): near
     zero, the loop is as long as the GPU's step or longer, and the host sets the period. And, in the plain window,
@@ -376,7 +377,7 @@ def install_host_report(
             previous_end = step_marks[-1][1] if step_marks and step_marks[-1][0] == "end" else None
         return {k: round(statistics.fmean(v), 4) for k, v in spans.items()}
 
-    def write(self) -> None:
+    def write_times(self) -> None:
         def ms(xs):
             if not xs:
                 return None
@@ -386,12 +387,9 @@ def install_host_report(
                 "each": [round(1e3 * x, 3) for x in xs],
             }
 
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        for key in ("tottime", "cumulative"):
-            stats.sort_stats(key).print_stats(40)
-        with open(base + ".txt", "w") as f:
-            f.write(out.getvalue())
+        last = next((m[-1][1] for m in reversed(marks) if m), None)
+        if last is not None:
+            last.synchronize()  # the window's events are done by now; this one wait makes sure (once, off the window)
         with open(base + ".json", "w") as f:
             json.dump(
                 {
@@ -407,6 +405,14 @@ def install_host_report(
                 },
                 f,
             )
+
+    def write_profile_tables() -> None:
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(40)
+        with open(base + ".txt", "w") as f:
+            f.write(out.getvalue())
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
@@ -439,9 +445,13 @@ def install_host_report(
             if profiling:
                 prof.disable()
                 if n == skip + plain + profiled - 1:
-                    write(self)
+                    write_profile_tables()
             elif skip <= n < skip + plain:
                 st["host"].append(time.perf_counter() - t0)
+            if (
+                n == skip + plain + 1
+            ):  # the window's last results have been waited for (overlap's one-step lag)
+                write_times(self)
 
     worker_cls.forward_batch_generation = forward_batch_generation
     if scheduler_cls is None:
