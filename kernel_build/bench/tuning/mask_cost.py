@@ -4,13 +4,15 @@ In the real server (61 layers, 32k, H100; kernel_build/NOTES.md, "The tree at th
 verify at the chain's 16 tokens took 0.36 ms a step more GPU time than DFlash's chain verify. Its attention differs in
 two inputs only: the tree's mask in SGLang's FULL layout (the chain passes none: causal) and q_live (DDTREE's verify
 always passes the device's live-rows buffer). This times the kernel alone in the three forms, graph replays as in
-kdtree.bench. On the GPU machine (after device_run.sh's build, with its PYTHONPATH: gpu_env.sh):
+kdtree.bench; and, as a server's pool holds a prompt (its slots allocated one after another), with the prefix's slots
+in order instead of shuffled. On the GPU machine (after device_run.sh's build, with its PYTHONPATH: gpu_env.sh):
     python kernel_build/bench/tuning/mask_cost.py [--shapes 1x8x16x2048,1x8x16x32768] [--out mask.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -20,7 +22,7 @@ from kdtree import bench, kernel
 from kdtree.bench import input_sets, shape_costs
 from kdtree.reference import kdtree_call, make_batch
 
-FORMS = ("causal", "tree", "tree+q_live")
+FORMS = ("causal", "tree", "tree+q_live", "causal, slots in order", "tree+q_live, slots in order")
 
 
 def time_form(batches, q_live) -> float:
@@ -63,12 +65,27 @@ def main() -> int:
             "causal": [make_batch(bs, h, n, p, tree=False, seed=s, spare_slots=0) for s in range(sets)],
             "tree": [make_batch(bs, h, n, p, tree=True, seed=s, spare_slots=0) for s in range(sets)],
         }
+        for form in (
+            "causal",
+            "tree",
+        ):  # each request's prefix in consecutive slots (slot 0 is SGLang's dummy)
+            batches[form + ", in order"] = [
+                dataclasses.replace(
+                    b,
+                    kv_indices=torch.arange(1, b.kv_indices.numel() + 1, device="cuda").to(
+                        b.kv_indices.dtype
+                    ),
+                )
+                for b in batches[form]
+            ]
         live = torch.full((bs,), n, dtype=torch.int32, device="cuda")  # every token live, as a fixed budget's
         times = {f: [] for f in FORMS}
         for _ in range(a.rounds):
             times["causal"].append(time_form(batches["causal"], None))
             times["tree"].append(time_form(batches["tree"], None))
             times["tree+q_live"].append(time_form(batches["tree"], live))
+            times["causal, slots in order"].append(time_form(batches["causal, in order"], None))
+            times["tree+q_live, slots in order"].append(time_form(batches["tree, in order"], live))
         row = {"batch": bs, "heads": h, "draft": n, "prefix": p} | {f: min(v) for f, v in times.items()}
         rows.append(row)
         print(
