@@ -243,18 +243,22 @@ class _Mode:
 
 class Clock:
     """A stand-in for CUDA's timing events (torch.cuda.Event(enable_timing=True)): record() reads a counter the test
-    advances in ms, elapsed_time gives the difference."""
+    advances in ms, elapsed_time gives the difference, and, as CUDA's, raises unless both events have completed,
+    which here means: recorded no later than an event that was synchronized."""
 
     now = 0.0
+    done = 0.0
 
     def record(self):
         self.t = Clock.now
 
-    def elapsed_time(self, later):
-        return later.t - self.t
-
     def synchronize(self):
-        pass
+        Clock.done = max(Clock.done, self.t)
+
+    def elapsed_time(self, later):
+        if max(self.t, later.t) > Clock.done:
+            raise RuntimeError("an event not yet complete")
+        return later.t - self.t
 
 
 def batch(extend=False):
@@ -285,13 +289,15 @@ def test_the_host_report_times_decode_steps_only_then_profiles_and_writes_once(t
     w.forward_batch_generation(batch())
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]  # the profiled window has not ended
     w.forward_batch_generation(batch())  # its last step: the tables
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".txt"]
     w.forward_batch_generation(batch())  # past the windows: nothing more is recorded
     assert calls == [True] + [False] * 3 + [True] + [False] * 7
     (report,) = tmp_path.glob("*-W.json")
     got = json.loads(report.read_text())
     assert got["worker"] == "W" and got["verify_tokens"] == 33 and got["steps_timed"] == 4
-    # the plain window's first step follows a skipped one; the step after the prefill has no interval
-    assert len(got["host_ms"]["each"]) == 4 and len(got["interval_ms"]["each"]) == 3
+    # the plain window's first step follows a skipped one; the two steps after the prefill have no interval (the
+    # second one's would hold the wait for the prefill's result)
+    assert len(got["host_ms"]["each"]) == 4 and len(got["interval_ms"]["each"]) == 2
     assert "step" in report.with_suffix(".txt").read_text()  # the profiled function's row
 
 
@@ -335,17 +341,21 @@ def test_the_host_report_times_the_schedulers_wait_for_each_decode_steps_results
 
 
 def test_the_host_report_times_each_phase_of_a_decode_step_on_the_gpus_clock(tmp_path):
-    """In the plain window, events (here a stand-in clock for CUDA's timing events: record() reads a counter) mark
-    the step's start and end and each call of the draft forward, the target's verify and the drafter's KV append;
-    the report keeps each phase's mean and the time between consecutive steps, never across a prefill."""
+    """In the plain window only, events (here a stand-in clock for CUDA's timing events) mark the step's start and
+    end and each call of the draft forward, the target's verify and the drafter's KV append; the report keeps each
+    phase's ms in every timed step, with their mean and median, and the time between consecutive steps, never across
+    a prefill."""
     import json
 
     def advance(ms):
         Clock.now += ms
 
     class Runner:
-        def forward(self, fb):
-            advance(2.0)
+        calls = 0
+
+        def forward(self, fb):  # the draft forward takes 1, 2, 3, ... ms in turn, prefills included
+            Runner.calls += 1
+            advance(float(Runner.calls))
 
     class Target:
         def forward_batch_generation(self, **kw):
@@ -377,13 +387,20 @@ def test_the_host_report_times_each_phase_of_a_decode_step_on_the_gpus_clock(tmp
         w.forward_batch_generation(batch(extend))
         advance(3.0)  # the GPU between steps (and across the prefill: 3 + its own 0 here + 3)
     got = json.loads(next(tmp_path.glob("*-W.json")).read_text())["gpu_phase_ms"]
-    assert got == {
-        "start": 0.5,
-        "draft": 2.0,
-        "draft end": 0.25,
-        "verify": 7.0,
-        "verify end": 0.125,
-        "append": 0.0625,
-        "append end": 1.0,
-        "between_steps": 3.0,  # the two pairs of consecutive steps; the pair across the prefill is left out
+    assert got["draft"] == {
+        "mean": 4.0,
+        "median": 4.0,
+        "each": [2.0, 3.0, 5.0, 6.0],
+    }  # the 4 timed steps' only
+    assert {k: v["each"] for k, v in got.items() if k != "draft"} == {
+        "start": [0.5] * 4,
+        "draft end": [0.25] * 4,
+        "verify": [7.0] * 4,
+        "verify end": [0.125] * 4,
+        "append": [0.0625] * 4,
+        "append end": [1.0] * 4,
+        "between_steps": [
+            3.0,
+            3.0,
+        ],  # the two pairs of consecutive steps; the pair across the prefill is left out
     }

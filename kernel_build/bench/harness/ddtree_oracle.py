@@ -339,7 +339,7 @@ def install_host_report(
 
     step = worker_cls.forward_batch_generation
     prof = cProfile.Profile()
-    st = {"n": 0, "last": None, "host": [], "interval": [], "wait": [], "timing": False}
+    st = {"n": 0, "last": None, "fresh": 0, "host": [], "interval": [], "wait": [], "timing": False}
     marks: list[list] = []  # per timed step: (phase, event) in stream order
     base = os.path.join(folder, f"{os.getpid()}-{worker_cls.__name__}")
 
@@ -366,7 +366,8 @@ def install_host_report(
         setattr(obj, attr, marked)
 
     def gpu_phases() -> dict:
-        """Per phase (from a mark to the next), the mean ms over the timed steps that had it."""
+        """Per phase (from a mark to the next), its ms in each timed step that had it, and their mean and median
+        (a window can span two requests whose steps differ)."""
         spans: dict[str, list[float]] = {}
         previous_end = None
         for step_marks in marks:
@@ -375,7 +376,14 @@ def install_host_report(
             for (name, a), (_, b) in itertools.pairwise(step_marks):
                 spans.setdefault(name, []).append(a.elapsed_time(b))
             previous_end = step_marks[-1][1] if step_marks and step_marks[-1][0] == "end" else None
-        return {k: round(statistics.fmean(v), 4) for k, v in spans.items()}
+        return {
+            k: {
+                "mean": round(statistics.fmean(v), 4),
+                "median": round(statistics.median(v), 4),
+                "each": [round(x, 4) for x in v],
+            }
+            for k, v in spans.items()
+        }
 
     def write_times(self) -> None:
         def ms(xs):
@@ -389,7 +397,7 @@ def install_host_report(
 
         last = next((m[-1][1] for m in reversed(marks) if m), None)
         if last is not None:
-            last.synchronize()  # the window's events are done by now; this one wait makes sure (once, off the window)
+            last.synchronize()  # the window's events are done by now; this one wait (once, past the plain window) makes sure
         with open(base + ".json", "w") as f:
             json.dump(
                 {
@@ -416,17 +424,17 @@ def install_host_report(
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
-            st["last"], st["timing"] = (
-                None,
-                False,
-            )  # a prefill between two decode steps is not a decode step's period
+            # a prefill is not a decode step's period: under overlap the second decode step after it still waits
+            # for the prefill's result, so neither of the next two intervals is one
+            st["last"], st["timing"], st["fresh"] = None, False, 2
             if marks and marks[-1]:
                 marks.append([])  # nor is the GPU's time across it
             return step(self, batch, *args, **kwargs)
         n, t0 = st["n"], time.perf_counter()
         st["n"] = n + 1
-        if st["last"] is not None and skip <= n < skip + plain:
+        if st["last"] is not None and not st["fresh"] and skip <= n < skip + plain:
             st["interval"].append(t0 - st["last"])
+        st["fresh"] = max(0, st["fresh"] - 1)
         st["last"] = t0
         st["timing"] = skip <= n < skip + plain
         profiling = skip + plain <= n < skip + plain + profiled
