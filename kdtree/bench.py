@@ -120,7 +120,8 @@ def time_ours(batches, config: str | None = None, fp8_path: str | None = None) -
         return _time_graph(batches)
 
 
-def _time_graph(batches) -> float:
+def _time_graph(batches, q_live=None) -> float:
+    """us per call: one CUDA graph of a call per input set, replayed (q_live: each request's live tokens, or all)."""
     import torch
 
     from kdtree import kernel
@@ -140,7 +141,7 @@ def _time_graph(batches) -> float:
 
     def run():
         for b, o, w in zip(batches, outs, wss, strict=True):
-            kdtree_call(b, o, w)
+            kdtree_call(b, o, w, q_live=q_live)
 
     g, _, _ = capture_graph(run)
     for _ in range(3):

@@ -127,3 +127,12 @@ def test_an_unknown_server_or_profile_is_refused_before_anything_starts(arg):
     assert "unknown" in p.stderr and any(
         x in p.stderr for x in ("DDTREE-B8", "DFLASH-B16-AUTO", "optimistic")
     )
+
+
+def test_a_table_measured_with_the_host_report_says_its_rounds_were_slowed(monkeypatch):
+    """DDTREE_HOST_REPORT profiles decode steps 80-140 of every server, inside the timed rounds: the table's head
+    says so, and says nothing without it."""
+    monkeypatch.delenv("DDTREE_HOST_REPORT", raising=False)
+    assert bench_oracle.host_report_caveat() is None
+    monkeypatch.setenv("DDTREE_HOST_REPORT", "/tmp/host")
+    assert "cProfile" in bench_oracle.host_report_caveat()

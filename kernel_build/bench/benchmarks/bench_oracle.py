@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
 from bench_engine import timed_round, write  # noqa: E402  (this script's folder is on sys.path)
 from ddtree_oracle import (  # noqa: E402
+    HOST_ENV,
     PROFILE_ENV,
     PROFILES,
     expected_chain_accepted,
@@ -172,6 +174,17 @@ def markdown(rows: list[dict], head: list[str]) -> str:
     return "\n".join(lines)
 
 
+def host_report_caveat() -> str | None:
+    """The table's warning when the servers ran with the host report: its cProfile window (each server's decode steps
+    80-140) falls in the timed rounds and slows them."""
+    if not os.environ.get(HOST_ENV):
+        return None
+    return (
+        f"{HOST_ENV} was set: each server's host report profiled some of the timed rounds' steps under cProfile, "
+        "which slows them; compare tokens/s from a run without it"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table here (and .json beside it)")
@@ -238,6 +251,8 @@ def main() -> int:
         f"tokens per request, {args.repeats} timed rounds per server (interleaved) after one untimed, prompt in the "
         "prefix cache, --sleep-on-idle; decode tokens/s from the streamed chunks (after each request's first token)",
     ]
+    if host_report_caveat() is not None:
+        head.append(host_report_caveat())
     t0 = time.monotonic()
     failed: dict[str, str] = {}
     rows: list[dict] = []

@@ -14,39 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 
 import torch
 
-from kdtree import bench, kernel
+from kdtree import bench
 from kdtree.bench import input_sets, shape_costs
-from kdtree.reference import kdtree_call, make_batch
+from kdtree.reference import make_batch
 
 FORMS = ("causal", "tree", "tree+q_live", "causal, slots in order", "tree+q_live, slots in order")
-
-
-def time_form(batches, q_live) -> float:
-    """us per call: one graph of a call per input set, replayed (kdtree.bench's method)."""
-    outs, wss = [], []
-    for b in batches:
-        T, H = b.q.shape[:2]
-        outs.append(torch.empty(T, H * 512, dtype=torch.bfloat16, device="cuda"))
-        wss.append(
-            torch.empty(
-                kernel.workspace_bytes(len(b.q_lens), H, b.max_q_len, "cuda"),
-                dtype=torch.uint8,
-                device="cuda",
-            )
-        )
-
-    def run():
-        for b, o, w in zip(batches, outs, wss, strict=True):
-            kdtree_call(b, o, w, q_live=q_live)
-
-    g, _, _ = bench.capture_graph(run)
-    for _ in range(3):
-        g.replay()
-    return bench.replay_us(g, max(1, math.ceil(bench.CALLS_PER_ROUND / len(batches))), len(batches))
 
 
 def main() -> int:
@@ -81,11 +56,11 @@ def main() -> int:
         live = torch.full((bs,), n, dtype=torch.int32, device="cuda")  # every token live, as a fixed budget's
         times = {f: [] for f in FORMS}
         for _ in range(a.rounds):
-            times["causal"].append(time_form(batches["causal"], None))
-            times["tree"].append(time_form(batches["tree"], None))
-            times["tree+q_live"].append(time_form(batches["tree"], live))
-            times["causal, slots in order"].append(time_form(batches["causal, in order"], None))
-            times["tree+q_live, slots in order"].append(time_form(batches["tree, in order"], live))
+            times["causal"].append(bench._time_graph(batches["causal"], None))
+            times["tree"].append(bench._time_graph(batches["tree"], None))
+            times["tree+q_live"].append(bench._time_graph(batches["tree"], live))
+            times["causal, slots in order"].append(bench._time_graph(batches["causal, in order"], None))
+            times["tree+q_live, slots in order"].append(bench._time_graph(batches["tree, in order"], live))
         row = {"batch": bs, "heads": h, "draft": n, "prefix": p} | {f: min(v) for f, v in times.items()}
         rows.append(row)
         print(
