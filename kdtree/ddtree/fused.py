@@ -1,6 +1,6 @@
 """DDTree's per-step stages as one Triton kernel each: the draft tree, the verify's inputs (positions and the ancestor
-masks in SGLang's layout) and the acceptance walk with its commit. One launch where torch takes a dozen: under overlap
-scheduling the host's time a step is what DDTREE's step costs beyond the chain's (kernel_build/NOTES.md).
+masks in SGLang's layout) and the acceptance walk with its commit. One launch where torch takes a dozen, so that the
+host's time a step stays small beside the GPU's (kernel_build/NOTES.md).
 
 `tree_kernel` writes exactly what `kdtree.ddtree.tree.build_tree` writes into a `TreeBuffers` (same values, same
 order and tie rule: see that module), one program per request, in four phases separated by block barriers over

@@ -12,8 +12,8 @@ One decode step, per request (bs requests at once, fixed shapes, no host synchro
    `kdtree.ddtree.fused.accept_walk` (one Triton kernel) give the accepted path and the bonus, and commit: the
    window's slots permuted in req_to_token (accepted path first), the commit's lengths;
 4. the drafter's KV materialised from the target's hidden states of the path's nodes, as DFlash does for its chain.
-Under overlap scheduling the host's time a step shows in the step's period once the scheduler's loop is as long as
-the GPU's step (61 layers at 32k: kernel_build/NOTES.md), so the step keeps its launches few.
+The step keeps its launches few (under overlap scheduling the host's time hides behind the GPU's step while it is
+shorter; at 61 layers and 32k the GPU sets the period: kernel_build/NOTES.md).
 
 Everything else (pools, prefill, graphs, the drafter) is DFlashWorkerV2's. Importing this module imports SGLang.
 """

@@ -251,8 +251,9 @@ def main() -> int:
         f"tokens per request, {args.repeats} timed rounds per server (interleaved) after one untimed, prompt in the "
         "prefix cache, --sleep-on-idle; decode tokens/s from the streamed chunks (after each request's first token)",
     ]
-    if host_report_caveat() is not None:
-        head.append(host_report_caveat())
+    caveat = host_report_caveat()
+    if caveat is not None:
+        head.append(caveat)
     t0 = time.monotonic()
     failed: dict[str, str] = {}
     rows: list[dict] = []
