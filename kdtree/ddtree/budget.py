@@ -16,10 +16,20 @@ device): b = argmax over the budgets of tokens(b) / seconds(b), ties to the larg
   another is chosen. One rho for every budget, not one a budget: a budget's own ratio is observed only when it or a
   larger one is verified, and the noise of a few steps' acceptance (a geometric count) then decides the choice.
 - seconds(b) = F + the verify attention's time at b for the batch's prefixes: `VerifyCost`, kdtree's kernel timed at
-  start (`measure_cut_cost`), and F, the rest of a step, an average of the host's interval between steps minus the
-  attention's time at the b and prefixes of the step before.
+  start (`measure_cut_cost`), and F, the rest of a step: the median of the last 5 of the host's intervals between
+  steps, each minus the attention's time at the b and prefixes of the step before.
 Until F and rho have a sample, and whenever kdtree does not compute the verify (modes other than on: SGLang's kernel
 computes every row, so a cut saves nothing), every b costs the same and the cap wins.
+
+The chain, auto's other arm (`CHAIN`, offered when the worker captured a target verify of the chain's width): a step
+of DFlash's own chain, B tokens, costs exactly a chain step, which a tree cut to the chain's size does not (the MLP, the
+MoE and lm_head still run the cap's rows). tokens(chain) = bs * (1 + rho * E_chain), E_chain the drafter's expected
+run of top-1 tokens (the draft graph computes it every step), rho the same calibration (a chain step observes it as
+accepted over E_chain); seconds(chain) = F_chain + the chain's attention (kdtree's kernel at B tokens, timed with the
+rest), F_chain learnt from the intervals after chain steps as F from the tree's. Each kind's F is a time only its own
+steps observe, so after `explore_every` steps of one kind the best of the other runs once (after 4 while the other
+has fewer than 3 samples). Not offered under tensor parallelism: each rank's host chooses on its own, and a step's
+kind must agree on every rank.
 
 The policy is plain Python on host numbers (this module imports torch only in `measure_cut_cost`), tested on the CPU.
 """
@@ -27,7 +37,8 @@ The policy is plain Python on host numbers (this module imports torch only in `m
 from __future__ import annotations
 
 import math
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +68,9 @@ class VerifyCost:
         return self.layers * (self.fixed[b] + self.per_key[b] * sum_prefix)
 
 
+CHAIN = 0  # auto's other arm: DFlash's chain step (a tree has at least one node, so no budget is 0)
+
+
 def _ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 
@@ -67,39 +81,54 @@ class BudgetPolicy:
 
     budgets: Sequence[int]
     cost: VerifyCost | None
-    weight: float = 0.2  # of a new sample in each average
+    chain: bool = False  # CHAIN is offered (the cost model then has its time)
+    explore_every: int = 64  # steps of one kind (tree, chain) before one of the other
+    weight: float = 0.2  # of a new sample in each average (acceptance)
     max_gap_s: float = (
         1.0  # a longer interval between two steps is not a step's time (idle, a prefill between)
     )
     chosen: Counter = field(default_factory=Counter)  # steps at each budget
-    fixed_s: float | None = None  # F
+    window: int = 5  # F and F_chain: the median of each one's last `window` samples
+    _fixed: dict[bool, deque] = field(default_factory=dict)  # is the chain -> its last samples
     _expected: dict[int, float] = field(default_factory=dict)  # E(b) a request
     _accepted: float | None = None  # drafted tokens a request accepted, at the budget verified
     _expected_verified: float | None = None  # E of the budget verified, the same steps
     _last: tuple[float, int, int, bool] | None = (
         None  # (time, b, sum of prefixes, kdtree served) of the last choice
     )
+    _streak: int = 0  # steps of the last choice's kind (tree or chain) in a row
+    _last_kind_is_chain: bool = False
 
     def __post_init__(self):
         self.budgets = tuple(sorted(self.budgets))
         if not self.budgets or self.budgets[0] < 1:
             raise ValueError(f"budgets must be positive (got {self.budgets})")
-        if self.cost is not None and any(b not in self.cost.fixed for b in self.budgets):
-            raise ValueError(f"the cost model has no time for some of the budgets {self.budgets}")
+        if self.cost is not None and any(b not in self.cost.fixed for b in self.arms):
+            raise ValueError(f"the cost model has no time for some of the choices {self.arms}")
 
     @property
     def cap(self) -> int:
         return self.budgets[-1]
 
+    @property
+    def arms(self) -> tuple[int, ...]:
+        """What a step may verify, in the order of the statistics `observe` takes: the budgets, then CHAIN if offered."""
+        return (*self.budgets, CHAIN) if self.chain else self.budgets
+
     def interrupt(self) -> None:
         """A step of another kind (a prefill) ran since the last choice: the next interval is not a decode step's."""
         self._last = None
 
-    def choose(self, now: float, bs: int, sum_prefix: int, serving: bool) -> int:
-        """The budget for a decode step of bs requests whose prefixes sum to sum_prefix, at host time `now` (seconds);
-        serving: kdtree computes this step's verify (mode on)."""
+    def choose(self, now: float, bs: int, sum_prefix: int, serving: bool, chain_ok: bool = True) -> int:
+        """The budget (or CHAIN) for a decode step of bs requests whose prefixes sum to sum_prefix, at host time `now`
+        (seconds); serving: kdtree computes this step's verify (mode on); chain_ok: the chain can run this batch."""
         self._learn_fixed(now)
-        b = self._best(bs, sum_prefix) if serving else self.cap
+        b = self._best(bs, sum_prefix, chain_ok) if serving else self.cap
+        if self._last_kind_is_chain == (b == CHAIN):
+            self._streak += 1
+        else:
+            self._streak = 1
+        self._last_kind_is_chain = b == CHAIN
         self._last = (now, b, sum_prefix, serving)
         self.chosen[b] += 1
         return b
@@ -111,7 +140,23 @@ class BudgetPolicy:
         t, b, sum_prefix, _ = last
         if 0 < now - t <= self.max_gap_s:
             sample = max(0.0, (now - t) - self.cost.seconds(b, sum_prefix))
-            self.fixed_s = _ema(self.fixed_s, sample, self.weight)
+            self._fixed.setdefault(b == CHAIN, deque(maxlen=self.window)).append(sample)
+
+    @property
+    def fixed_s(self) -> float | None:
+        """F: a median, not a mean, because one interval can be far off (a kernel compiled at its first use in a new
+        shape took 250 ms on the H100 beside 10 ms steps) and a mean would carry it for dozens of samples, which an
+        arm chosen once in `explore_every` steps takes thousands of steps to gather."""
+        return self._median(False)
+
+    @property
+    def chain_fixed_s(self) -> float | None:
+        """F_chain, as F."""
+        return self._median(True)
+
+    def _median(self, chain: bool) -> float | None:
+        samples = self._fixed.get(chain)
+        return statistics.median(samples) if samples else None
 
     def expected_accepted(self, b: int) -> float | None:
         """Drafted tokens a request is expected to accept at b (rho * E(b)); None before any statistics."""
@@ -120,22 +165,41 @@ class BudgetPolicy:
         rho = self._accepted / self._expected_verified if self._expected_verified else 1.0
         return rho * self._expected[b]
 
-    def _best(self, bs: int, sum_prefix: int) -> int:
+    def _rate(self, b: int, bs: int, sum_prefix: int) -> float:
+        fixed = self.chain_fixed_s if b == CHAIN else self.fixed_s
+        return bs * (1.0 + self.expected_accepted(b)) / (fixed + self.cost.seconds(b, sum_prefix))
+
+    def _best(self, bs: int, sum_prefix: int, chain_ok: bool) -> int:
         if self.cost is None or self.fixed_s is None or self._accepted is None:
             return self.cap
-        best, best_rate = self.cap, -math.inf
+        tree, tree_rate = self.cap, -math.inf
         for b in self.budgets:  # ascending, >= keeps the larger of equal rates
-            rate = bs * (1.0 + self.expected_accepted(b)) / (self.fixed_s + self.cost.seconds(b, sum_prefix))
-            if rate >= best_rate:
-                best, best_rate = b, rate
+            rate = self._rate(b, bs, sum_prefix)
+            if rate >= tree_rate:
+                tree, tree_rate = b, rate
+        if not (self.chain and chain_ok) or self.expected_accepted(CHAIN) is None:
+            return tree
+        if self.chain_fixed_s is None:
+            return CHAIN  # its first timed step
+        best = CHAIN if self._rate(CHAIN, bs, sum_prefix) > tree_rate else tree  # a tie to the tree
+        # the other kind once in a while, so that its F stays current: every explore_every steps, or sooner while it
+        # has fewer than 3 samples (a median of 1 or 2 may still be an outlier's)
+        other = len(self._fixed.get(best != CHAIN, ()))
+        if (best == CHAIN) == self._last_kind_is_chain and self._streak >= (
+            self.explore_every if other >= 3 else 4
+        ):
+            return tree if best == CHAIN else CHAIN
         return best
 
     def observe(self, chosen: int, bs: int, accepted: Sequence[float], expected: Sequence[float]) -> None:
-        """A step's statistics, summed over its bs requests, one entry a budget (`cut_stats`): drafted tokens accepted
-        within each budget (valid up to the chosen one) and the trees' E(b)."""
+        """A step's statistics, summed over its bs requests, one entry an arm (`arms`: `cut_stats`, then the chain's):
+        drafted tokens accepted within each (valid at the chosen one, and within a tree's budgets below it) and the
+        expected lengths E(b) and E_chain; NaN where the step did not measure it (a chain step walks no tree)."""
         if bs < 1:
             return
-        for b, a, e in zip(self.budgets, accepted, expected, strict=True):
+        for b, a, e in zip(self.arms, accepted, expected, strict=True):
+            if math.isnan(e):
+                continue
             self._expected[b] = _ema(self._expected.get(b), e / bs, self.weight)
             if b == chosen:
                 self._accepted = _ema(self._accepted, a / bs, self.weight)
@@ -146,14 +210,20 @@ class BudgetPolicy:
         return {
             "budgets": list(self.budgets),
             "steps_at": {
-                str(b): n for b, n in sorted(dict(self.chosen).items())
+                arm_name(b): n for b, n in sorted(dict(self.chosen).items())
             },  # a copy: the serving thread adds
             "fixed_ms": None if self.fixed_s is None else round(self.fixed_s * 1e3, 3),
+            "chain_fixed_ms": None if self.chain_fixed_s is None else round(self.chain_fixed_s * 1e3, 3),
             "expected_accepted": {
-                str(b): None if (x := self.expected_accepted(b)) is None else round(x, 3)
-                for b in self.budgets
+                arm_name(b): None if (x := self.expected_accepted(b)) is None else round(x, 3)
+                for b in self.arms
             },
         }
+
+
+def arm_name(b: int) -> str:
+    """How the rank record and the metrics name a choice: the budget, or "chain"."""
+    return "chain" if b == CHAIN else str(b)
 
 
 def measure_cut_cost(
@@ -163,10 +233,13 @@ def measure_cut_cost(
     layers: int,
     device,
     prefixes: tuple[int, int] = (4096, 32768),
+    chain_tokens: int | None = None,
 ) -> VerifyCost:
     """kdtree's kernel timed as the cut runs it: a CUDA graph of one call at N = cap + 1 (batch 1, `heads` query heads,
     bf16 pool), replayed with q_live = b + 1 for each budget, at two prefix lengths; the line through the two gives
-    fixed and per_key of each budget. About 20 ms of replays a prefix on an H200. Runs at start (it synchronises)."""
+    fixed and per_key of each budget. With chain_tokens (the chain's B), CHAIN's line too: a graph of its own at N = B,
+    as the chain's own captured verify runs it. About 20 ms of replays a prefix on an H200. Runs at start (it
+    synchronises)."""
     import torch
 
     from kdtree import kernel
@@ -174,33 +247,37 @@ def measure_cut_cost(
 
     if prefixes[1] <= prefixes[0]:
         raise ValueError(f"the two prefixes must increase (got {prefixes})")
-    times: dict[int, list[float]] = {b: [] for b in budgets}
+    shapes = [(cap + 1, {b: b + 1 for b in budgets})]  # (tokens captured, {choice: live tokens})
+    if chain_tokens is not None:
+        shapes.append((chain_tokens, {CHAIN: chain_tokens}))
+    times: dict[int, list[float]] = {b: [] for _, lives in shapes for b in lives}
     live = torch.zeros(1, dtype=torch.int32, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for P in prefixes:
-        batch = make_batch(1, heads, cap + 1, P, device=str(device), spare_slots=0)
-        out = torch.empty(cap + 1, heads * 512, dtype=torch.bfloat16, device=device)
-        ws = torch.empty(kernel.workspace_bytes(1, heads, cap + 1, device), dtype=torch.uint8, device=device)
-        live.fill_(cap + 1)
-        kdtree_call(batch, out, ws, q_live=live)  # outside the graph: lazy initialisation
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            kdtree_call(batch, out, ws, q_live=live)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for b in budgets:
-            live.fill_(b + 1)
-            for _ in range(3):
-                graph.replay()
-            rounds = []
-            for _ in range(5):
-                start.record()
-                for _ in range(4):
+        for N, lives in shapes:
+            batch = make_batch(1, heads, N, P, device=str(device), spare_slots=0)
+            out = torch.empty(N, heads * 512, dtype=torch.bfloat16, device=device)
+            ws = torch.empty(kernel.workspace_bytes(1, heads, N, device), dtype=torch.uint8, device=device)
+            live.fill_(N)
+            kdtree_call(batch, out, ws, q_live=live)  # outside the graph: lazy initialisation
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                kdtree_call(batch, out, ws, q_live=live)
+            for b, tokens in lives.items():
+                live.fill_(tokens)
+                for _ in range(3):
                     graph.replay()
-                end.record()
-                end.synchronize()
-                rounds.append(start.elapsed_time(end) / 4e3)  # seconds a call
-            times[b].append(sorted(rounds)[2])
-        del graph, batch, out, ws
+                rounds = []
+                for _ in range(5):
+                    start.record()
+                    for _ in range(4):
+                        graph.replay()
+                    end.record()
+                    end.synchronize()
+                    rounds.append(start.elapsed_time(end) / 4e3)  # seconds a call
+                times[b].append(sorted(rounds)[2])
+            del graph, batch, out, ws
     span = prefixes[1] - prefixes[0]
     per_key = {b: max(0.0, (t[1] - t[0]) / span) for b, t in times.items()}
     fixed = {b: max(0.0, t[0] - per_key[b] * prefixes[0]) for b, t in times.items()}

@@ -141,12 +141,14 @@ CAPTURE_HOOK_TARGET = (
 def spec_info_with_tree_mask(original_fn, runner, *args, **kwargs):
     """AROUND hook on the decode graph runner's capture input: SGLang captures a DFlash-family target verify
     without a mask on Triton (its chain is causal), which would capture DDTREE's verify without its tree mask;
-    for DDTREE's target runner the captured verify reads the runner's mask buffer, as NGRAM's does."""
+    for DDTREE's target runner the captured verify reads the runner's mask buffer, as NGRAM's does. The chain's runner
+    (auto's chain arm, `kdtree.ddtree.worker.ChainVerifyRunner`) keeps DFlash's causal capture."""
     spec_info = original_fn(runner, *args, **kwargs)
     mr = runner.model_runner
     if (
         isinstance(mr.spec_algorithm, DDTreeSpec)
         and not mr.is_draft_worker
+        and not getattr(runner, "kdtree_chain", False)
         and spec_info is not None
         and getattr(spec_info, "custom_mask", "absent") is None
     ):

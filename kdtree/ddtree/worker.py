@@ -35,11 +35,13 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     enable_num_token_non_padded,
 )
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_exec, get_spec
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import (
+    _get_or_create_chain_verify_buffers,
     apply_dflash_verify_logits_adjustments,
     build_speculative_verify_target_probs,
 )
@@ -53,7 +55,7 @@ from sglang.srt.speculative.spec_utils import draft_tp_context
 
 from kdtree.config import Mode
 from kdtree.ddtree.accept import AcceptBuffers, WindowCommit
-from kdtree.ddtree.budget import BudgetPolicy, cut_budgets, measure_cut_cost
+from kdtree.ddtree.budget import CHAIN, BudgetPolicy, arm_name, cut_budgets, measure_cut_cost
 from kdtree.ddtree.fused import accept_walk, build_draft_tree, write_verify_layout
 from kdtree.ddtree.tree import TreeBuffers
 
@@ -61,11 +63,15 @@ log = logging.getLogger("kdtree.ddtree")
 
 
 class TreeOutputs:
-    """The tree of each request as the verify reads it, rows of N = budget + 1 nodes (see TreeBuffers)."""
+    """The tree of each request as the verify reads it, rows of N = budget + 1 nodes (see TreeBuffers), and its chain:
+    the top-1 token of each of the L drafted depths (what a chain step verifies) and E_chain, the drafter's expected
+    run of them (the sum over depths of the product of their probabilities)."""
 
-    def __init__(self, rows: int, N: int, device):
+    def __init__(self, rows: int, N: int, L: int, device):
         i64 = dict(dtype=torch.int64, device=device)
         self.rows = rows
+        self.chain = torch.zeros(rows, L, **i64)
+        self.chain_expected = torch.zeros(rows, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(rows, N, **i64)
         self.candidates = torch.zeros(rows, N, **i64)
         self.parents = torch.zeros(rows, N, **i64)
@@ -90,7 +96,7 @@ class TreeDraftSampler:
         self.trees = {bs: TreeBuffers(bs, self.L, self.K, budget, device) for bs in sorted(set(sizes))}
         # the graphs write the outputs of up to max(sizes) rows here (captured addresses: never replaced); an eager
         # batch above that gets outputs of its own
-        self.captured = TreeOutputs(max(sizes), budget + 1, device)
+        self.captured = TreeOutputs(max(sizes), budget + 1, self.L, device)
         self.eager: TreeOutputs | None = None
 
     def outputs(self, bs: int) -> TreeOutputs:
@@ -98,8 +104,14 @@ class TreeDraftSampler:
         if bs <= self.captured.rows:
             return self.captured
         if self.eager is None or self.eager.rows < bs:
-            self.eager = TreeOutputs(bs, self.budget + 1, self.captured.input_ids.device)
+            self.eager = TreeOutputs(bs, self.budget + 1, self.L, self.captured.input_ids.device)
         return self.eager
+
+    @property
+    def out(self) -> torch.Tensor:
+        """Where DFlashWorkerV2's chain step reads its drafted tokens after a draft graph replay ([rows * L]), as from
+        its own sampler: auto's chain arm runs that step as is."""
+        return self.captured.chain.view(-1)
 
     def candidates(self, hs: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per drafted depth the top-K tokens of the target head and their log-probs, each depth sorted
@@ -131,6 +143,8 @@ class TreeDraftSampler:
             (o.mask, t.mask),
         ):
             mine[:bs].copy_(theirs)
+        o.chain[:bs].copy_(ids[:, :, 0])
+        torch.sum(torch.exp(torch.cumsum(lp[:, :, 0], dim=1)), dim=1, out=o.chain_expected[:bs])
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -159,6 +173,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._accept: dict[tuple[int, int], AcceptBuffers] = {}
         self._accept_slot = 0
         self._cut = BudgetCut.make(self)  # KDTREE_DDTREE_BUDGET=auto, else None
+        # auto's chain arm: the target's verify captured at width B (init_cuda_graphs)
+        self._chain_runner: ChainVerifyRunner | None = None
 
     # -- the draft head ----------------------------------------------------------------------------------------
 
@@ -183,6 +199,19 @@ class DDTreeWorker(DFlashWorkerV2):
         super().init_cuda_graphs()
         if self._tree_sampler is None:  # graphs off: the same head, run eagerly after each draft forward
             self._tree_sampler = self._make_tree_sampler([1])
+        elif self._cut is not None and self._cut.chain_allowed:
+            self._chain_runner = ChainVerifyRunner.capture_beside(
+                self.target_worker.model_runner, self.block_size
+            )
+            if self._chain_runner is not None:
+                # DFlash's sampled chain acceptance keeps buffers a batch size that grow with a synchronising write:
+                # sized now for every batch the chain runs (its prewarm, which sized them, is not DDTREE's)
+                _get_or_create_chain_verify_buffers(  # keyed on the device's index: a tensor's resolved device
+                    bs=self._chain_runner.max_bs,
+                    draft_token_num=self.block_size,
+                    device=self._tree_sampler.captured.parents.device,
+                )
+            self._cut.offer_chain(self._chain_runner)
 
     def prewarm_sampling(self):
         # DFlash's rehearsal sizes its chain verify; the tree's sampled verify goes through SGLang's
@@ -200,8 +229,15 @@ class DDTreeWorker(DFlashWorkerV2):
         draft_input = batch.spec_info
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError("DDTREE expected DFlashDraftInputV2 state on the running batch")
-        batch.seq_lens.record_stream(torch.cuda.current_stream())
         bs, B, N, L = len(batch.seq_lens), self.block_size, self.verify_width, self.block_size - 1
+        host_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu
+        # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
+        # scheduler's reserved bound: an eager batch's mask buffer is sized from it, and the cut's cost from it
+        host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
+        live = self._cut.choose(bs, host_sum) if self._cut is not None else None
+        if live is not None and self._cut.last_b == CHAIN:
+            return self._chain_step(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+        batch.seq_lens.record_stream(torch.cuda.current_stream())
         device = self.device
         prefix = batch.seq_lens
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
@@ -216,11 +252,6 @@ class DDTreeWorker(DFlashWorkerV2):
             draft_token_num=N,
             device=device,
         )
-        host_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else draft_input.nxt_kv_lens_cpu
-        # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
-        # scheduler's reserved bound: an eager batch's mask buffer is sized from it, and the cut's cost from it
-        host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
-        live = self._cut.choose(bs, host_sum) if self._cut is not None else None
         translator = self.target_worker.model_runner.kv_index_translator
         verify_plan = translator.plan(
             req_pool_indices=batch.req_pool_indices,
@@ -348,7 +379,7 @@ class DDTreeWorker(DFlashWorkerV2):
             parents, cands, target, L, acc, live, tree.scores[:bs] if live is not None else None, commit
         )
         if live is not None:
-            self._cut.record(acc, bs)
+            self._cut.record(acc, bs, tree.chain_expected)
         if batch.return_logprob:  # the emitted tokens' logprobs, from the rows of the path's nodes
             compute_spec_logprobs(batch, logits_output, target.reshape(-1), accept_index=acc.rows)
         commit_lens, new_seq_lens = acc.commit_lens, acc.new_seq_lens
@@ -391,6 +422,20 @@ class DDTreeWorker(DFlashWorkerV2):
             indexer_topk_output=target_out.indexer_topk_output,
         )
 
+    def _chain_step(self, batch, on_publish, grammar_barrier, pp_proxy_tensors):
+        """auto's chain arm: DFlashWorkerV2's own decode step (the draft graph's tree sampler exports its top-1 chain
+        as DFlash's sampler would, `TreeDraftSampler.out`), its verify replayed from the chain's runner, so the step
+        costs what a DFLASH step costs. kdtree's live rows hold B (the cut's choose wrote them)."""
+        runner = self.target_worker.model_runner
+        tree_runner, runner.decode_cuda_graph_runner = runner.decode_cuda_graph_runner, self._chain_runner
+        try:
+            result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+        finally:
+            runner.decode_cuda_graph_runner = tree_runner
+        bs = len(batch.seq_lens)
+        self._cut.record_chain(result.accept_lens, bs, self._tree_sampler.outputs(bs).chain_expected)
+        return result
+
     def _verify_mask_buffer(self, bs: int, host_sum: int) -> torch.Tensor:
         """Where the verify's ancestor masks go (SGLang's FULL layout: `kdtree.ddtree.tree.verify_layout`): the
         backend's verify-mask buffer when the batch fits it, as EAGLE does, so a graph replay's copy is a copy onto
@@ -428,13 +473,23 @@ class BudgetCut:
 
     Under tensor parallelism every rank must verify and walk the same cut: rank 0's is broadcast in the stream."""
 
-    def __init__(self, policy: BudgetPolicy, live: torch.Tensor, override, tp_group, device):
+    def __init__(
+        self, policy: BudgetPolicy, live: torch.Tensor, override, tp_group, device, chain_tokens: int
+    ):
         self.policy, self.live, self.override, self.tp_group = policy, live, override, tp_group
+        self.chain_tokens, self.chain_max_bs = (
+            chain_tokens,
+            0,
+        )  # B; the chain's captured batch sizes (none yet)
         C = len(policy.budgets)
-        self.summed = torch.zeros(2, C, dtype=torch.float32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        # a step's statistics, one column an arm (the budgets', then the chain's): accepted, expected
+        self.summed = torch.zeros(2, C + 1, **f32)
+        self.tree_summed = torch.zeros(2, C, **f32)
+        self.chain_sum = torch.zeros((), **f32)
         # (host copy, its event, (chosen b, bs) while a copy is in flight)
         self.slots = [
-            [torch.zeros(2, C, dtype=torch.float32, pin_memory=True), torch.cuda.Event(), None]
+            [torch.zeros(2, C + 1, dtype=torch.float32, pin_memory=True), torch.cuda.Event(), None]
             for _ in (0, 1)
         ]
         self.turn = 0
@@ -466,46 +521,84 @@ class BudgetCut:
         group = get_dp_tp_group()  # the attention's tensor-parallel group (DDTREE refuses DP attention)
         heads = cfg.num_attention_heads // group.world_size
         layers = int(getattr(cfg, "num_attention_layers", None) or cfg.num_hidden_layers)
-        cost = measure_cut_cost(heads, worker.budget, budgets, layers, worker.device)
-        log.info(
-            "DDTREE auto budget: budgets %s, verify attention at 8k tokens of prefix (ms): %s",
-            budgets,
-            {b: round(cost.seconds(b, 8192) * 1e3, 3) for b in budgets},
+        cost = measure_cut_cost(
+            heads, worker.budget, budgets, layers, worker.device, chain_tokens=worker.block_size
         )
-        cut = cls(BudgetPolicy(budgets, cost), live, override, group, worker.device)
+        log.info(
+            "DDTREE auto budget: budgets %s and the chain, verify attention at 8k tokens of prefix (ms): %s",
+            budgets,
+            {arm_name(b): round(cost.seconds(b, 8192) * 1e3, 3) for b in (*budgets, CHAIN)},
+        )
+        cut = cls(BudgetPolicy(budgets, cost), live, override, group, worker.device, worker.block_size)
         override.reporters["ddtree_budget"] = cut.snapshot
         return cut
 
+    @property
+    def chain_allowed(self) -> bool:
+        """The chain arm changes what a step runs, so every rank must take it together; each rank's host chooses on its
+        own (the cut's broadcast makes the values agree, not the control flow), so under tensor parallelism the
+        policy keeps to the trees."""
+        return self.tp_group is None or self.tp_group.world_size == 1
+
+    def offer_chain(self, runner: ChainVerifyRunner | None) -> None:
+        """The chain's verify graphs are captured (batches up to runner.max_bs): the policy may choose CHAIN there."""
+        if runner is not None:
+            self.chain_max_bs, self.policy.chain = runner.max_bs, True
+
     def choose(self, bs: int, sum_prefix: int) -> torch.Tensor | None:
         """This step's live tokens a request (the buffer, its first bs entries written), or None: a batch above the
-        buffer is verified whole."""
+        buffer is verified whole. `last_b` says what was chosen: a budget, or CHAIN (live: B)."""
         self._collect()
         if bs > self.live.numel():
             return None
-        b = self.policy.choose(time.perf_counter(), bs, sum_prefix, self.override.serving())
-        self.live[:bs].fill_(b + 1)
+        b = self.policy.choose(
+            time.perf_counter(), bs, sum_prefix, self.override.serving(), chain_ok=bs <= self.chain_max_bs
+        )
+        tokens = self.chain_tokens if b == CHAIN else b + 1
+        self.live[:bs].fill_(tokens)
         if self.tp_group is not None and self.tp_group.world_size > 1:
             self.tp_group.broadcast(self.live[:bs], src=0)
         self.last_b, self.steps, self.request_steps = b, self.steps + 1, self.request_steps + bs
-        self.live_tokens += bs * (b + 1)
+        self.live_tokens += bs * tokens
         return self.live
 
-    def record(self, acc: AcceptBuffers, bs: int) -> None:
-        """After the walk: the step's statistics into a free slot's pinned copy (none free: this step is not learnt)."""
+    def record(self, acc: AcceptBuffers, bs: int, chain_expected: torch.Tensor) -> None:
+        """After a tree step's walk: its statistics (and E_chain, which the draft graph computes every step) into a
+        free slot's pinned copy (none free: this step is not learnt)."""
+        C = len(self.policy.budgets)
+        torch.sum(acc.stats[:bs], 0, out=self.tree_summed)
+        self.summed[:, :C].copy_(self.tree_summed)
+        self.summed[0, C].fill_(float("nan"))  # what the chain would have accepted: not measured
+        torch.sum(chain_expected[:bs], 0, out=self.chain_sum)
+        self.summed[1, C].copy_(self.chain_sum)
+        self._send(bs)
+
+    def record_chain(self, accept_lens: torch.Tensor, bs: int, chain_expected: torch.Tensor) -> None:
+        """After a chain step: drafted tokens accepted (accept_lens: a + 1 a request) and E_chain; no tree's."""
+        C = len(self.policy.budgets)
+        self.summed[:, :C].fill_(float("nan"))
+        torch.sum(accept_lens[:bs], 0, dtype=torch.float32, out=self.chain_sum)
+        self.summed[0, C].copy_(self.chain_sum).sub_(bs)
+        torch.sum(chain_expected[:bs], 0, out=self.chain_sum)
+        self.summed[1, C].copy_(self.chain_sum)
+        self._send(bs)
+
+    def _send(self, bs: int) -> None:
         self._collect()
         slot = self.slots[self.turn]
         if slot[2] is not None:  # its copy is still in flight
             return
-        torch.sum(acc.stats[:bs], 0, out=self.summed)
         slot[0].copy_(self.summed, non_blocking=True)
         slot[1].record()
         slot[2] = (self.last_b, bs)
         self.turn = 1 - self.turn
 
     def _collect(self) -> None:
+        n = len(self.policy.arms)
         for slot in self.slots:
             if slot[2] is not None and slot[1].query():
-                self.policy.observe(slot[2][0], slot[2][1], *slot[0].tolist())
+                accepted, expected = slot[0].tolist()
+                self.policy.observe(slot[2][0], slot[2][1], accepted[:n], expected[:n])
                 slot[2] = None
 
     def snapshot(self) -> dict:
@@ -515,3 +608,34 @@ class BudgetCut:
             "live_tokens": self.live_tokens,
             **self.policy.snapshot(),
         }
+
+
+class ChainVerifyRunner(DecodeCudaGraphRunner):
+    """The target's verify captured at the chain's width B, for auto's chain arm, beside the tree's runner (width N).
+
+    It needs an attention backend of its own: a runner's construction remakes its backend's graph buffers
+    (`init_cuda_graph_state`: the kv indices, the verify mask), which would leave the tree's graphs reading freed
+    memory. kdtree's hook patches the backend's class, so this one's verify is kdtree's too; the capture keeps
+    DFlash's causal verify (`kdtree.ddtree.spec.spec_info_with_tree_mask` skips a runner of this class)."""
+
+    kdtree_chain = True
+
+    @classmethod
+    def capture_beside(cls, model_runner, block_size: int) -> ChainVerifyRunner | None:
+        """The runner, or None (logged) where the tree's verify is not captured or the chain's cannot be: then auto
+        chooses among the tree's budgets only."""
+        tree_runner = model_runner.decode_cuda_graph_runner
+        if tree_runner is None or not getattr(tree_runner, "capture_bs", None):
+            return None
+        try:
+            backend = type(model_runner.attn_backend)(model_runner)
+            runner = cls(model_runner, attn_backend=backend, speculative_num_draft_tokens=block_size)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the tree's arms, which are whole without it
+            log.warning("DDTREE auto: the chain's verify graphs could not be captured (%s): trees only", e)
+            return None
+        log.info(
+            "DDTREE auto: the chain's verify captured at %d tokens, batch sizes %s",
+            block_size,
+            runner.capture_bs,
+        )
+        return runner

@@ -56,10 +56,11 @@ class DdtreeBudget(BaseModel):
     steps: Count = 0  # decode steps it chose a budget for
     request_steps: Count = 0  # those steps' requests, summed
     live_tokens: Count = 0  # tokens verified a request (budget + 1), summed over the same
-    steps_at: dict[str, Count] = Field(default_factory=dict)  # budget -> steps
-    # the step's time besides the verify's attention, as the policy estimates it
+    steps_at: dict[str, Count] = Field(default_factory=dict)  # budget or "chain" -> steps
+    # the step's time besides the verify's attention, as the policy estimates it: a tree's step, the chain's
     fixed_ms: float | None = None
-    # budget -> drafted tokens a request is expected to accept there
+    chain_fixed_ms: float | None = None
+    # budget or "chain" -> drafted tokens a request is expected to accept there
     expected_accepted: dict[str, float | None] = Field(default_factory=dict)
 
     @property

@@ -52,6 +52,9 @@ ENV = "DDTREE_ORACLE_RANKS"
 PROFILE_ENV = "DDTREE_ORACLE_PROFILE"
 SYNC_ENV = "DDTREE_SYNC_REPORT"
 HOST_ENV = "DDTREE_HOST_REPORT"
+# "chain": DDTREE's auto policy chooses its chain arm wherever that can run (the GPU suite's check that a chain step
+# is DFlash's own: the same accepted lengths as DFLASH on the same script)
+ARM_ENV = "DDTREE_FORCE_ARM"
 # The benchmark's two acceptance profiles (P(the true token at rank r) at every drafted depth, independently).
 # "paper": matched to the mean acceptance lengths the DDTree paper reports, not to per-depth rates: a block-16 chain
 # accepts 5.86 drafted tokens a step (tau 6.86, DFlash's range on math and code) and the best tree of 256 nodes 9.12
@@ -271,7 +274,10 @@ def install_sync_report(worker_module, path: str) -> None:
 
     worker_cls = worker_module.DDTreeWorker
     step = worker_cls.forward_batch_generation
-    report = {"decode_steps": 0, "syncs": []}
+    # standin_syncs: those inside the torch stand-ins of SGLang's compiled kernels (standins/torch_standins.py: on the
+    # device the compiled packages cannot be installed, and a stand-in reads its inputs back to the host where the
+    # real kernel, e.g. the chain's sampled acceptance in auto's chain arm, runs on the device): counted, not a finding
+    report = {"decode_steps": 0, "syncs": [], "standin_syncs": 0}
     # the first set_sync_debug_mode warns once that the mode is a prototype: let it warn here, outside any step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -291,7 +297,9 @@ def install_sync_report(worker_module, path: str) -> None:
                 torch.cuda.set_sync_debug_mode("default")
                 report["decode_steps"] += 1
                 for w in seen:
-                    if "synchroniz" in str(w.message):
+                    if "synchroniz" in str(w.message) and w.filename.endswith("torch_standins.py"):
+                        report["standin_syncs"] += 1
+                    elif "synchroniz" in str(w.message):
                         report["syncs"].append(
                             {"message": str(w.message)[:300], "at": f"{w.filename}:{w.lineno}"}
                         )
@@ -479,6 +487,20 @@ def install_host_report(
     scheduler_cls.process_batch_result = process_batch_result
 
 
+def force_arm(policy_cls, arm: str) -> None:
+    """The auto policy's choice forced to `arm` ("chain") wherever the step can run it, from the first step."""
+    from kdtree.ddtree.budget import CHAIN
+
+    if arm != "chain":
+        raise ValueError(f"{ARM_ENV}={arm!r}: the one arm it forces is 'chain'")
+    best = policy_cls._best
+
+    def chain_first(self, bs, sum_prefix, chain_ok):
+        return CHAIN if self.chain and chain_ok else best(self, bs, sum_prefix, chain_ok)
+
+    policy_cls._best = chain_first
+
+
 def _scheduler_cls():
     """SGLang's Scheduler, when its module is loaded (a server's scheduler process imports it before any worker)."""
     return getattr(sys.modules.get("sglang.srt.managers.scheduler"), "Scheduler", None)
@@ -490,6 +512,8 @@ def install(worker_module) -> None:
         install_sync_report(worker_module, os.environ[SYNC_ENV])
     if os.environ.get(HOST_ENV):
         install_host_report(worker_module.DDTreeWorker, os.environ[HOST_ENV], scheduler_cls=_scheduler_cls())
+    if os.environ.get(ARM_ENV):
+        force_arm(worker_module.BudgetPolicy, os.environ[ARM_ENV])
     script = _script_from_env()
     if script is None:
         return
@@ -609,5 +633,5 @@ def install_after_import() -> None:
     """In a server process (the engine site's sitecustomize): the oracle's patches, as their modules are imported."""
     if any(os.environ.get(v) for v in (ENV, PROFILE_ENV, HOST_ENV)):
         sys.meta_path.insert(0, _AfterImport("sglang.srt.speculative.dflash_worker_v2", install_dflash))
-    if any(os.environ.get(v) for v in (ENV, PROFILE_ENV, SYNC_ENV, HOST_ENV)):
+    if any(os.environ.get(v) for v in (ENV, PROFILE_ENV, SYNC_ENV, HOST_ENV, ARM_ENV)):
         sys.meta_path.insert(0, _AfterImport("kdtree.ddtree.worker", install))

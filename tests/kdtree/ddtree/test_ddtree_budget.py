@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from kdtree.ddtree.budget import BudgetPolicy, VerifyCost, cut_budgets
+from kdtree.ddtree.budget import CHAIN, BudgetPolicy, VerifyCost, cut_budgets
 
 
 def test_the_budgets_verify_whole_row_tiles_below_the_cap_and_the_cap():
@@ -211,3 +213,117 @@ def test_bad_policies_are_refused():
         BudgetPolicy((), None)
     with pytest.raises(ValueError, match="no time"):
         BudgetPolicy((4, 8), cost((4,)))
+
+
+# ---- the chain arm (CHAIN: DFlash's own chain step, B tokens) ---------------------------------------------------
+
+
+def chain_policy(explore_every=64, layers=61):
+    budgets = cut_budgets(32)
+    arms = (*budgets, CHAIN)
+    verify = VerifyCost(
+        layers=layers,
+        fixed=dict.fromkeys(arms, 0.0),
+        per_key={**{b: 0.05e-9 * (b + 1) for b in budgets}, CHAIN: 0.05e-9 * 16},
+    )
+    return BudgetPolicy(budgets, verify, chain=True, explore_every=explore_every)
+
+
+def run_arms(
+    policy, steps, *, tree_s, chain_s, accept, expected, e_chain, prefix=2048, chain_ok=True, t0=0.0
+):
+    """Like `run`, with the chain: a step takes tree_s(b) or chain_s seconds, a chain step accepts accept(16) and
+    observes only E_chain (NaN for the trees' E, as the worker's chain step sends), a tree step every E."""
+    chosen, t = [], t0
+    for _ in range(steps):
+        b = policy.choose(t, 1, prefix, serving=True, chain_ok=chain_ok)
+        chosen.append(b)
+        if b == CHAIN:
+            acc = [math.nan] * len(policy.budgets) + [accept(16)]
+            exp = [math.nan] * len(policy.budgets) + [e_chain]
+            t += chain_s
+        else:
+            acc = [accept(min(c, b)) for c in policy.budgets] + [math.nan]
+            exp = [expected(c) for c in policy.budgets] + [e_chain]
+            t += tree_s(b)
+        policy.observe(b, 1, acc, exp)
+    return chosen
+
+
+def test_the_chain_wins_where_a_tree_step_costs_more_for_the_same_tokens():
+    """The paper profile's case: the chain's 16 tokens accept nearly what the best tree does, and a tree step costs
+    more than a chain step (the cap's MLP rows, the tree's own kernels): the chain, the trees tried once in 64."""
+    p = chain_policy()
+    chosen = run_arms(
+        p, 300, tree_s=lambda b: 0.0105, chain_s=0.0093, accept=lambda b: min(b, 15) * 0.4,
+        expected=lambda b: min(b, 15) * 0.45, e_chain=15 * 0.43,
+    )  # fmt: skip
+    assert chosen[0] == 32  # the cap until a step was timed
+    tail = chosen[100:]
+    assert tail.count(CHAIN) >= 0.95 * len(tail) and any(b != CHAIN for b in tail), (
+        tail
+    )  # explored, not stuck
+    assert p.chain_fixed_s == pytest.approx(0.0093 - 61 * 0.05e-9 * 16 * 2048, rel=1e-6)
+    assert p.fixed_s is not None and p.fixed_s > p.chain_fixed_s
+    snap = p.snapshot()
+    assert snap["steps_at"]["chain"] == chosen.count(CHAIN) and snap["chain_fixed_ms"] == pytest.approx(
+        p.chain_fixed_s * 1e3, abs=1e-3
+    )
+    assert snap["expected_accepted"]["chain"] is not None
+
+
+def test_a_tree_that_accepts_more_than_the_chain_beats_it():
+    """The pessimistic profile's case: the tree's breadth accepts twice the chain's run: the trees, the chain tried
+    once in 64."""
+    p = chain_policy()
+    chosen = run_arms(
+        p, 300, tree_s=lambda b: 0.0105, chain_s=0.0093, accept=lambda b: min(b, 31) * 0.1,
+        expected=lambda b: min(b, 31) * 0.1, e_chain=1.5,
+    )  # fmt: skip
+    tail = chosen[100:]
+    assert tail.count(CHAIN) <= 0.05 * len(tail) and CHAIN in tail, tail
+
+
+def test_the_chain_is_never_chosen_for_a_batch_it_cannot_run_nor_outside_on():
+    p = chain_policy()
+    chosen = run_arms(
+        p, 100, tree_s=lambda b: 0.0105, chain_s=0.0093, accept=lambda b: min(b, 15) * 0.4,
+        expected=lambda b: min(b, 15) * 0.45, e_chain=15 * 0.43, chain_ok=False,
+    )  # fmt: skip
+    assert CHAIN not in chosen
+    assert p.choose(10.0, 1, 2048, serving=False) == 32
+
+
+def test_a_chain_steps_statistics_leave_the_trees_expected_lengths_alone():
+    budgets = (4, 8)
+    p = BudgetPolicy(budgets, cost((*budgets, CHAIN)), chain=True, weight=1.0)
+    p.observe(8, 1, [1.0, 2.0, math.nan], [2.0, 4.0, 3.0])  # a tree step: rho = 2 / 4
+    p.observe(CHAIN, 1, [math.nan, math.nan, 3.0], [math.nan, math.nan, 3.0])  # a chain step: rho = 3 / 3
+    assert p.expected_accepted(4) == pytest.approx(2.0) and p.expected_accepted(8) == pytest.approx(4.0)
+    assert p.expected_accepted(CHAIN) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="no time"):
+        BudgetPolicy(budgets, cost(budgets), chain=True)  # the cost model must time the chain too
+
+
+def test_one_far_off_interval_does_not_hold_an_arm_off():
+    """A tree step that took 250 ms (a kernel compiled at its first use at a new batch size, seen on the H100 at batch
+    4) beside 10 ms steps: the median of each arm's last samples drops it, and an arm with fewer than 3 samples is
+    tried again after 4 steps, so the trees that pay are back within a few dozen steps (a mean held them off for
+    thousands: the tree's F decays by a fifth a sample, and it was sampled once in 64 steps)."""
+    p = chain_policy()
+    taken = []
+
+    def tree_s(b):
+        taken.append(b)
+        return 0.25 if len(taken) == 1 else 0.0105  # the first tree step's interval: its F's first sample
+
+    kw = dict(
+        tree_s=tree_s, chain_s=0.0093, accept=lambda b: min(b, 31) * 0.1, expected=lambda b: min(b, 31) * 0.1,
+        e_chain=1.5,
+    )  # fmt: skip
+    chosen = run_arms(p, 200, **kw)
+    # the cap, the chain's first timed step, then the chain: F is 250 ms
+    assert chosen[:3] == [32, CHAIN, CHAIN]
+    first_tree_again = next(i for i, b in enumerate(chosen[3:], 3) if b != CHAIN)
+    assert first_tree_again < 30, chosen[:40]
+    assert chosen[100:].count(CHAIN) <= 5, chosen[100:]
