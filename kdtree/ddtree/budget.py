@@ -93,9 +93,11 @@ class BudgetPolicy:
     _expected: dict[int, float] = field(default_factory=dict)  # E(b) a request
     _accepted: float | None = None  # drafted tokens a request accepted, at the budget verified
     _expected_verified: float | None = None  # E of the budget verified, the same steps
-    _last: tuple[float, int, int, bool] | None = (
-        None  # (time, b, sum of prefixes, kdtree served) of the last choice
-    )
+    # the choices between a step and the host's interval that times it: 1 under SGLang's overlap scheduler, which
+    # launches step k and then waits for step k - 1's results, so the interval after choosing k times step k - 1
+    lag: int = 0
+    # (time, b, sum of prefixes, kdtree served) of the last lag + 1 choices since an interruption
+    _recent: deque = field(default_factory=deque)
     _streak: int = 0  # steps of the last choice's kind (tree or chain) in a row
     _last_kind_is_chain: bool = False
 
@@ -117,7 +119,7 @@ class BudgetPolicy:
 
     def interrupt(self) -> None:
         """A step of another kind (a prefill) ran since the last choice: the next interval is not a decode step's."""
-        self._last = None
+        self._recent.clear()
 
     def choose(self, now: float, bs: int, sum_prefix: int, serving: bool, chain_ok: bool = True) -> int:
         """The budget (or CHAIN) for a decode step of bs requests whose prefixes sum to sum_prefix, at host time `now`
@@ -129,18 +131,26 @@ class BudgetPolicy:
         else:
             self._streak = 1
         self._last_kind_is_chain = b == CHAIN
-        self._last = (now, b, sum_prefix, serving)
+        self._recent.append((now, b, sum_prefix, serving))
+        while len(self._recent) > self.lag + 1:
+            self._recent.popleft()
         self.chosen[b] += 1
         return b
 
     def _learn_fixed(self, now: float) -> None:
-        last, self._last = self._last, None
-        if last is None or self.cost is None or not last[3]:
+        """The interval since the last choice times the step chosen `lag` choices before it."""
+        if not self._recent:
             return
-        t, b, sum_prefix, _ = last
-        if 0 < now - t <= self.max_gap_s:
-            sample = max(0.0, (now - t) - self.cost.seconds(b, sum_prefix))
-            self._fixed.setdefault(b == CHAIN, deque(maxlen=self.window)).append(sample)
+        if (
+            not 0 < now - self._recent[-1][0] <= self.max_gap_s
+        ):  # idle between: the next intervals time no step
+            self._recent.clear()
+            return
+        _, b, sum_prefix, serving = self._recent[0]
+        if len(self._recent) <= self.lag or self.cost is None or not serving:
+            return  # that step was chosen before an interruption, or its verify was not kdtree's
+        sample = max(0.0, (now - self._recent[-1][0]) - self.cost.seconds(b, sum_prefix))
+        self._fixed.setdefault(b == CHAIN, deque(maxlen=self.window)).append(sample)
 
     @property
     def fixed_s(self) -> float | None:
@@ -179,8 +189,8 @@ class BudgetPolicy:
                 tree, tree_rate = b, rate
         if not (self.chain and chain_ok) or self.expected_accepted(CHAIN) is None:
             return tree
-        if self.chain_fixed_s is None:
-            return CHAIN  # its first timed step
+        if self.chain_fixed_s is None:  # its first timed steps (a few: what never gets timed is not offered)
+            return CHAIN if self.chosen[CHAIN] < 8 else tree
         best = CHAIN if self._rate(CHAIN, bs, sum_prefix) > tree_rate else tree  # a tie to the tree
         # the other kind once in a while, so that its F stays current: every explore_every steps, or sooner while it
         # has fewer than 3 samples (a median of 1 or 2 may still be an outlier's)
@@ -198,7 +208,7 @@ class BudgetPolicy:
         if bs < 1:
             return
         for b, a, e in zip(self.arms, accepted, expected, strict=True):
-            if math.isnan(e):
+            if math.isnan(e) or (b == chosen and math.isnan(a)):
                 continue
             self._expected[b] = _ema(self._expected.get(b), e / bs, self.weight)
             if b == chosen:

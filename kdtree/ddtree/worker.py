@@ -37,7 +37,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.models.dflash import candidate_topk
-from sglang.srt.runtime_context import get_exec, get_spec
+from sglang.srt.runtime_context import get_disagg, get_exec, get_schedule, get_spec
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import (
@@ -234,6 +234,9 @@ class DDTreeWorker(DFlashWorkerV2):
         # the prefixes' host sum, or under overlap with a backend that needs no host lengths (Triton), the
         # scheduler's reserved bound: an eager batch's mask buffer is sized from it, and the cut's cost from it
         host_sum = int(batch.seq_lens_sum if batch.seq_lens_sum is not None else draft_input.nxt_kv_lens_sum)
+        if self._chain_runner is not None and self._chain_runner.stale():
+            self._chain_runner = None
+            self._cut.offer_chain(None)
         live = self._cut.choose(bs, host_sum) if self._cut is not None else None
         if live is not None and self._cut.last_b == CHAIN:
             return self._chain_step(batch, on_publish, grammar_barrier, pp_proxy_tensors)
@@ -529,7 +532,10 @@ class BudgetCut:
             budgets,
             {arm_name(b): round(cost.seconds(b, 8192) * 1e3, 3) for b in (*budgets, CHAIN)},
         )
-        cut = cls(BudgetPolicy(budgets, cost), live, override, group, worker.device, worker.block_size)
+        # under the overlap scheduler the host's interval after choosing a step times the step before it
+        lag = 0 if get_schedule().disable_overlap_schedule else 1
+        policy = BudgetPolicy(budgets, cost, lag=lag)
+        cut = cls(policy, live, override, group, worker.device, worker.block_size)
         override.reporters["ddtree_budget"] = cut.snapshot
         return cut
 
@@ -541,9 +547,10 @@ class BudgetCut:
         return self.tp_group is None or self.tp_group.world_size == 1
 
     def offer_chain(self, runner: ChainVerifyRunner | None) -> None:
-        """The chain's verify graphs are captured (batches up to runner.max_bs): the policy may choose CHAIN there."""
-        if runner is not None:
-            self.chain_max_bs, self.policy.chain = runner.max_bs, True
+        """The chain's verify graphs are captured (batches up to runner.max_bs): the policy may choose CHAIN there;
+        None: no longer (its graphs are gone)."""
+        self.chain_max_bs = 0 if runner is None else runner.max_bs
+        self.policy.chain = runner is not None
 
     def choose(self, bs: int, sum_prefix: int) -> torch.Tensor | None:
         """This step's live tokens a request (the buffer, its first bs entries written), or None: a batch above the
@@ -627,15 +634,31 @@ class ChainVerifyRunner(DecodeCudaGraphRunner):
         tree_runner = model_runner.decode_cuda_graph_runner
         if tree_runner is None or not getattr(tree_runner, "capture_bs", None):
             return None
+        # a runner's construction also remakes LoRA's graph batch info and PD multiplexing's attention state, which
+        # the tree's graphs were captured against
+        if model_runner.lora_manager is not None or get_disagg().enable_pdmux:
+            log.info("DDTREE auto: no chain arm with LoRA or PD multiplexing: trees only")
+            return None
+        free_before = torch.cuda.mem_get_info()[0]
         try:
             backend = type(model_runner.attn_backend)(model_runner)
             runner = cls(model_runner, attn_backend=backend, speculative_num_draft_tokens=block_size)
         except Exception as e:  # noqa: BLE001 - any failure leaves the tree's arms, which are whole without it
             log.warning("DDTREE auto: the chain's verify graphs could not be captured (%s): trees only", e)
             return None
+        runner.paired_with = tree_runner
         log.info(
-            "DDTREE auto: the chain's verify captured at %d tokens, batch sizes %s",
+            "DDTREE auto: the chain's verify captured at %d tokens, batch sizes %s, %.2f GB of GPU memory",
             block_size,
             runner.capture_bs,
+            (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
         )
         return runner
+
+    def stale(self) -> bool:
+        """The tree's graphs were captured again since (a weight update's or a role switch's recapture): this runner's
+        were not, and may read what the recapture replaced. The worker then withdraws the chain arm (logged)."""
+        if self.model_runner.decode_cuda_graph_runner is self.paired_with:
+            return False
+        log.warning("DDTREE auto: the target's verify graphs were captured again; the chain arm is withdrawn")
+        return True

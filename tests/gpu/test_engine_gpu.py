@@ -116,7 +116,11 @@ SPECS = {
             "ddtree-b8-oracle-chain-on",
             "DDTREE-B8",
             Mode.ON,
-            env={"DDTREE_ORACLE_RANKS": "0,0,0,1,0,0,0", "DDTREE_FORCE_ARM": "chain"},
+            env={
+                "DDTREE_ORACLE_RANKS": "0,0,0,1,0,0,0",
+                "DDTREE_FORCE_ARM": "chain",
+                "DDTREE_SYNC_REPORT": "sync-report.json",
+            },
         ),
     )
 }
@@ -416,12 +420,12 @@ def test_ddtree_auto_budget_is_lossless_serves_its_cut_and_reports_its_choices(f
     print(f"auto budget: {d.model_dump()}")
 
 
-@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-auto-on",)])
+@pytest.mark.parametrize("servers", [("ddtree-b8-oracle-auto-on",), ("ddtree-b8-oracle-chain-on",)])
 def test_a_ddtree_decode_step_does_not_synchronise_with_the_host(fleet, servers):
     """Every decode step of DDTreeWorker (draft graph, tree, verify, walk, commit) under
     torch.cuda.set_sync_debug_mode("warn"), in the server process (kernel_build/bench/harness/ddtree_oracle.py
     keeps what torch reported): no host synchronisation, at captured and eager batch sizes, tree steps and auto's
-    chain steps (DFlash's own) alike. Syncs inside the torch stand-ins of SGLang's compiled kernels (the device's
+    chain steps (DFlash's own; the second server forces them wherever they can run) alike. Syncs inside the torch stand-ins of SGLang's compiled kernels (the device's
     set-up: standins/torch_standins.py, e.g. the chain's sampled acceptance) are counted apart: the real kernels run
     on the device."""
     server = fleet[servers[0]]

@@ -218,7 +218,7 @@ def test_bad_policies_are_refused():
 # ---- the chain arm (CHAIN: DFlash's own chain step, B tokens) ---------------------------------------------------
 
 
-def chain_policy(explore_every=64, layers=61):
+def chain_policy(explore_every=64, layers=61, lag=0):
     budgets = cut_budgets(32)
     arms = (*budgets, CHAIN)
     verify = VerifyCost(
@@ -226,26 +226,28 @@ def chain_policy(explore_every=64, layers=61):
         fixed=dict.fromkeys(arms, 0.0),
         per_key={**{b: 0.05e-9 * (b + 1) for b in budgets}, CHAIN: 0.05e-9 * 16},
     )
-    return BudgetPolicy(budgets, verify, chain=True, explore_every=explore_every)
+    return BudgetPolicy(budgets, verify, chain=True, explore_every=explore_every, lag=lag)
 
 
 def run_arms(
-    policy, steps, *, tree_s, chain_s, accept, expected, e_chain, prefix=2048, chain_ok=True, t0=0.0
+    policy, steps, *, tree_s, chain_s, accept, expected, e_chain, prefix=2048, chain_ok=True, t0=0.0, lag=0
 ):
     """Like `run`, with the chain: a step takes tree_s(b) or chain_s seconds, a chain step accepts accept(16) and
-    observes only E_chain (NaN for the trees' E, as the worker's chain step sends), a tree step every E."""
-    chosen, t = [], t0
+    observes only E_chain (NaN for the trees' E, as the worker's chain step sends), a tree step every E. lag 1: the
+    host's interval after a choice is the step before's time (SGLang's overlap scheduler)."""
+    chosen, t, durations = [], t0, []
     for _ in range(steps):
         b = policy.choose(t, 1, prefix, serving=True, chain_ok=chain_ok)
         chosen.append(b)
         if b == CHAIN:
             acc = [math.nan] * len(policy.budgets) + [accept(16)]
             exp = [math.nan] * len(policy.budgets) + [e_chain]
-            t += chain_s
+            durations.append(chain_s)
         else:
             acc = [accept(min(c, b)) for c in policy.budgets] + [math.nan]
             exp = [expected(c) for c in policy.budgets] + [e_chain]
-            t += tree_s(b)
+            durations.append(tree_s(b))
+        t += durations[-1 - lag] if len(durations) > lag else durations[-1]
         policy.observe(b, 1, acc, exp)
     return chosen
 
@@ -327,3 +329,22 @@ def test_one_far_off_interval_does_not_hold_an_arm_off():
     first_tree_again = next(i for i, b in enumerate(chosen[3:], 3) if b != CHAIN)
     assert first_tree_again < 30, chosen[:40]
     assert chosen[100:].count(CHAIN) <= 5, chosen[100:]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_under_the_overlap_scheduler_each_interval_times_the_step_before(lag):
+    """SGLang's overlap scheduler launches step k, then waits for step k - 1: the host's interval after choosing k is
+    step k - 1's time. With the lag known, the policy keeps each kind's time apart; a policy that took the interval as
+    step k's own (lag 0 under overlap) gives each kind's F the other's time at every switch, and loses the chain."""
+    kw = dict(
+        tree_s=lambda b: 0.0105, chain_s=0.0093, accept=lambda b: min(b, 15) * 0.4,
+        expected=lambda b: min(b, 15) * 0.45, e_chain=15 * 0.43, lag=1,
+    )  # fmt: skip
+    p = chain_policy(lag=lag)
+    tail = run_arms(p, 1000, **kw)[300:]
+    if lag == 1:
+        assert tail.count(CHAIN) >= 0.95 * len(tail), tail
+        assert p.chain_fixed_s == pytest.approx(0.0093 - 61 * 0.05e-9 * 16 * 2048, rel=1e-6)
+        assert 0.0102 < p.fixed_s < 0.0105  # a tree step less its attention at the budget verified
+    else:  # what the lag is for
+        assert tail.count(CHAIN) < 0.95 * len(tail)
