@@ -436,6 +436,7 @@ class DDTreeWorker(DFlashWorkerV2):
         finally:
             runner.decode_cuda_graph_runner = tree_runner
         bs = len(batch.seq_lens)
+        self._cut.chain_replays += bool(result.can_run_cuda_graph)
         self._cut.record_chain(result.accept_lens, bs, self._tree_sampler.outputs(bs).chain_expected)
         return result
 
@@ -499,6 +500,7 @@ class BudgetCut:
         self.last_b: int | None = None
         self.steps = self.request_steps = 0
         self.live_tokens = 0  # tokens a request verified, summed over steps and requests
+        self.chain_replays = 0  # chain steps whose target verify replayed the chain's graph
 
     @classmethod
     def make(cls, worker) -> BudgetCut | None:
@@ -613,6 +615,7 @@ class BudgetCut:
             "steps": self.steps,
             "request_steps": self.request_steps,
             "live_tokens": self.live_tokens,
+            "chain_replays": self.chain_replays,
             **self.policy.snapshot(),
         }
 

@@ -60,6 +60,7 @@ class DdtreeBudget(BaseModel):
     # the step's time besides the verify's attention, as the policy estimates it: a tree's step, the chain's
     fixed_ms: float | None = None
     chain_fixed_ms: float | None = None
+    chain_replays: Count = 0  # chain steps whose verify replayed the chain's captured graph
     # budget or "chain" -> drafted tokens a request is expected to accept there
     expected_accepted: dict[str, float | None] = Field(default_factory=dict)
 

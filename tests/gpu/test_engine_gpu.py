@@ -350,7 +350,7 @@ def test_the_dflash_oracle_chain_accepts_its_rank_0_run_and_emits_the_targets_gr
 def test_ddtree_autos_chain_arm_is_dflashs_chain_step(fleet, servers):
     """auto's chain arm (kdtree.ddtree.worker.ChainVerifyRunner, DFlashWorkerV2's own step) forced on every step: the
     same accept lengths as the DFLASH server on the same script, request by request, the bigram's continuation, every
-    verify kdtree's, and the rank record counting every step as the chain's."""
+    verify kdtree's, and the rank record counting the chain's steps, each a replay of its captured graph."""
     chain, dflash = (fleet[n] for n in servers)
     prompts = [[11, 22, 500 + 37 * i] for i in range(4)]
     for batch in (
@@ -365,8 +365,11 @@ def test_ddtree_autos_chain_arm_is_dflashs_chain_step(fleet, servers):
         assert got_accept == pytest.approx(want_accept), (got_accept, want_accept)
     served, _, original, fallbacks = verify_counts(chain)
     assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
+    # (a tree step would have accepted more than DFLASH: the script's rank 1 at depth 4 is in the tree; the sync test
+    # also runs this server, at an eager batch size where the chain does not run, so the record may hold tree steps)
     d = chain.record(0).ddtree_budget
-    assert d is not None and d.steps > 10 and d.steps_at == {"chain": d.steps}, d
+    assert d is not None and d.steps_at.get("chain", 0) > 10, d
+    assert d.chain_replays == d.steps_at["chain"], d  # every one from the chain's captured graph, none eager
     assert d.chain_fixed_ms is None or d.chain_fixed_ms > 0, d
     print(f"chain arm: {d.model_dump()}")
 
