@@ -141,10 +141,8 @@ class BudgetPolicy:
         """The interval since the last choice times the step chosen `lag` choices before it."""
         if not self._recent:
             return
-        if (
-            not 0 < now - self._recent[-1][0] <= self.max_gap_s
-        ):  # idle between: the next intervals time no step
-            self._recent.clear()
+        if not 0 < now - self._recent[-1][0] <= self.max_gap_s:
+            self._recent.clear()  # idle between: the next intervals time no step
             return
         _, b, sum_prefix, serving = self._recent[0]
         if len(self._recent) <= self.lag or self.cost is None or not serving:

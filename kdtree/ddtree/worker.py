@@ -481,10 +481,8 @@ class BudgetCut:
         self, policy: BudgetPolicy, live: torch.Tensor, override, tp_group, device, chain_tokens: int
     ):
         self.policy, self.live, self.override, self.tp_group = policy, live, override, tp_group
-        self.chain_tokens, self.chain_max_bs = (
-            chain_tokens,
-            0,
-        )  # B; the chain's captured batch sizes (none yet)
+        self.chain_tokens = chain_tokens  # B
+        self.chain_max_bs = 0  # the chain's largest captured batch (none yet: offer_chain)
         C = len(policy.budgets)
         f32 = dict(dtype=torch.float32, device=device)
         # a step's statistics, one column an arm (the budgets', then the chain's): accepted, expected
@@ -578,9 +576,7 @@ class BudgetCut:
         torch.sum(acc.stats[:bs], 0, out=self.tree_summed)
         self.summed[:, :C].copy_(self.tree_summed)
         self.summed[0, C].fill_(float("nan"))  # what the chain would have accepted: not measured
-        torch.sum(chain_expected[:bs], 0, out=self.chain_sum)
-        self.summed[1, C].copy_(self.chain_sum)
-        self._send(bs)
+        self._send(bs, chain_expected)
 
     def record_chain(self, accept_lens: torch.Tensor, bs: int, chain_expected: torch.Tensor) -> None:
         """After a chain step: drafted tokens accepted (accept_lens: a + 1 a request) and E_chain; no tree's."""
@@ -588,11 +584,14 @@ class BudgetCut:
         self.summed[:, :C].fill_(float("nan"))
         torch.sum(accept_lens[:bs], 0, dtype=torch.float32, out=self.chain_sum)
         self.summed[0, C].copy_(self.chain_sum).sub_(bs)
+        self._send(bs, chain_expected)
+
+    def _send(self, bs: int, chain_expected: torch.Tensor) -> None:
+        """E_chain (every step's: the draft graph computes it) into the chain's column, then the step's statistics into
+        a free slot's pinned copy."""
+        C = len(self.policy.budgets)
         torch.sum(chain_expected[:bs], 0, out=self.chain_sum)
         self.summed[1, C].copy_(self.chain_sum)
-        self._send(bs)
-
-    def _send(self, bs: int) -> None:
         self._collect()
         slot = self.slots[self.turn]
         if slot[2] is not None:  # its copy is still in flight
