@@ -26,9 +26,10 @@ of DFlash's own chain, B tokens, costs exactly a chain step, which a tree cut to
 MoE and lm_head still run the cap's rows). tokens(chain) = bs * (1 + rho * E_chain), E_chain the drafter's expected
 run of top-1 tokens (the draft graph computes it every step), rho the same calibration (a chain step observes it as
 accepted over E_chain); seconds(chain) = F_chain + the chain's attention (kdtree's kernel at B tokens, timed with the
-rest), F_chain learnt from the intervals after chain steps as F from the tree's. Each kind's F is a time only its own
-steps observe, so after `explore_every` steps of one kind the best of the other runs once (after 4 while the other
-has fewer than 3 samples). Not offered under tensor parallelism: each rank's host chooses on its own, and a step's
+rest), F_chain learnt from the intervals after chain steps as F from the tree's. A tree is chosen over the chain
+only if it promises `chain_margin` (5%) more tokens a second. Each kind's F is a time only its own steps observe,
+so after `explore_every` steps of one kind the best of the other runs once (after 4 while the other has fewer than 3
+samples). Not offered under tensor parallelism: each rank's host chooses on its own, and a step's
 kind must agree on every rank.
 
 The policy is plain Python on host numbers (this module imports torch only in `measure_cut_cost`), tested on the CPU.
@@ -83,6 +84,10 @@ class BudgetPolicy:
     cost: VerifyCost | None
     chain: bool = False  # CHAIN is offered (the cost model then has its time)
     explore_every: int = 64  # steps of one kind (tree, chain) before one of the other
+    # how much more than the chain's tokens a second a tree must promise to be chosen over it: the two kinds' F are
+    # learnt from different steps, and the model's error between them reached 3% on the H100 (batch 4, paper profile,
+    # 2k: trees chosen over the chain ran at 0.97x of it); the chain is the baseline auto must never lose to
+    chain_margin: float = 0.05
     weight: float = 0.2  # of a new sample in each average (acceptance)
     max_gap_s: float = (
         1.0  # a longer interval between two steps is not a step's time (idle, a prefill between)
@@ -105,6 +110,8 @@ class BudgetPolicy:
         self.budgets = tuple(sorted(self.budgets))
         if not self.budgets or self.budgets[0] < 1:
             raise ValueError(f"budgets must be positive (got {self.budgets})")
+        if not self.chain_margin >= 0:
+            raise ValueError(f"chain_margin must be at least 0 (got {self.chain_margin})")
         if self.cost is not None and any(b not in self.cost.fixed for b in self.arms):
             raise ValueError(f"the cost model has no time for some of the choices {self.arms}")
 
@@ -189,7 +196,7 @@ class BudgetPolicy:
             return tree
         if self.chain_fixed_s is None:  # its first timed steps (a few: what never gets timed is not offered)
             return CHAIN if self.chosen[CHAIN] < 8 else tree
-        best = CHAIN if self._rate(CHAIN, bs, sum_prefix) > tree_rate else tree  # a tie to the tree
+        best = CHAIN if self._rate(CHAIN, bs, sum_prefix) * (1.0 + self.chain_margin) >= tree_rate else tree
         # the other kind once in a while, so that its F stays current: every explore_every steps, or sooner while it
         # has fewer than 3 samples (a median of 1 or 2 may still be an outlier's)
         other = len(self._fixed.get(best != CHAIN, ()))

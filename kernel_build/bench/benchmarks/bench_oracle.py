@@ -129,6 +129,7 @@ def auto_choices(before, after) -> dict | None:
         / (after.request_steps - before.request_steps),
         "steps_at": {b: n for b, n in steps.items() if n},
         "fixed_ms": after.fixed_ms,
+        "chain_fixed_ms": after.chain_fixed_ms,
         "expected_accepted": after.expected_accepted,
     }
 
