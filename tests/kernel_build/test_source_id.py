@@ -84,3 +84,16 @@ def test_a_table_names_head_marks_uncommitted_kernel_or_runtime_changes_and_give
     assert checkout(cwd=str(repo)) == (
         f"{head} + uncommitted changes to the kernel or runtime; sources {source_id(cwd=str(repo))}"
     )
+
+
+def test_the_id_is_the_checkouts_from_any_directory_inside_it(repo):
+    """From a subdirectory the sources' paths would match nothing: the id of no files, said as if it were one."""
+    sub = repo / "kernel_build" / "src"
+    assert source_id(cwd=str(sub)) == source_id(cwd=str(repo)) == source_id("HEAD", cwd=str(sub))
+    assert checkout(cwd=str(sub)) == checkout(cwd=str(repo))
+    r = subprocess.run([sys.executable, SCRIPT, "HEAD"], cwd=sub, capture_output=True, text=True)
+    assert r.stdout.strip() == source_id("HEAD", cwd=str(repo))
+
+
+def test_outside_a_checkout_a_table_says_the_commit_is_unknown(tmp_path):
+    assert checkout(cwd=str(tmp_path)) == "unknown"
