@@ -136,3 +136,37 @@ def test_a_table_measured_with_the_host_report_says_its_rounds_were_slowed(monke
     assert bench_oracle.host_report_caveat() is None
     monkeypatch.setenv("DDTREE_HOST_REPORT", "/tmp/host")
     assert "cProfile" in bench_oracle.host_report_caveat()
+
+
+class _Server:
+    """A stand-in of RealServer's process side: its start count (the orchestrator starts it again when it exits),
+    its process and its output."""
+
+    def __init__(self, starts: int, output: str, exited: bool = False):
+        self.starts, self.output = starts, output
+        self.proc = type("Proc", (), {"poll": lambda _self: 1 if exited else None})()
+
+    def console_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+def test_a_server_that_died_during_a_row_is_named_with_its_own_error_and_left_out():
+    """The row's own error is the client's ("Server disconnected"): the server that died and the line that says why
+    come from its start count and its output, before its restart's (whose start-up logs an error of its own); a
+    server that runs on is not named."""
+    live = {
+        "DFLASH-B16": _Server(1, "[..] Decode batch, #running-req: 4\n"),
+        "DDTREE-B16-T128": _Server(
+            2,
+            "[..] Prefill batch\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+            "kdtree launcher: the server exited with status 1\n"
+            "[..] OpenAIServingResponses init failed (ModuleNotFoundError: No module named 'openai_harmony')\n",
+        ),  # fmt: skip
+        "DDTREE-B16-T64": _Server(1, "", exited=True),
+    }
+    starts = {"DFLASH-B16": 1, "DDTREE-B16-T128": 1, "DDTREE-B16-T64": 1}
+    dead = bench_oracle.exited_since(live, starts)
+    assert set(dead) == {"DDTREE-B16-T128", "DDTREE-B16-T64"}
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in dead["DDTREE-B16-T128"]
+    assert dead["DDTREE-B16-T64"].endswith("(no output)")
+    assert bench_oracle.EXIT_LINE in (ROOT / "entrypoint" / "supervise.py").read_text()  # the launcher's words

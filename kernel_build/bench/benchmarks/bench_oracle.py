@@ -37,6 +37,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -116,6 +117,28 @@ def measure(
     for algo, s in servers.items():  # auto: what it chose over the timed rounds
         rounds[algo][0]["auto"] = auto_choices(before[algo], s.record(0).ddtree_budget)
     return rounds
+
+
+ERROR_LINE = re.compile(r"Error|error:|out of memory|Killed|Traceback")
+EXIT_LINE = (
+    "kdtree launcher: the server exited"  # the launcher's last line of a run; a restart's output follows
+)
+
+
+def exited_since(live: dict, starts: dict[str, int]) -> dict[str, str]:
+    """The servers of `live` that exited since each had started starts[algo] times (their orchestrator starts them
+    again), each with its run's last error line: a row's own error is only the client's side ("Server
+    disconnected", then "Connection refused" while the server restarts), which names neither the server nor the
+    cause."""
+    out = {}
+    for algo, s in live.items():
+        if s.starts > starts[algo] or (s.proc is not None and s.proc.poll() is not None):
+            lines = [line.strip() for line in s.console_tail(400).splitlines() if line.strip()]
+            ends = [i for i, line in enumerate(lines) if EXIT_LINE in line]
+            run = lines[: ends[-1] + 1] if ends else lines  # not the restart's start-up (its own noise)
+            why = next((line for line in reversed(run) if ERROR_LINE.search(line)), run[-1] if run else "")
+            out[algo] = f"exited during the run; its last error: {why[:300] or '(no output)'}"
+    return out
 
 
 def auto_choices(before, after) -> dict | None:
@@ -275,10 +298,13 @@ def main() -> int:
                         failed[where] = f"not run: past --time-budget-s {args.time_budget_s:g}"
                         continue
                     prompts = [prompt_of(plen, seed=1000 * plen + i) for i in range(batch)]
+                    starts = {a: s.starts for a, s in live.items()}
                     try:
                         rounds = measure(live, prompts, args.repeats, args.max_tokens)
                     except (RuntimeError, OSError, KeyError, httpx.HTTPError) as e:  # a server crashed
                         failed[where] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                        for algo, why in exited_since(live, starts).items():  # the rest go on without it
+                            failed[live.pop(algo).spec.name] = why
                         continue
                     new = rows_of(name, plen, batch, rounds, args.layers)
                     rows += new
