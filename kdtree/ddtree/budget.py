@@ -17,7 +17,8 @@ device): b = argmax over the budgets of tokens(b) / seconds(b), ties to the larg
   larger one is verified, and the noise of a few steps' acceptance (a geometric count) then decides the choice.
 - seconds(b) = F + the verify attention's time at b for the batch's prefixes: `VerifyCost`, kdtree's kernel timed at
   start (`measure_cut_cost`), and F, the rest of a step: the median of the last 5 of the host's intervals between
-  steps, each minus the attention's time at the b and prefixes of the step before.
+  steps, each minus the attention's time at the b and prefixes of the step it times, taken only where that step's
+  neighbours are of its kind (tree or chain: a switch costs an interval of its own, which is no arm's).
 Until F and rho have a sample, and whenever kdtree does not compute the verify (modes other than on: SGLang's kernel
 computes every row, so a cut saves nothing), every b costs the same and the cap wins.
 
@@ -28,9 +29,9 @@ run of top-1 tokens (the draft graph computes it every step), rho the same calib
 accepted over E_chain); seconds(chain) = F_chain + the chain's attention (kdtree's kernel at B tokens, timed with the
 rest), F_chain learnt from the intervals after chain steps as F from the tree's. A tree is chosen over the chain
 only if it promises `chain_margin` (5%) more tokens a second. Each kind's F is a time only its own steps observe,
-so after `explore_every` steps of one kind the best of the other runs once (after 4 while the other has fewer than 3
-samples). Not offered under tensor parallelism: each rank's host chooses on its own, and a step's
-kind must agree on every rank.
+so after `explore_every` steps of one kind the best of the other runs for `explore_run` (3) steps (after 4 while the
+other has fewer than 3 samples). Not offered under tensor parallelism: each rank's host chooses on its own, and a
+step's kind must agree on every rank.
 
 The policy is plain Python on host numbers (this module imports torch only in `measure_cut_cost`), tested on the CPU.
 """
@@ -85,9 +86,12 @@ class BudgetPolicy:
     chain: bool = False  # CHAIN is offered (the cost model then has its time)
     explore_every: int = 64  # steps of one kind (tree, chain) before one of the other
     # how much more than the chain's tokens a second a tree must promise to be chosen over it: the two kinds' F are
-    # learnt from different steps, and the model's error between them reached 3% on the H100 (batch 4, paper profile,
-    # 2k: trees chosen over the chain ran at 0.97x of it); the chain is the baseline auto must never lose to
+    # learnt from different steps, and the model's error between them was at least 3% on the H100 (batch 4, paper
+    # profile, 2k: trees chosen over the chain ran at 0.97x of it); the chain is the baseline auto must not lose to
     chain_margin: float = 0.05
+    # steps of the other kind an exploration runs: a sample of F is a step's whose neighbours are of its kind (a
+    # switch's own cost must not count as the arm's), and under the overlap scheduler the middle one of 3 is that
+    explore_run: int = 3
     weight: float = 0.2  # of a new sample in each average (acceptance)
     max_gap_s: float = (
         1.0  # a longer interval between two steps is not a step's time (idle, a prefill between)
@@ -101,8 +105,9 @@ class BudgetPolicy:
     # the choices between a step and the host's interval that times it: 1 under SGLang's overlap scheduler, which
     # launches step k and then waits for step k - 1's results, so the interval after choosing k times step k - 1
     lag: int = 0
-    # (time, b, sum of prefixes, kdtree served) of the last lag + 1 choices since an interruption
+    # (time, b, sum of prefixes, kdtree served) of the last lag + 2 choices since an interruption
     _recent: deque = field(default_factory=deque)
+    _explore_left: int = 0  # steps left of an exploration's run
     _streak: int = 0  # steps of the last choice's kind (tree or chain) in a row
     _last_kind_is_chain: bool = False
 
@@ -110,8 +115,11 @@ class BudgetPolicy:
         self.budgets = tuple(sorted(self.budgets))
         if not self.budgets or self.budgets[0] < 1:
             raise ValueError(f"budgets must be positive (got {self.budgets})")
-        if not self.chain_margin >= 0:
-            raise ValueError(f"chain_margin must be at least 0 (got {self.chain_margin})")
+        if not 0 <= self.chain_margin < 1:
+            raise ValueError(f"chain_margin must be at least 0 and below 1 (got {self.chain_margin})")
+        if self.explore_run < self.lag + 2:
+            raise ValueError(f"explore_run must be at least lag + 2 (got {self.explore_run}, lag {self.lag}): its "
+                             "middle steps are the only ones timed clear of a switch")  # fmt: skip
         if self.cost is not None and any(b not in self.cost.fixed for b in self.arms):
             raise ValueError(f"the cost model has no time for some of the choices {self.arms}")
 
@@ -139,21 +147,27 @@ class BudgetPolicy:
             self._streak = 1
         self._last_kind_is_chain = b == CHAIN
         self._recent.append((now, b, sum_prefix, serving))
-        while len(self._recent) > self.lag + 1:
+        while len(self._recent) > self.lag + 2:
             self._recent.popleft()
         self.chosen[b] += 1
         return b
 
     def _learn_fixed(self, now: float) -> None:
-        """The interval since the last choice times the step chosen `lag` choices before it."""
+        """The interval since the last choice times the step chosen `lag` choices before it; a sample of its kind's F
+        only where the step before it and the `lag` after it are of its kind too. A switch between the tree and the
+        chain costs an interval of its own (on the H100 at batch 4 the F of a kind run once in 64 steps, each time
+        between steps of the other, came out 0.8-4.4 ms above its F in a run of its own), and that cost belongs to
+        no arm: counted in the one explored, it held off the kind that was not running whichever it was."""
         if not self._recent:
             return
         if not 0 < now - self._recent[-1][0] <= self.max_gap_s:
             self._recent.clear()  # idle between: the next intervals time no step
             return
-        _, b, sum_prefix, serving = self._recent[0]
-        if len(self._recent) <= self.lag or self.cost is None or not serving:
-            return  # that step was chosen before an interruption, or its verify was not kdtree's
+        if len(self._recent) < self.lag + 2 or self.cost is None:
+            return  # that step, or the one before it, was chosen before an interruption
+        _, b, sum_prefix, serving = self._recent[-(self.lag + 1)]
+        if not serving or len({c == CHAIN for _, c, _, _ in self._recent}) > 1:
+            return  # its verify was not kdtree's, or a switch is among its neighbours
         sample = max(0.0, (now - self._recent[-1][0]) - self.cost.seconds(b, sum_prefix))
         self._fixed.setdefault(b == CHAIN, deque(maxlen=self.window)).append(sample)
 
@@ -193,16 +207,22 @@ class BudgetPolicy:
             if rate >= tree_rate:
                 tree, tree_rate = b, rate
         if not (self.chain and chain_ok) or self.expected_accepted(CHAIN) is None:
+            self._explore_left = 0
             return tree
         if self.chain_fixed_s is None:  # its first timed steps (a few: what never gets timed is not offered)
             return CHAIN if self.chosen[CHAIN] < 8 else tree
+        if self._explore_left > 0:  # an exploration's run goes on
+            self._explore_left -= 1
+            return CHAIN if self._last_kind_is_chain else tree
+        # a tie, and anything within the margin, to the chain
         best = CHAIN if self._rate(CHAIN, bs, sum_prefix) * (1.0 + self.chain_margin) >= tree_rate else tree
         # the other kind once in a while, so that its F stays current: every explore_every steps, or sooner while it
-        # has fewer than 3 samples (a median of 1 or 2 may still be an outlier's)
+        # has fewer than 3 samples (a median of 1 or 2 may still be an outlier's), for explore_run steps
         other = len(self._fixed.get(best != CHAIN, ()))
         if (best == CHAIN) == self._last_kind_is_chain and self._streak >= (
             self.explore_every if other >= 3 else 4
         ):
+            self._explore_left = self.explore_run - 1
             return tree if best == CHAIN else CHAIN
         return best
 

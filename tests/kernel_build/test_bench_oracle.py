@@ -169,4 +169,6 @@ def test_a_server_that_died_during_a_row_is_named_with_its_own_error_and_left_ou
     assert set(dead) == {"DDTREE-B16-T128", "DDTREE-B16-T64"}
     assert "CUDA out of memory. Tried to allocate 2.00 GiB" in dead["DDTREE-B16-T128"]
     assert dead["DDTREE-B16-T64"].endswith("(no output)")
-    assert bench_oracle.EXIT_LINE in (ROOT / "entrypoint" / "supervise.py").read_text()  # the launcher's words
+    assert (
+        bench_oracle.EXIT_LINE in (ROOT / "entrypoint" / "supervise.py").read_text()
+    )  # the launcher's words
