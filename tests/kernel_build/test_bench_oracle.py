@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -150,25 +152,66 @@ class _Server:
         return "\n".join(self.output.splitlines()[-lines:])
 
 
-def test_a_server_that_died_during_a_row_is_named_with_its_own_error_and_left_out():
-    """The row's own error is the client's ("Server disconnected"): the server that died and the line that says why
-    come from its start count and its output, before its restart's (whose start-up logs an error of its own); a
-    server that runs on is not named."""
+READY = "[..] INFO: The server is fired up and ready to roll!"
+NOISE = "[..] OpenAIServingResponses init failed (ModuleNotFoundError: No module named 'openai_harmony')"
+
+
+def test_a_server_that_died_during_a_row_is_named_with_its_exit_and_its_own_error():
+    """The row's own error is the client's ("Server disconnected"): the server that died, its exit and the line that
+    says why come from its start count and its output: the run that died, after its start-up (which logs an error
+    line of its own, as its restart's does); a server that runs on is not named."""
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     live = {
-        "DFLASH-B16": _Server(1, "[..] Decode batch, #running-req: 4\n"),
+        "DFLASH-B16": _Server(1, f"{NOISE}\n{READY}\n[..] Decode batch, #running-req: 4\n"),
         "DDTREE-B16-T128": _Server(
             2,
-            "[..] Prefill batch\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
-            "kdtree launcher: the server exited with status 1\n"
-            "[..] OpenAIServingResponses init failed (ModuleNotFoundError: No module named 'openai_harmony')\n",
+            "\n".join(
+                [
+                    NOISE,
+                    READY,
+                    "[..] Prefill batch",
+                    oom,
+                    "kdtree launcher: the server exited with status 1",
+                    NOISE,
+                ]
+            ),
         ),  # fmt: skip
-        "DDTREE-B16-T64": _Server(1, "", exited=True),
+        "DDTREE-B16-T64": _Server(
+            2,
+            "\n".join(
+                [
+                    NOISE,
+                    READY,
+                    "[..] Decode batch",
+                    "kdtree launcher: the server was killed by SIGKILL (exit status 137)",
+                    NOISE,
+                    READY,
+                ]
+            ),
+        ),  # fmt: skip
+        "DDTREE-B16": _Server(1, "", exited=True),
     }
-    starts = {"DFLASH-B16": 1, "DDTREE-B16-T128": 1, "DDTREE-B16-T64": 1}
-    dead = bench_oracle.exited_since(live, starts)
-    assert set(dead) == {"DDTREE-B16-T128", "DDTREE-B16-T64"}
-    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in dead["DDTREE-B16-T128"]
-    assert dead["DDTREE-B16-T64"].endswith("(no output)")
-    assert (
-        bench_oracle.EXIT_LINE in (ROOT / "entrypoint" / "supervise.py").read_text()
-    )  # the launcher's words
+    starts = dict.fromkeys(live, 1)
+    dead = bench_oracle.exited_since(live, starts, wait_s=0)
+    assert set(dead) == {"DDTREE-B16-T128", "DDTREE-B16-T64", "DDTREE-B16"}
+    assert "(kdtree launcher: the server exited with status 1)" in dead["DDTREE-B16-T128"]
+    assert dead["DDTREE-B16-T128"].endswith(oom)
+    assert "killed by SIGKILL" in dead["DDTREE-B16-T64"] and dead["DDTREE-B16-T64"].endswith("no error line")
+    assert "its process ended" in dead["DDTREE-B16"] and "openai_harmony" not in str(dead)
+    launcher = (ROOT / "entrypoint" / "supervise.py").read_text()  # the launcher's words
+    assert "kdtree launcher: the server exited with status" in launcher
+    assert "kdtree launcher: the server was killed by" in launcher
+
+
+def test_a_server_the_client_saw_go_is_waited_for_until_its_launcher_ends():
+    """The client's error comes first; the launcher drains the server's output for up to 5 s before it exits."""
+    server = _Server(1, f"{READY}\nkdtree launcher: the server exited with status 1")
+    t0 = time.monotonic()
+    threading.Timer(0.6, lambda: setattr(server, "starts", 2)).start()
+    assert set(bench_oracle.exited_since({"DFLASH-B16": server}, {"DFLASH-B16": 1}, wait_s=5)) == {
+        "DFLASH-B16"
+    }
+    assert 0.5 < time.monotonic() - t0 < 3
+    t0 = time.monotonic()
+    assert bench_oracle.exited_since({"DFLASH-B16": _Server(1, "")}, {"DFLASH-B16": 1}, wait_s=0.5) == {}
+    assert time.monotonic() - t0 < 2

@@ -97,3 +97,16 @@ def test_the_id_is_the_checkouts_from_any_directory_inside_it(repo):
 
 def test_outside_a_checkout_a_table_says_the_commit_is_unknown(tmp_path):
     assert checkout(cwd=str(tmp_path)) == "unknown"
+
+
+def test_without_git_the_cli_says_so_and_a_table_says_the_commit_is_unknown(repo, monkeypatch):
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "HEAD"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/nonexistent"},
+    )
+    assert r.returncode == 1 and "needs git on PATH" in r.stderr
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert checkout(cwd=str(repo)) == "unknown"

@@ -120,24 +120,38 @@ def measure(
 
 
 ERROR_LINE = re.compile(r"Error|error:|out of memory|Killed|Traceback")
-EXIT_LINE = (
-    "kdtree launcher: the server exited"  # the launcher's last line of a run; a restart's output follows
+# the launcher's last line of a run (supervise.py), after which the orchestrator's restart writes its own start-up
+EXIT_LINE = re.compile(r"kdtree launcher: the server (exited with status|was killed by)")
+READY_LINE = (
+    "The server is fired up and ready to roll"  # SGLang's, once a run serves: its start-up is behind it
 )
 
 
-def exited_since(live: dict, starts: dict[str, int]) -> dict[str, str]:
+def exited_since(live: dict, starts: dict[str, int], wait_s: float = 10.0) -> dict[str, str]:
     """The servers of `live` that exited since each had started starts[algo] times (their orchestrator starts them
-    again), each with its run's last error line: a row's own error is only the client's side ("Server
-    disconnected", then "Connection refused" while the server restarts), which names neither the server nor the
-    cause."""
+    again), each with its exit line and its run's last error line: a row's own error is only the client's side
+    ("Server disconnected", then "Connection refused" while the server restarts), which names neither the server
+    nor the cause. A server seen by the client as gone may still be in its launcher's last seconds (the output's
+    drain): up to wait_s for one to be seen exited."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [
+            a for a, s in live.items()
+            if s.starts > starts[a] or (s.proc is not None and s.proc.poll() is not None)
+        ]  # fmt: skip
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
     out = {}
-    for algo, s in live.items():
-        if s.starts > starts[algo] or (s.proc is not None and s.proc.poll() is not None):
-            lines = [line.strip() for line in s.console_tail(400).splitlines() if line.strip()]
-            ends = [i for i, line in enumerate(lines) if EXIT_LINE in line]
-            run = lines[: ends[-1] + 1] if ends else lines  # not the restart's start-up (its own noise)
-            why = next((line for line in reversed(run) if ERROR_LINE.search(line)), run[-1] if run else "")
-            out[algo] = f"exited during the run; its last error: {why[:300] or '(no output)'}"
+    for algo in dead:
+        lines = [line.strip() for line in live[algo].console_tail(10**6).splitlines() if line.strip()]
+        ends = [i for i, line in enumerate(lines) if EXIT_LINE.search(line)]
+        end = ends[-1] if ends else len(lines)  # the run that died: up to its exit line, before the restart's
+        readies = [i for i, line in enumerate(lines[:end]) if READY_LINE in line]
+        begin = max([0, *[i + 1 for i in ends if i < end], *readies])  # after its start-up's own noise
+        why = next((line for line in reversed(lines[begin:end]) if ERROR_LINE.search(line)), "no error line")
+        exit_line = lines[end] if ends else "its process ended"
+        out[algo] = f"exited during the run ({exit_line[:120]}); its last error: {why[:300]}"
     return out
 
 
@@ -304,7 +318,9 @@ def main() -> int:
                     except (RuntimeError, OSError, KeyError, httpx.HTTPError) as e:  # a server crashed
                         failed[where] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                         for algo, why in exited_since(live, starts).items():  # the rest go on without it
-                            failed[live.pop(algo).spec.name] = why
+                            dead = live.pop(algo)
+                            dead.stop(timeout=30)  # its restart would take memory and time from the others
+                            failed[dead.spec.name] = f"{why} ({where})"
                         continue
                     new = rows_of(name, plen, batch, rounds, args.layers)
                     rows += new

@@ -65,7 +65,11 @@ def checkout(cwd: str | None = None) -> str:
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--", *SOURCES)
-    return f"{head}{' + uncommitted changes to the kernel or runtime' if dirty else ''}; sources {source_id(cwd=top)}"
+    try:
+        ids = f"; sources {source_id(cwd=top)}"
+    except (OSError, subprocess.CalledProcessError):  # a table is still worth its commit
+        ids = ""
+    return head + (" + uncommitted changes to the kernel or runtime" if dirty else "") + ids
 
 
 if __name__ == "__main__":
@@ -73,3 +77,5 @@ if __name__ == "__main__":
         print(source_id(sys.argv[1] if len(sys.argv) > 1 else None))
     except subprocess.CalledProcessError as e:
         sys.exit(f"git failed: {e.stderr.strip()} (run inside the checkout; REV must name a commit)")
+    except OSError as e:
+        sys.exit(f"git could not run ({e}): the id needs git on PATH")
