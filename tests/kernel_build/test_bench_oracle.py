@@ -21,6 +21,8 @@ finally:
 
 import ddtree_oracle  # noqa: E402
 
+from kdtree.state.process_record import START_MARK  # noqa: E402
+
 
 def test_each_server_runs_the_budget_its_name_says():
     assert bench_oracle.tree_budget("DFLASH-B16") is None
@@ -142,70 +144,50 @@ def test_a_table_measured_with_the_host_report_says_its_rounds_were_slowed(monke
 
 class _Server:
     """A stand-in of RealServer's process side: its start count (the orchestrator starts it again when it exits),
-    its process and its output."""
+    its process and the launcher's log (START_MARK at each start, as entrypoint/supervise.py writes it)."""
 
-    def __init__(self, starts: int, output: str, exited: bool = False):
-        self.starts, self.output = starts, output
+    def __init__(self, starts: int, *runs: list[str], exited: bool = False):
+        self.starts = starts
+        self.log = "\n".join(
+            line for i, run in enumerate(runs, 1) for line in [f"{START_MARK} #{i} at t, pid {i}", *run]
+        )
         self.proc = type("Proc", (), {"poll": lambda _self: 1 if exited else None})()
 
-    def console_tail(self, lines: int = 80) -> str:
-        return "\n".join(self.output.splitlines()[-lines:])
+    def server_log(self) -> str:
+        return self.log
 
 
-READY = "[..] INFO: The server is fired up and ready to roll!"
 NOISE = "[..] OpenAIServingResponses init failed (ModuleNotFoundError: No module named 'openai_harmony')"
+READY = "[..] INFO: The server is fired up and ready to roll!"
 
 
-def test_a_server_that_died_during_a_row_is_named_with_its_exit_and_its_own_error():
-    """The row's own error is the client's ("Server disconnected"): the server that died, its exit and the line that
-    says why come from its start count and its output: the run that died, after its start-up (which logs an error
-    line of its own, as its restart's does); a server that runs on is not named."""
+def test_a_server_that_died_during_a_row_is_named_with_its_own_error():
+    """The row's own error is the client's ("Server disconnected"): the server that died and the line that says why
+    come from its start count and the launcher's log of the run that died, not its restart's; a server that runs on
+    is not named."""
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    killed = "kdtree launcher: the server was killed by SIGKILL (exit status 137)"
     live = {
-        "DFLASH-B16": _Server(1, f"{NOISE}\n{READY}\n[..] Decode batch, #running-req: 4\n"),
+        "DFLASH-B16": _Server(1, [NOISE, READY, "[..] Decode batch, #running-req: 4"]),
         "DDTREE-B16-T128": _Server(
             2,
-            "\n".join(
-                [
-                    NOISE,
-                    READY,
-                    "[..] Prefill batch",
-                    oom,
-                    "kdtree launcher: the server exited with status 1",
-                    NOISE,
-                ]
-            ),
+            [NOISE, READY, "[..] Prefill batch", oom, "kdtree launcher: the server exited with status 1"],
+            [NOISE, "RuntimeError: the restart's own"],
         ),  # fmt: skip
-        "DDTREE-B16-T64": _Server(
-            2,
-            "\n".join(
-                [
-                    NOISE,
-                    READY,
-                    "[..] Decode batch",
-                    "kdtree launcher: the server was killed by SIGKILL (exit status 137)",
-                    NOISE,
-                    READY,
-                ]
-            ),
-        ),  # fmt: skip
-        "DDTREE-B16": _Server(1, "", exited=True),
+        "DDTREE-B16-T64": _Server(2, [NOISE, READY, *["[..] Decode batch"] * 30, killed], [NOISE, READY]),
+        "DDTREE-B16": _Server(1, [], exited=True),
     }
-    starts = dict.fromkeys(live, 1)
-    dead = bench_oracle.exited_since(live, starts, wait_s=0)
+    dead = bench_oracle.exited_since(live, dict.fromkeys(live, 1), wait_s=0)
     assert set(dead) == {"DDTREE-B16-T128", "DDTREE-B16-T64", "DDTREE-B16"}
-    assert "(kdtree launcher: the server exited with status 1)" in dead["DDTREE-B16-T128"]
     assert dead["DDTREE-B16-T128"].endswith(oom)
-    assert "killed by SIGKILL" in dead["DDTREE-B16-T64"] and dead["DDTREE-B16-T64"].endswith("no error line")
-    assert "its process ended" in dead["DDTREE-B16"] and "openai_harmony" not in str(dead)
-    launcher = (ROOT / "entrypoint" / "supervise.py").read_text()  # the launcher's words
-    assert "kdtree launcher: the server exited with status" in launcher
-    assert "kdtree launcher: the server was killed by" in launcher
+    assert dead["DDTREE-B16-T64"].endswith(killed)
+    assert dead["DDTREE-B16"].endswith("(none)")
+    assert "openai_harmony" not in str(dead) and "the restart's own" not in str(dead)
 
 
 def test_a_server_the_client_saw_go_is_waited_for_until_its_launcher_ends():
     """The client's error comes first; the launcher drains the server's output for up to 5 s before it exits."""
-    server = _Server(1, f"{READY}\nkdtree launcher: the server exited with status 1")
+    server = _Server(1, [READY, "kdtree launcher: the server exited with status 1"])
     t0 = time.monotonic()
     threading.Timer(0.6, lambda: setattr(server, "starts", 2)).start()
     assert set(bench_oracle.exited_since({"DFLASH-B16": server}, {"DFLASH-B16": 1}, wait_s=5)) == {
@@ -213,5 +195,5 @@ def test_a_server_the_client_saw_go_is_waited_for_until_its_launcher_ends():
     }
     assert 0.5 < time.monotonic() - t0 < 3
     t0 = time.monotonic()
-    assert bench_oracle.exited_since({"DFLASH-B16": _Server(1, "")}, {"DFLASH-B16": 1}, wait_s=0.5) == {}
+    assert bench_oracle.exited_since({"DFLASH-B16": _Server(1, [])}, {"DFLASH-B16": 1}, wait_s=0.5) == {}
     assert time.monotonic() - t0 < 2

@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -70,6 +69,8 @@ from source_id import checkout  # noqa: E402
 from tiny_model import config, prompt_of, write_model  # noqa: E402
 
 from kdtree.config import Mode  # noqa: E402
+from kdtree.state.process_record import START_MARK  # noqa: E402
+from sidecar.server_log import crash_excerpt  # noqa: E402
 
 CHAIN = "DFLASH-B16"
 HEARTBEAT_S = 0.5  # the servers' KDTREE_HEARTBEAT_S: a row's auto choices are read from rank 0's record
@@ -119,20 +120,12 @@ def measure(
     return rounds
 
 
-ERROR_LINE = re.compile(r"Error|error:|out of memory|Killed|Traceback")
-# the launcher's last line of a run (supervise.py), after which the orchestrator's restart writes its own start-up
-EXIT_LINE = re.compile(r"kdtree launcher: the server (exited with status|was killed by)")
-READY_LINE = (
-    "The server is fired up and ready to roll"  # SGLang's, once a run serves: its start-up is behind it
-)
-
-
 def exited_since(live: dict, starts: dict[str, int], wait_s: float = 10.0) -> dict[str, str]:
     """The servers of `live` that exited since each had started starts[algo] times (their orchestrator starts them
-    again), each with its exit line and its run's last error line: a row's own error is only the client's side
-    ("Server disconnected", then "Connection refused" while the server restarts), which names neither the server
-    nor the cause. A server seen by the client as gone may still be in its launcher's last seconds (the output's
-    drain): up to wait_s for one to be seen exited."""
+    again), each with the last line of its crash excerpt (the sidecar's `crash_excerpt`) from the launcher's log of
+    the run that died: a row's own error is only the client's side ("Server disconnected", then "Connection refused"
+    while the server restarts), which names neither the server nor the cause. A server seen by the client as gone may
+    still be in its launcher's last seconds (the output's drain): up to wait_s for one to be seen exited."""
     deadline = time.monotonic() + wait_s
     while True:
         dead = [
@@ -144,14 +137,14 @@ def exited_since(live: dict, starts: dict[str, int], wait_s: float = 10.0) -> di
         time.sleep(0.5)
     out = {}
     for algo in dead:
-        lines = [line.strip() for line in live[algo].console_tail(10**6).splitlines() if line.strip()]
-        ends = [i for i, line in enumerate(lines) if EXIT_LINE.search(line)]
-        end = ends[-1] if ends else len(lines)  # the run that died: up to its exit line, before the restart's
-        readies = [i for i, line in enumerate(lines[:end]) if READY_LINE in line]
-        begin = max([0, *[i + 1 for i in ends if i < end], *readies])  # after its start-up's own noise
-        why = next((line for line in reversed(lines[begin:end]) if ERROR_LINE.search(line)), "no error line")
-        exit_line = lines[end] if ends else "its process ended"
-        out[algo] = f"exited during the run ({exit_line[:120]}); its last error: {why[:300]}"
+        lines = live[algo].server_log().splitlines()
+        marks = [i for i, line in enumerate(lines) if line.startswith(START_MARK)]
+        if len(marks) > starts[algo]:  # the log of the run that died, not its restart's
+            lines = lines[: marks[starts[algo]]]
+        excerpt = crash_excerpt("\n".join(lines))
+        out[algo] = (
+            f"exited during the run; its log's last error: {excerpt[-1][:300] if excerpt else '(none)'}"
+        )
     return out
 
 
