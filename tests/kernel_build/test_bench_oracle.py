@@ -55,18 +55,29 @@ def _round(tps: float, accept: float = 3.0) -> dict:
     return {"decode_tokens_per_s": tps, "accept_length": accept}
 
 
-def test_a_row_is_ahead_or_behind_the_chain_only_beyond_the_chains_own_spread():
+def test_a_row_is_ahead_or_behind_the_chain_only_where_their_rounds_are_apart():
     rounds = {
         "DFLASH-B16": [_round(100), _round(110), _round(105)],
-        "DDTREE-B16-T16": [_round(120), _round(111), _round(125)],  # median 120 > the chain's fastest 110
+        "DDTREE-B16-T16": [_round(120), _round(111), _round(125)],  # slowest 111 > the chain's fastest 110
         "DDTREE-B16": [_round(104), _round(108), _round(101)],  # within 100..110
-        "DDTREE-B16-T64": [_round(90), _round(99), _round(95)],  # median 95 < the chain's slowest 100
+        "DDTREE-B16-T64": [_round(90), _round(99), _round(95)],  # fastest 99 < the chain's slowest 100
+        "DDTREE-B16-T128": [
+            _round(96),
+            _round(97),
+            _round(103),
+        ],  # median below the chain's slowest, a round in it
+        "DDTREE-B16-AUTO": [
+            _round(109),
+            _round(112),
+            _round(115),
+        ],  # median above the chain's fastest, a round in it
     }
     rows = {r["algorithm"]: r for r in bench_oracle.rows_of("paper", 2048, 1, rounds, 61)}
     assert rows["DFLASH-B16"]["vs_chain"] == 1.0
     assert rows["DDTREE-B16-T16"]["beyond_noise"] == "ahead"
     assert rows["DDTREE-B16"]["beyond_noise"] == "within"
     assert rows["DDTREE-B16-T64"]["beyond_noise"] == "behind"
+    assert rows["DDTREE-B16-T128"]["beyond_noise"] == rows["DDTREE-B16-AUTO"]["beyond_noise"] == "within"
     assert rows["DDTREE-B16-T64"]["vs_chain"] == pytest.approx(95 / 105)
     table = bench_oracle.markdown(list(rows.values()), ["head"])
     assert "| paper | 2048 | 1 | DDTREE-B16-T16 | 120.0; 111.0-125.0 | 1.14x | ahead | 3.00 / " in table

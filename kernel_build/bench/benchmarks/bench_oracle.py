@@ -18,8 +18,8 @@ it again on its next step (the first round of a row is not timed).
 For each prompt length, batch and profile: the batch's prompts once into every server's prefix cache, one untimed
 round, then --repeats timed rounds interleaved over the servers (chain, T16, T32, ...), each decoding --max-tokens
 tokens per request (ignore_eos, greedy, streamed). Columns: decode tokens/s (median; min-max), the ratio to the
-chain's median, whether the row beats or trails the chain beyond noise (its median above the chain's fastest round,
-or below its slowest), the accept length (tokens a step, bonus included) measured and expected (under auto: the
+chain's median, whether the row beats or trails the chain beyond noise (its slowest round above the chain's fastest,
+or its fastest below the chain's slowest: the two servers' rounds apart), the accept length (tokens a step, bonus included) measured and expected (under auto: the
 cap's), the tokens verified a request (under auto: the mean of the budget + 1 it chose, from the rank record), and a
 step's wall time (the accept length over a request's share of the median round's tokens/s). Under auto the .json
 also keeps, a row, the steps at each budget and the policy's estimates (F, expected acceptance a budget).
@@ -180,8 +180,9 @@ def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> 
         r["step_ms"] = 1e3 * r["accept_length"] * batch / r["median"]
         if chain:
             r["vs_chain"] = r["median"] / statistics.median(chain)
+            # beyond the run-to-run noise of both servers: every round of one faster than every round of the other
             r["beyond_noise"] = (
-                "ahead" if r["median"] > max(chain) else "behind" if r["median"] < min(chain) else "within"
+                "ahead" if min(tps) > max(chain) else "behind" if max(tps) < min(chain) else "within"
             )
         out.append(r)
     return out
