@@ -50,6 +50,11 @@ VERIFY_BACKEND = "triton"
 NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH", "DDTREE"})
 DFLASH_DRAFTED = frozenset({"DFLASH", "DDTREE"})  # a DFlash block drafter is their draft model
 MTP_CAPABLE = frozenset({"EAGLE", "NEXTN"})
+# The names --speculative-algorithm takes: SGLang 0.5.23's SpeculativeAlgorithm members and its alias NEXTN
+# (tests/entrypoint holds this to SGLang's enum), and DDTREE, which kdtree's plugin registers.
+SPECULATIVE_ALGORITHMS = (
+    "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "DFLASH", "DDTREE", "STANDALONE", "FROZEN_KV_MTP", "UNO", "DSPARK"
+)  # fmt: skip
 
 
 class LauncherSettings(SupervisorSettings):
@@ -148,6 +153,8 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--decode-attention-backend")
     p.add_argument("--speculative-algorithm")
     p.add_argument("--speculative-draft-model-path", "--speculative-draft-model")
+    p.add_argument("--speculative-num-draft-tokens", type=int)
+    p.add_argument("--speculative-dflash-block-size", type=int)
     p.add_argument("--api-key")
     args, _ = p.parse_known_args(list(argv))
     return args
@@ -227,8 +234,8 @@ def _local_path(flag: str, path: str | None) -> Path | None:
     return p
 
 
-def _mtp_layers(model: Path | None) -> int | None:
-    """num_nextn_predict_layers of a local checkpoint (its bundled MTP draft layers); None when unknown."""
+def _config(model: Path | None) -> dict | None:
+    """A local checkpoint's config.json; None when the model is no local folder."""
     if model is None or not model.is_dir():
         return None
     try:
@@ -237,7 +244,28 @@ def _mtp_layers(model: Path | None) -> int | None:
         raise LaunchError(
             f"{model}/config.json is unreadable ({e})", "replace it with the checkpoint's config.json"
         ) from None
-    return int(config.get("num_nextn_predict_layers") or 0)
+    if not isinstance(config, dict):
+        raise LaunchError(
+            f"{model}/config.json is no JSON object", "replace it with the checkpoint's config.json"
+        )
+    return config
+
+
+def _mtp_layers(model: Path | None) -> int | None:
+    """num_nextn_predict_layers of a local checkpoint (its bundled MTP draft layers); None when unknown."""
+    config = _config(model)
+    return None if config is None else int(config.get("num_nextn_predict_layers") or 0)
+
+
+def _trained_block(draft: Path | None) -> int | None:
+    """The block a local DFlash drafter was trained for, read where SGLang reads it (dflash_config.block_size, else
+    a top-level block_size); None when unknown."""
+    config = _config(draft)
+    if config is None:
+        return None
+    dflash = config.get("dflash_config")
+    block = (dflash if isinstance(dflash, dict) else {}).get("block_size", config.get("block_size"))
+    return block if isinstance(block, int) and block > 0 else None
 
 
 def _resolve_mode() -> tuple[Mode, str]:
@@ -307,7 +335,12 @@ def _check_nodes(args: argparse.Namespace) -> str:
         raise LaunchError(
             f"--nnodes {n} with --pp-size {args.pp_size} --dp-size {args.dp_size}: kdtree spreads tensor "
             "parallelism only over nodes, and its sidecars expect tp/nnodes ranks on each",
-            "serve with --pp-size 1 --dp-size 1 across nodes (attention DP: --attn-dp-size)",
+            "serve with --pp-size 1 --dp-size 1 across nodes"
+            + (
+                ""
+                if (args.speculative_algorithm or "").upper() == "DDTREE"
+                else " (attention DP: --attn-dp-size)"
+            ),
         )
     addr = args.dist_init_addr
     if not addr:
@@ -383,6 +416,11 @@ def plan(
             "pass e.g. --speculative-algorithm EAGLE --speculative-draft-model-path /models/<draft>, "
             "NEXTN (the model's own MTP layers) or NGRAM (no draft model)",
         )
+    if algorithm not in SPECULATIVE_ALGORITHMS:
+        raise LaunchError(
+            f"--speculative-algorithm {args.speculative_algorithm} is no algorithm SGLang or kdtree knows",
+            f"pass one of {', '.join(SPECULATIVE_ALGORITHMS)}",
+        )
     plugins = os.environ.get("SGLANG_PLUGINS")
     # as SGLang reads it (plugins/__init__.py): names stripped of spaces; empty or unset loads every plugin
     allowed = {x.strip() for x in (plugins or "").split(",") if x.strip()}
@@ -394,7 +432,23 @@ def plan(
         )
     draft = args.speculative_draft_model_path
     if draft is not None:
-        _local_path("--speculative-draft-model-path", draft)
+        draft_dir = _local_path("--speculative-draft-model-path", draft)
+        # DFLASH's block is N when --speculative-dflash-block-size is unset (SGLang makes them equal)
+        block = args.speculative_dflash_block_size or (
+            args.speculative_num_draft_tokens if algorithm == "DFLASH" else None
+        )
+        trained = _trained_block(draft_dir) if algorithm in DFLASH_DRAFTED else None
+        if block is not None and trained is not None and block > trained:
+            flag = (
+                "--speculative-dflash-block-size"
+                if args.speculative_dflash_block_size
+                else ("--speculative-num-draft-tokens")
+            )
+            raise LaunchError(
+                f"{flag} {block} is above the block the drafter at {draft} was trained for ({trained}, its "
+                f"config.json's dflash_config.block_size): its depths past {trained - 1} would be untrained",
+                f"pass {flag} {trained} or less (a smaller block drafts fewer depths)",
+            )
     elif algorithm in NEEDS_DRAFT_MODEL:
         raise LaunchError(
             f"--speculative-algorithm {algorithm} needs a draft model and --speculative-draft-model-path is missing",
@@ -421,9 +475,10 @@ def plan(
         raise LaunchError(
             f"{layout} runs several schedulers per tp rank, and kdtree's per-rank status records are keyed "
             "by tp rank: they would overwrite each other and the sidecar's gate would judge partial evidence",
-            "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size)"
-            # DDTREE runs neither, whatever the mode (its own check in SGLang refuses them)
-            + ("" if algorithm == "DDTREE" else ", or set KDTREE_VERIFY=off"),
+            "serve one replica per pod with --pp-size 1 and --dp-size 1"
+            # DDTREE: its own check in SGLang refuses pipeline parallelism and attention DP in every mode, and
+            # data-parallel replicas of it have not run, so neither is offered
+            + ("" if algorithm == "DDTREE" else " (attention DP: --attn-dp-size), or set KDTREE_VERIFY=off"),
         )
     per_node = replicas * (args.tp_size // args.nnodes) * args.pp_size  # this node's share
     found = gpus()
@@ -435,6 +490,11 @@ def plan(
             "driver (nvidia-smi) and CUDA_VISIBLE_DEVICES",
         )
     if per_node > len(found):
+        sizes = (
+            ("--tp-size", args.tp_size // args.nnodes),
+            ("--pp-size", args.pp_size),
+            ("--dp-size", replicas),
+        )
         raise LaunchError(
             f"--tp-size {args.tp_size}"
             + (f" x --pp-size {args.pp_size}" if args.pp_size > 1 else "")
@@ -442,8 +502,8 @@ def plan(
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" needs {per_node} GPUs on this node, {len(found)} visible",
             "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose.override.yaml) "
-            "or lower --tp-size to match (KDTREE_TP_SIZE; under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, "
-            "the server command's --tp-size in that file)",
+            f"or lower {' or '.join(f for f, n in sizes if n > 1) or '--tp-size'} to match (--tp-size: KDTREE_TP_SIZE; "
+            "under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, the server command in that file)",
         )
     if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
         raise LaunchError(

@@ -177,6 +177,10 @@ class KernelSettings(KdtreeSettings):
 class VerifySettings(StateDirSettings, KernelSettings):
     """The kdtree runtime inside each SGLang rank."""
 
+    fixes: ClassVar[dict[str, str]] = {
+        "KDTREE_DDTREE_BUDGET": "set auto or fixed; the tree's size is the server argument "
+        "--speculative-num-draft-tokens N (the budget + 1)",
+    }
     verify: Mode = Mode.OFF
     validate_rtol: float = Field(
         2e-2, gt=0, description="relative L2 error above which a compared call counts as over tolerance"

@@ -64,7 +64,7 @@ def validate_server_args(cfg) -> None:
     if cfg.grammar_backend not in (None, "none"):
         problems.append(
             f"DDTREE v1 has no grammar-constrained decoding: pass --grammar-backend none "
-            f"(got {cfg.grammar_backend!r}, SGLang's default when unset)"
+            f"(got {cfg.grammar_backend!r}, which is also SGLang's choice when the flag is unset)"
         )
     n, block = cfg.speculative_num_draft_tokens, cfg.speculative_dflash_block_size
     if n is None or block is None:

@@ -118,6 +118,14 @@ def test_invalid_kdtree_verify(model, monkeypatch, capsys):
     assert "KDTREE_VERIFY='shadow' is invalid: set it to one of: off, validate, on" in error_line(capsys)
 
 
+def test_a_number_for_the_ddtree_budget_setting_points_at_the_tree_size_argument(model, monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_DDTREE_BUDGET", "16")  # the natural misreading: the budget itself
+    assert run(args(model)) == (EXIT_CONFIG, None)
+    line = error_line(capsys)
+    assert "KDTREE_DDTREE_BUDGET='16' is invalid" in line
+    assert "fix: set auto or fixed; the tree's size is the server argument --speculative-num-draft-tokens N" in line
+
+
 def test_invalid_mode_file(model, env, capsys):
     (env / "mode").write_text("maybe\n")
     assert run(args(model))[0] == EXIT_CONFIG
@@ -162,13 +170,24 @@ def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsy
     assert "KDTREE_VERIFY=off" in line
 
 
-def test_ddtrees_pipeline_refusal_offers_no_mode_that_would_not_run_it(model, tmp_path, capsys):
-    """DDTREE runs no pipeline stages in any mode (its own check in SGLang): KDTREE_VERIFY=off is no fix for it."""
+@pytest.mark.parametrize("layout", [["--pp-size", "2"], ["--dp-size", "2"]])
+def test_ddtrees_layout_refusal_offers_no_layout_it_does_not_run(model, tmp_path, capsys, layout):
+    """DDTREE runs no pipeline stages and no attention DP in any mode (its own check in SGLang), and its replicas
+    have not run: neither KDTREE_VERIFY=off nor --attn-dp-size is offered as the fix."""
     draft = ["--speculative-draft-model-path", str(tmp_path)]
     (tmp_path / "config.json").write_text("{}")
-    assert run([*spec(model, "DDTREE", *draft), "--pp-size", "2"], n_gpus=8)[0] == EXIT_CONFIG
+    assert run([*spec(model, "DDTREE", *draft), *layout], n_gpus=8)[0] == EXIT_CONFIG
     line = error_line(capsys)
-    assert "--pp-size 1" in line and "KDTREE_VERIFY=off" not in line
+    assert "--pp-size 1 and --dp-size 1" in line
+    assert "KDTREE_VERIFY=off" not in line and "--attn-dp-size" not in line
+
+
+def test_too_few_gpus_names_the_size_that_asks_for_them(model, monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_VERIFY", "off")  # pipeline stages are refused while kdtree runs
+    assert run(args(model, "--pp-size", "2"), n_gpus=1)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "--tp-size 1 x --pp-size 2 needs 2 GPUs on this node, 1 visible" in line
+    assert "or lower --pp-size to match" in line  # not --tp-size, already 1
 
 
 GROUP = [
@@ -443,6 +462,54 @@ def spec(model, *algorithm_args):
 def test_eagle3_needs_a_draft_model(model, capsys):
     assert run(spec(model, "EAGLE3"))[0] == EXIT_CONFIG
     assert "--speculative-algorithm EAGLE3 needs a draft model" in error_line(capsys)
+
+
+def test_speculative_algorithms_are_sglangs_names_and_ddtree():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import _RESERVED_ALIASES
+
+    sglangs = {a.name for a in SpeculativeAlgorithm if a is not SpeculativeAlgorithm.NONE} | set(
+        _RESERVED_ALIASES
+    )
+    assert set(launch.SPECULATIVE_ALGORITHMS) == sglangs | {"DDTREE"}
+
+
+def test_an_unknown_algorithm_is_refused_with_the_names_it_could_be(model, capsys):
+    assert run(spec(model, "DDTRE"))[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "--speculative-algorithm DDTRE is no algorithm SGLang or kdtree knows" in line
+    assert "pass one of EAGLE, EAGLE3, NEXTN, NGRAM, DFLASH, DDTREE" in line
+    assert run(spec(model, "ngram"))[0] == 0  # SGLang takes any case
+
+
+@pytest.mark.parametrize(
+    "config, algorithm_args, refused",
+    [
+        ({"dflash_config": {"block_size": 8}}, ["DDTREE", "--speculative-dflash-block-size", "16"],
+         "--speculative-dflash-block-size 16 is above the block the drafter"),
+        ({"dflash_config": {"block_size": 8}}, ["DDTREE", "--speculative-dflash-block-size", "8"], None),
+        ({"dflash_config": {"block_size": 16}}, ["DDTREE", "--speculative-dflash-block-size", "8"], None),
+        ({"block_size": 8}, ["DFLASH", "--speculative-num-draft-tokens", "16"],  # DFLASH: B = N; a top-level key
+         "--speculative-num-draft-tokens 16 is above the block the drafter"),
+        ({}, ["DDTREE", "--speculative-dflash-block-size", "16"], None),  # not known: SGLang's default applies
+    ],
+)  # fmt: skip
+def test_a_block_above_the_one_the_drafter_was_trained_for_is_refused(
+    model, tmp_path, capsys, config, algorithm_args, refused
+):
+    import json
+
+    draft = tmp_path / "drafter"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(config))
+    rc = run([*spec(model, *algorithm_args), "--speculative-draft-model-path", str(draft)])[0]
+    if refused is None:
+        assert rc == 0
+        return
+    assert rc == EXIT_CONFIG
+    line = error_line(capsys)
+    assert refused in line and "was trained for (8, its config.json's dflash_config.block_size)" in line
+    assert "fix: pass --speculative-" in line and " 8 or less" in line
 
 
 def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypatch, capsys):
