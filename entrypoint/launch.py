@@ -32,6 +32,7 @@ from pydantic import SecretStr, ValidationError
 
 from entrypoint.supervise import DEFAULT_LOG_MAX_BYTES, StopRequested, Supervisor, SupervisorSettings
 from kdtree.config import ConfigError, Mode, StateDirSettings, VerifySettings, warn_unknown_variables
+from kdtree.ddtree.server_args import validate_server_args
 from kdtree.state.mode_file import mode_path, read_desired_mode
 
 EXIT_CONFIG = 2
@@ -155,6 +156,13 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path", "--speculative-draft-model")
     p.add_argument("--speculative-num-draft-tokens", type=int)
     p.add_argument("--speculative-dflash-block-size", type=int)
+    # the rest of what DDTREE's check reads (kdtree.ddtree.server_args); None: left to SGLang's resolution
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--attn-dp-size", type=int, default=1)
+    p.add_argument("--speculative-eagle-topk", type=int)
+    p.add_argument("--speculative-num-steps", type=int)
+    p.add_argument("--speculative-draft-window-size", type=int)
+    p.add_argument("--grammar-backend")
     p.add_argument("--api-key")
     args, _ = p.parse_known_args(list(argv))
     return args
@@ -358,6 +366,22 @@ def _check_nodes(args: argparse.Namespace) -> str:
     return f" node_rank={rank} ranks={rank * args.tp_size // n}..{(rank + 1) * args.tp_size // n - 1} dist_init={addr}"
 
 
+def _check_ddtree(args: argparse.Namespace) -> None:
+    """DDTREE's own check (the one SGLang runs once it has resolved the arguments), on the arguments as given: a
+    refusal here costs no server start. What the command leaves unset (page size, grammar backend) SGLang resolves,
+    and its run of the same check judges."""
+    view = argparse.Namespace(**vars(args))
+    if args.enable_dp_attention:  # the deprecated form: --dp-size N is the attention-DP width
+        view.attn_dp_size = args.dp_size
+    try:
+        validate_server_args(view)
+    except ValueError as e:
+        raise LaunchError(
+            f"DDTREE's server arguments: {e}",
+            "each part names its own (docs/configuration.md, KDTREE_SPECULATIVE_ARGS)",
+        ) from None
+
+
 def plan(
     argv: Sequence[str],
     *,
@@ -463,6 +487,8 @@ def plan(
             "pass --speculative-draft-model-path /models/<draft>, or use --speculative-algorithm NGRAM",
         )
 
+    if algorithm == "DDTREE":
+        _check_ddtree(args)
     if min(args.tp_size, args.pp_size, args.dp_size, args.nnodes) < 1:
         raise LaunchError(
             "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1", "fix the value in the server command"

@@ -4,6 +4,7 @@
 - `tree`: the fixed-shape torch form that runs inside a CUDA graph (imports torch);
 - `accept`: the fixed-shape acceptance walk and the commit's slot permutation (imports torch);
 - `fused`: the tree and the walk each as one Triton kernel, what the worker runs on CUDA (imports triton);
-- `spec`: `validate_server_args`, `DDTreeSpec` and `register()` for SGLang's registry (imports SGLang);
+- `server_args`: `validate_server_args`, the check of the server arguments that SGLang and kdtree's launcher run;
+- `spec`: `DDTreeSpec` and `register()` for SGLang's registry (imports SGLang);
 - `worker`: `DDTreeWorker`, DFlashWorkerV2 with the tree (imports SGLang's worker; only a server imports it).
 """

@@ -123,7 +123,10 @@ def test_a_number_for_the_ddtree_budget_setting_points_at_the_tree_size_argument
     assert run(args(model)) == (EXIT_CONFIG, None)
     line = error_line(capsys)
     assert "KDTREE_DDTREE_BUDGET='16' is invalid" in line
-    assert "fix: set auto or fixed; the tree's size is the server argument --speculative-num-draft-tokens N" in line
+    assert (
+        "fix: set auto or fixed; the tree's size is the server argument --speculative-num-draft-tokens N"
+        in line
+    )
 
 
 def test_invalid_mode_file(model, env, capsys):
@@ -176,9 +179,10 @@ def test_ddtrees_layout_refusal_offers_no_layout_it_does_not_run(model, tmp_path
     have not run: neither KDTREE_VERIFY=off nor --attn-dp-size is offered as the fix."""
     draft = ["--speculative-draft-model-path", str(tmp_path)]
     (tmp_path / "config.json").write_text("{}")
-    assert run([*spec(model, "DDTREE", *draft), *layout], n_gpus=8)[0] == EXIT_CONFIG
+    assert run([*spec(model, "DDTREE", *draft, *DDTREE_ARGS), *layout], n_gpus=8)[0] == EXIT_CONFIG
     line = error_line(capsys)
-    assert "--pp-size 1 and --dp-size 1" in line
+    # DDTREE's own check refuses pipeline stages, the launcher replicas while kdtree runs
+    assert ("pass --pp-size 1" if "--pp-size" in layout else "--pp-size 1 and --dp-size 1") in line
     assert "KDTREE_VERIFY=off" not in line and "--attn-dp-size" not in line
 
 
@@ -448,6 +452,11 @@ def test_speculative_algorithm_required(model, capsys):
     assert "--speculative-algorithm is not set" in error_line(capsys)
 
 
+# What a DDTREE launch passes beside its drafter (docs/configuration.md): N = 32 (a tree of 31), block 8.
+DDTREE_ARGS = ["--speculative-num-draft-tokens", "32", "--speculative-dflash-block-size", "8", "--page-size", "1",
+               "--grammar-backend", "none"]  # fmt: skip
+
+
 def spec(model, *algorithm_args):
     return [
         "--model-path",
@@ -485,13 +494,13 @@ def test_an_unknown_algorithm_is_refused_with_the_names_it_could_be(model, capsy
 @pytest.mark.parametrize(
     "config, algorithm_args, refused",
     [
-        ({"dflash_config": {"block_size": 8}}, ["DDTREE", "--speculative-dflash-block-size", "16"],
+        ({"dflash_config": {"block_size": 8}}, ["DDTREE", "--speculative-dflash-block-size", "16", *DDTREE_ARGS[:2]],
          "--speculative-dflash-block-size 16 is above the block the drafter"),
-        ({"dflash_config": {"block_size": 8}}, ["DDTREE", "--speculative-dflash-block-size", "8"], None),
-        ({"dflash_config": {"block_size": 16}}, ["DDTREE", "--speculative-dflash-block-size", "8"], None),
+        ({"dflash_config": {"block_size": 8}}, ["DDTREE", *DDTREE_ARGS], None),
+        ({"dflash_config": {"block_size": 16}}, ["DDTREE", *DDTREE_ARGS], None),
         ({"block_size": 8}, ["DFLASH", "--speculative-num-draft-tokens", "16"],  # DFLASH: B = N; a top-level key
          "--speculative-num-draft-tokens 16 is above the block the drafter"),
-        ({}, ["DDTREE", "--speculative-dflash-block-size", "16"], None),  # not known: SGLang's default applies
+        ({}, ["DDTREE", *DDTREE_ARGS], None),  # not known: nothing to hold the block to
     ],
 )  # fmt: skip
 def test_a_block_above_the_one_the_drafter_was_trained_for_is_refused(
@@ -528,7 +537,7 @@ def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypa
     # as SGLang reads it: names stripped; empty loads every plugin
     for plugins in ("other, kdtree", "", " , "):
         monkeypatch.setenv("SGLANG_PLUGINS", plugins)
-        assert run(spec(model, "DDTREE", *draft))[0] == 0, plugins
+        assert run(spec(model, "DDTREE", *draft, *DDTREE_ARGS))[0] == 0, plugins
 
 
 @pytest.mark.parametrize(
@@ -683,3 +692,25 @@ def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(mo
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    "changes, refused",
+    [
+        (["--page-size", "16"], "pass --page-size 1 (got 16)"),
+        (["--speculative-num-draft-tokens", "0"], "must lie in [B, 1024] for block B=8: "),
+        (["--speculative-num-draft-tokens", "100000"], "(got N=100000)"),
+        (["--speculative-dflash-block-size", "1"], "must be at least 2"),
+        (["--attn-dp-size", "2"], "drop --enable-dp-attention and --attn-dp-size (got attn_dp_size=2)"),
+        (["--speculative-eagle-topk", "4"], "drop --speculative-eagle-topk"),
+        (["--grammar-backend", "xgrammar"], "pass --grammar-backend none"),
+    ],
+)
+def test_ddtrees_own_check_refuses_before_any_server_starts(model, tmp_path, capsys, changes, refused):
+    """The check SGLang runs on its resolved arguments (kdtree.ddtree.server_args), run by the launcher on the command
+    as given: one line and exit 2 instead of a server start that ends in a traceback."""
+    (tmp_path / "config.json").write_text("{}")
+    argv = [*spec(model, "DDTREE", "--speculative-draft-model-path", str(tmp_path), *DDTREE_ARGS), *changes]
+    assert run(argv) == (EXIT_CONFIG, None)
+    line = error_line(capsys)
+    assert line.startswith("kdtree launcher: error: DDTREE's server arguments: ") and refused in line

@@ -157,7 +157,7 @@ def test_kimi_ddtree_file_runs_ddtree_on_kimi_k25_with_its_dflash_drafter(compos
     sglang = pytest.importorskip("sglang.srt.server_args", reason="SGLang's check needs the server extra")
     from sglang.srt.arg_groups.overrides import record_foreign_defaults
 
-    from kdtree.ddtree.spec import validate_server_args
+    from kdtree.ddtree.server_args import validate_server_args
 
     flags = {"page_size": int(arg(argv, "--page-size")), "grammar_backend": arg(argv, "--grammar-backend")}
     args = sglang.ServerArgs(

@@ -1,6 +1,6 @@
-"""DDTREE's server-args check and spec class against SGLang 0.5.23's real ServerArgs, registry and speculative hook
-(CPU). kdtree's plugin registers DDTREE when SGLang loads plugins; the registry test runs that in a fresh
-interpreter."""
+"""DDTREE's server-args check (kdtree.ddtree.server_args, as SGLang runs it) and spec class against SGLang 0.5.23's
+real ServerArgs, registry and speculative hook (CPU). kdtree's plugin registers DDTREE when SGLang loads plugins; the
+registry test runs that in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytest.importorskip("sglang", reason="sglang==0.5.23 is not installed (the serve
 from sglang.srt.arg_groups.overrides import record_foreign_defaults  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from kdtree.ddtree.spec import validate_server_args  # noqa: E402
+from kdtree.ddtree.server_args import validate_server_args  # noqa: E402
 
 pytestmark = [
     pytest.mark.sglang,
@@ -115,7 +115,8 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.arg_groups.speculative_hook import handle_speculative_decoding
 from sglang.srt.runtime_context import get_context
 from sglang.srt.plugins import load_plugins
-from kdtree.ddtree.spec import NAME, DDTreeSpec, validate_server_args
+from kdtree.ddtree.server_args import validate_server_args
+from kdtree.ddtree.spec import NAME, DDTreeSpec
 
 load_plugins()  # kdtree's entry point among them registers DDTREE
 load_plugins()  # a second load (launch_server, then the Engine) registers nothing twice
