@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import ClassVar
 
@@ -52,7 +53,9 @@ NEEDS_DRAFT_MODEL = frozenset({"EAGLE3", "STANDALONE", "DFLASH", "DDTREE"})
 DFLASH_DRAFTED = frozenset({"DFLASH", "DDTREE"})  # a DFlash block drafter is their draft model
 MTP_CAPABLE = frozenset({"EAGLE", "NEXTN"})
 # The names --speculative-algorithm takes: SGLang 0.5.23's SpeculativeAlgorithm members and its alias NEXTN
-# (tests/entrypoint holds this to SGLang's enum), and DDTREE, which kdtree's plugin registers.
+# (tests/entrypoint holds this to SGLang's enum), and DDTREE, which kdtree's plugin registers. Another SGLang plugin
+# may register more (SpeculativeAlgorithm.register): the launcher judges a name only where none would load.
+SGLANG_PLUGIN_GROUP = "sglang.srt.plugins"
 SPECULATIVE_ALGORITHMS = (
     "EAGLE", "EAGLE3", "NEXTN", "NGRAM", "DFLASH", "DDTREE", "STANDALONE", "FROZEN_KV_MTP", "UNO", "DSPARK"
 )  # fmt: skip
@@ -99,6 +102,7 @@ class Plan:
     mode_source: str
     argv: list[str]
     summary: str
+    warnings: tuple[str, ...] = ()  # printed and logged before the summary; the launch goes on
 
 
 def visible_gpus() -> list[Gpu]:
@@ -158,7 +162,7 @@ def _server_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--speculative-dflash-block-size", type=int)
     # the rest of what DDTREE's check reads (kdtree.ddtree.server_args); None: left to SGLang's resolution
     p.add_argument("--page-size", type=int)
-    p.add_argument("--attn-dp-size", type=int, default=1)
+    p.add_argument("--attn-dp-size", "--attention-data-parallel-size", type=int, default=1)
     p.add_argument("--speculative-eagle-topk", type=int)
     p.add_argument("--speculative-num-steps", type=int)
     p.add_argument("--speculative-draft-window-size", type=int)
@@ -265,15 +269,45 @@ def _mtp_layers(model: Path | None) -> int | None:
     return None if config is None else int(config.get("num_nextn_predict_layers") or 0)
 
 
-def _trained_block(draft: Path | None) -> int | None:
-    """The block a local DFlash drafter was trained for, read where SGLang reads it (dflash_config.block_size, else
-    a top-level block_size); None when unknown."""
+def _trained_block(draft: Path | None) -> tuple[int, str] | None:
+    """The block a local DFlash drafter was trained for and the config.json key that holds it, read where SGLang
+    reads it (dflash_config.block_size, else a top-level block_size); None when unknown."""
     config = _config(draft)
     if config is None:
         return None
     dflash = config.get("dflash_config")
-    block = (dflash if isinstance(dflash, dict) else {}).get("block_size", config.get("block_size"))
-    return block if isinstance(block, int) and block > 0 else None
+    if isinstance(dflash, dict) and "block_size" in dflash:
+        block, key = dflash["block_size"], "dflash_config.block_size"
+    else:
+        block, key = config.get("block_size"), "block_size"
+    return (block, key) if isinstance(block, int) and block > 0 else None
+
+
+def _block_warning(
+    args: argparse.Namespace, algorithm: str, draft: str, draft_dir: Path | None
+) -> str | None:
+    """A block above the one the drafter was trained for: SGLang runs it (lossless; its depths past the trained block
+    are untrained guesses, so fewer are accepted) and only logs a mismatch among its start-up lines."""
+    trained = _trained_block(draft_dir) if algorithm in DFLASH_DRAFTED else None
+    if algorithm == "DFLASH":  # one number: B = N (SGLang refuses them unequal)
+        block = args.speculative_dflash_block_size or args.speculative_num_draft_tokens
+        flags = "--speculative-num-draft-tokens and --speculative-dflash-block-size"
+    else:
+        block, flags = args.speculative_dflash_block_size, "--speculative-dflash-block-size"
+    if trained is None or block is None or block <= trained[0]:
+        return None
+    return (
+        f"the block {block} is above the {trained[0]} the drafter at {draft} was trained for (its config.json's "
+        f"{trained[1]}): its depths past {trained[0] - 1} are untrained guesses, lossless but rarely accepted; "
+        f"for the drafter's own block pass {flags} {trained[0]} or less"
+    )
+
+
+def _other_plugins(allowed: set[str]) -> list[str]:
+    """SGLang plugins other than kdtree's that SGLang would load (SGLANG_PLUGINS, when set, whitelists them): any of
+    them may register a speculative algorithm."""
+    found = entry_points(group=SGLANG_PLUGIN_GROUP)
+    return [ep.name for ep in found if ep.name != "kdtree" and (not allowed or ep.name in allowed)]
 
 
 def _resolve_mode() -> tuple[Mode, str]:
@@ -317,7 +351,7 @@ def check_state_dir(state_dir: str, named: bool) -> None:
         )
 
 
-def _check_nodes(args: argparse.Namespace) -> str:
+def _check_nodes(args: argparse.Namespace, algorithm: str) -> str:
     """A tensor-parallel group over several nodes (LeaderWorkerSet passes --nnodes $(LWS_GROUP_SIZE) --node-rank
     $(LWS_WORKER_INDEX) --dist-init-addr $(LWS_LEADER_ADDRESS):20000): SGLang runs the global tp ranks
     node_rank*tp/nnodes .. +tp/nnodes-1 here, and they write their records into this node's state volume, which this
@@ -344,11 +378,7 @@ def _check_nodes(args: argparse.Namespace) -> str:
             f"--nnodes {n} with --pp-size {args.pp_size} --dp-size {args.dp_size}: kdtree spreads tensor "
             "parallelism only over nodes, and its sidecars expect tp/nnodes ranks on each",
             "serve with --pp-size 1 --dp-size 1 across nodes"
-            + (
-                ""
-                if (args.speculative_algorithm or "").upper() == "DDTREE"
-                else " (attention DP: --attn-dp-size)"
-            ),
+            + ("" if algorithm == "DDTREE" else " (attention DP: --attn-dp-size)"),
         )
     addr = args.dist_init_addr
     if not addr:
@@ -367,12 +397,17 @@ def _check_nodes(args: argparse.Namespace) -> str:
 
 
 def _check_ddtree(args: argparse.Namespace) -> None:
-    """DDTREE's own check (the one SGLang runs once it has resolved the arguments), on the arguments as given: a
-    refusal here costs no server start. What the command leaves unset (page size, grammar backend) SGLang resolves,
-    and its run of the same check judges."""
+    """DDTREE's own check (the one SGLang runs once it has resolved the arguments), on the arguments as given and
+    resolved as SGLang would where that is fixed: a refusal here costs no server start. What depends on more (the
+    page size an attention backend sets) SGLang resolves, and its run of the same check judges."""
     view = argparse.Namespace(**vars(args))
-    if args.enable_dp_attention:  # the deprecated form: --dp-size N is the attention-DP width
+    # as SGLang resolves them before its check: the deprecated --enable-dp-attention (parallel_hook.py: --dp-size N
+    # is the attention-DP width unless --attn-dp-size is given), an unset grammar backend (serving_hook.py: xgrammar)
+    if args.enable_dp_attention and args.attn_dp_size == 1:
         view.attn_dp_size = args.dp_size
+    view.enable_dp_attention = False
+    if view.grammar_backend is None:
+        view.grammar_backend = "xgrammar"
     try:
         validate_server_args(view)
     except ValueError as e:
@@ -440,14 +475,15 @@ def plan(
             "pass e.g. --speculative-algorithm EAGLE --speculative-draft-model-path /models/<draft>, "
             "NEXTN (the model's own MTP layers) or NGRAM (no draft model)",
         )
-    if algorithm not in SPECULATIVE_ALGORITHMS:
-        raise LaunchError(
-            f"--speculative-algorithm {args.speculative_algorithm} is no algorithm SGLang or kdtree knows",
-            f"pass one of {', '.join(SPECULATIVE_ALGORITHMS)}",
-        )
     plugins = os.environ.get("SGLANG_PLUGINS")
     # as SGLang reads it (plugins/__init__.py): names stripped of spaces; empty or unset loads every plugin
     allowed = {x.strip() for x in (plugins or "").split(",") if x.strip()}
+    if algorithm not in SPECULATIVE_ALGORITHMS and not _other_plugins(allowed):
+        raise LaunchError(
+            f"--speculative-algorithm {args.speculative_algorithm} is no algorithm SGLang or kdtree knows, and no "
+            "other SGLang plugin is installed to register it",
+            f"pass one of {', '.join(SPECULATIVE_ALGORITHMS)}",
+        )
     if algorithm == "DDTREE" and allowed and "kdtree" not in allowed:
         raise LaunchError(
             f"--speculative-algorithm DDTREE is registered by kdtree's SGLang plugin, and SGLANG_PLUGINS={plugins!r} "
@@ -455,24 +491,10 @@ def plan(
             "add kdtree to SGLANG_PLUGINS (comma-separated), or unset it",
         )
     draft = args.speculative_draft_model_path
+    warnings: list[str] = []
     if draft is not None:
         draft_dir = _local_path("--speculative-draft-model-path", draft)
-        # DFLASH's block is N when --speculative-dflash-block-size is unset (SGLang makes them equal)
-        block = args.speculative_dflash_block_size or (
-            args.speculative_num_draft_tokens if algorithm == "DFLASH" else None
-        )
-        trained = _trained_block(draft_dir) if algorithm in DFLASH_DRAFTED else None
-        if block is not None and trained is not None and block > trained:
-            flag = (
-                "--speculative-dflash-block-size"
-                if args.speculative_dflash_block_size
-                else ("--speculative-num-draft-tokens")
-            )
-            raise LaunchError(
-                f"{flag} {block} is above the block the drafter at {draft} was trained for ({trained}, its "
-                f"config.json's dflash_config.block_size): its depths past {trained - 1} would be untrained",
-                f"pass {flag} {trained} or less (a smaller block drafts fewer depths)",
-            )
+        warnings += filter(None, [_block_warning(args, algorithm, draft, draft_dir)])
     elif algorithm in NEEDS_DRAFT_MODEL:
         raise LaunchError(
             f"--speculative-algorithm {algorithm} needs a draft model and --speculative-draft-model-path is missing",
@@ -493,7 +515,7 @@ def plan(
         raise LaunchError(
             "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1", "fix the value in the server command"
         )
-    group = _check_nodes(args)
+    group = _check_nodes(args, algorithm)
     # Data-parallel replicas (not attention DP, which runs inside the TP group) each bring tp x pp GPUs.
     replicas = 1 if args.enable_dp_attention else args.dp_size
     if mode is not Mode.OFF and (replicas > 1 or args.pp_size > 1):
@@ -571,7 +593,13 @@ def plan(
         + ("; api key: from KDTREE_SERVER_API_KEY" if key else "")
     )
     extra = ["--api-key", key] if key else []
-    return Plan(mode, mode_source, [sys.executable, "-m", "sglang.launch_server", *argv, *extra], summary)
+    return Plan(
+        mode,
+        mode_source,
+        [sys.executable, "-m", "sglang.launch_server", *argv, *extra],
+        summary,
+        tuple(warnings),
+    )
 
 
 def main(
@@ -606,8 +634,9 @@ def main(
                 print(line, file=sys.stderr, flush=True)
                 sup.log_line(line)
                 return sup.finish(EXIT_CONFIG)
-            print(p.summary, file=sys.stderr, flush=True)
-            sup.log_line(p.summary)
+            for line in [f"kdtree launcher: warning: {w}" for w in p.warnings] + [p.summary]:
+                print(line, file=sys.stderr, flush=True)
+                sup.log_line(line)
             env = {
                 k: v for k, v in environ.items() if k != "KDTREE_SERVER_API_KEY"
             }  # SGLang has it as --api-key

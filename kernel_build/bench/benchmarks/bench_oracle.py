@@ -19,8 +19,9 @@ For each prompt length, batch and profile: the batch's prompts once into every s
 round, then --repeats timed rounds interleaved over the servers (chain, T16, T32, ...), each decoding --max-tokens
 tokens per request (ignore_eos, greedy, streamed). Columns: decode tokens/s (median; min-max), the ratio to the
 chain's median, whether the row beats or trails the chain beyond noise (its slowest round above the chain's fastest,
-or its fastest below the chain's slowest: the two servers' rounds apart), the accept length (tokens a step, bonus included) measured and expected (under auto: the
-cap's), the tokens verified a request (under auto: the mean of the budget + 1 it chose, from the rank record), and a
+or its fastest below the chain's slowest: the two servers' rounds apart; with 2 rounds each, two servers of equal
+speed come apart so 1 time in 3), the accept length (tokens a step, bonus included) measured and expected (under
+auto: the cap's), the tokens verified a request (under auto: the mean of the budget + 1 it chose, from the rank record), and a
 step's wall time (the accept length over a request's share of the median round's tokens/s). Under auto the .json
 also keeps, a row, the steps at each budget and the policy's estimates (F, expected acceptance a budget).
 
