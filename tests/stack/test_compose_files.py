@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from entrypoint import launch
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose.yaml"
 GPUS = REPO / "compose.override.yaml"  # the 8 GPUs, read with compose.yaml when no -f is given
@@ -136,12 +138,13 @@ def test_one_gpu_file_reserves_one_gpu_for_deepseek_v2_lite_with_ngram(compose, 
 def test_kimi_ddtree_file_runs_ddtree_on_kimi_k25_with_its_dflash_drafter(compose, tmp_path):
     """compose/kimi-ddtree.yaml as compose renders it over the eight GPUs: Kimi-K2.5 and its DFlash drafter, DDTREE
     with a tree of 31 nodes (32 verify tokens: four row tiles at 8 heads) on the drafter's block of 8, and what DDTREE
-    v1 asks; otherwise compose.yaml's command as it is with those values in .env; SGLang's own check of the arguments
-    (the one a launch runs: kdtree/ddtree/spec.py) passes them."""
+    v1 asks; otherwise compose.yaml's command as it is with those values in .env; DDTREE's check of the arguments
+    (kdtree/ddtree/server_args.py), as the launcher runs it and as SGLang runs it, passes them."""
     services = rendered(compose, env_file(tmp_path), COMPOSE, GPUS, KIMI_DDTREE)
     server = services["server"]
     assert [g["count"] for g in gpu_reservations(server)] == [8]
     argv = command(server)
+    launch._check_ddtree(launch._server_args(argv))  # raises on a refusal
     assert arg(argv, "--tp-size") == "8" and arg(argv, "--model-path") == "/models/Kimi-K2.5"
     assert arg(argv, "--speculative-algorithm") == "DDTREE"
     assert arg(argv, "--speculative-draft-model-path") == "/models/Kimi-K2.5-DFlash"
