@@ -47,7 +47,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "harness"))
-from bench_engine import timed_round, write  # noqa: E402  (this script's folder is on sys.path)
+from bench_engine import beyond_noise, timed_round, write  # noqa: E402  (this script's folder is on sys.path)
 from ddtree_oracle import (  # noqa: E402
     HOST_ENV,
     PROFILE_ENV,
@@ -181,10 +181,7 @@ def rows_of(profile_name, plen, batch, rounds: dict[str, list], layers: int) -> 
         r["step_ms"] = 1e3 * r["accept_length"] * batch / r["median"]
         if chain:
             r["vs_chain"] = r["median"] / statistics.median(chain)
-            # beyond the run-to-run noise of both servers: every round of one faster than every round of the other
-            r["beyond_noise"] = (
-                "ahead" if min(tps) > max(chain) else "behind" if max(tps) < min(chain) else "within"
-            )
+            r["beyond_noise"] = beyond_noise(tps, chain)
         out.append(r)
     return out
 
