@@ -420,7 +420,8 @@ def _preflight(st: StatusDocument) -> tuple[str, int] | None:
         return f"ranks missing {missing} or stale / not installed {bad}: see kdtreectl status", NOT_READY
     if st.mode.current == Mode.OFF:
         return (
-            "the server runs in off: kdtree's kernel verifies nothing to check; switch to validate first (kdtreectl mode validate)",
+            "the server runs in off, where kdtree's kernel serves no verify and there is nothing to check: switch to "
+            "validate first (kdtreectl mode validate)",
             USAGE,
         )
     return None

@@ -15,6 +15,7 @@ from standin_engine import free_port
 from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode
 from kdtreectl.check import BUILTIN_PROMPTS, compare_outputs, first_divergence, prompts
+from kdtreectl.exit_codes import USAGE
 
 GOOD_PARITY = ("--parity-calls", "500", "--parity-max-rel", "0.004")
 FAST = ("--prompts", "9", "--max-tokens", "16", "--concurrency", "1,3", "--interval", "0.1")
@@ -192,3 +193,13 @@ def test_the_stand_in_and_the_requests_speak_sglangs_own_protocol(engine):
         assert parsed.usage.completion_tokens == len(
             body["choices"][0].get("token_ids") or []
         ) or not request.get("return_token_ids")
+
+
+def test_a_stack_in_off_is_refused_naming_validate(stack, tmp_path):
+    """In off no verify reaches kdtree's kernel: the check refuses at once (USAGE) and sends no load."""
+    url, proc = stack(mode=Mode.OFF)
+    r, report = check(url, proc, tmp_path)
+    assert r.returncode == USAGE, (r.stdout, r.stderr)
+    line = r.stderr.strip().splitlines()[-1]
+    assert "the server runs in off" in line and "kdtreectl mode validate" in line
+    assert report is None
