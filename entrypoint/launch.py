@@ -404,7 +404,7 @@ def _check_ddtree(args: argparse.Namespace) -> None:
     # as SGLang resolves them before its check: the deprecated --enable-dp-attention (parallel_hook.py: --dp-size N
     # is the attention-DP width unless --attn-dp-size is given), an unset grammar backend (serving_hook.py: xgrammar)
     if args.enable_dp_attention and args.attn_dp_size == 1:
-        view.attn_dp_size = args.dp_size
+        view.attn_dp_size, view.dp_size = args.dp_size, 1
     view.enable_dp_attention = False
     if view.grammar_backend is None:
         view.grammar_backend = "xgrammar"
@@ -523,10 +523,9 @@ def plan(
         raise LaunchError(
             f"{layout} runs several schedulers per tp rank, and kdtree's per-rank status records are keyed "
             "by tp rank: they would overwrite each other and the sidecar's gate would judge partial evidence",
-            "serve one replica per pod with --pp-size 1 and --dp-size 1"
-            # DDTREE: its own check in SGLang refuses pipeline parallelism and attention DP in every mode, and
-            # data-parallel replicas of it have not run, so neither is offered
-            + ("" if algorithm == "DDTREE" else " (attention DP: --attn-dp-size), or set KDTREE_VERIFY=off"),
+            # (DDTREE never gets here: its own check, above, refuses both layouts in every mode)
+            "serve one replica per pod with --pp-size 1 and --dp-size 1 (attention DP: --attn-dp-size), or set "
+            "KDTREE_VERIFY=off",
         )
     per_node = replicas * (args.tp_size // args.nnodes) * args.pp_size  # this node's share
     found = gpus()

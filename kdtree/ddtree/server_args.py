@@ -46,6 +46,13 @@ def validate_server_args(cfg) -> None:
             "DDTREE v1 does not run with DP attention: drop --enable-dp-attention and --attn-dp-size "
             f"(got attn_dp_size={cfg.attn_dp_size})"
         )
+    # Replicas (SGLang's DP controller: one scheduler each) have not run DDTREE; with the deprecated
+    # --enable-dp-attention, --dp-size is the attention-DP width, refused above.
+    if not cfg.enable_dp_attention and cfg.dp_size > 1:
+        problems.append(
+            "DDTREE v1 has not run with data-parallel replicas: pass --dp-size 1 and serve more replicas as more "
+            f"servers (got dp_size={cfg.dp_size})"
+        )
     if cfg.speculative_eagle_topk not in (None, 1) or cfg.speculative_num_steps is not None:
         problems.append(
             "DDTREE's tree is set by its budget, not by EAGLE's top-k and steps: drop --speculative-eagle-topk and "

@@ -175,14 +175,14 @@ def test_replicas_and_pipeline_stages_are_refused_while_kdtree_runs(model, capsy
 
 @pytest.mark.parametrize("layout", [["--pp-size", "2"], ["--dp-size", "2"]])
 def test_ddtrees_layout_refusal_offers_no_layout_it_does_not_run(model, tmp_path, capsys, layout):
-    """DDTREE runs no pipeline stages and no attention DP in any mode (its own check in SGLang), and its replicas
-    have not run: neither KDTREE_VERIFY=off nor --attn-dp-size is offered as the fix."""
+    """DDTREE runs no pipeline stages, no attention DP and no data-parallel replicas in any mode (its own check, in
+    SGLang and in the launcher): neither KDTREE_VERIFY=off nor --attn-dp-size is offered as the fix."""
     draft = ["--speculative-draft-model-path", str(tmp_path)]
     (tmp_path / "config.json").write_text("{}")
     assert run([*spec(model, "DDTREE", *draft, *DDTREE_ARGS), *layout], n_gpus=8)[0] == EXIT_CONFIG
     line = error_line(capsys)
-    # DDTREE's own check refuses pipeline stages, the launcher replicas while kdtree runs
-    assert ("pass --pp-size 1" if "--pp-size" in layout else "--pp-size 1 and --dp-size 1") in line
+    assert line.startswith("kdtree launcher: error: DDTREE's server arguments: ")
+    assert ("pass --pp-size 1" if "--pp-size" in layout else "pass --dp-size 1") in line
     assert "KDTREE_VERIFY=off" not in line and "--attn-dp-size" not in line
 
 
@@ -731,6 +731,20 @@ def test_ddtrees_own_check_refuses_before_any_server_starts(model, tmp_path, cap
     assert run(argv) == (EXIT_CONFIG, None)
     line = error_line(capsys)
     assert line.startswith("kdtree launcher: error: DDTREE's server arguments: ") and refused in line
+
+
+def test_ddtrees_replicas_are_refused_in_off_too(model, tmp_path, monkeypatch, capsys):
+    """Off lets other algorithms run data-parallel replicas (no rank records to keep apart); DDTREE's have not run,
+    so its own check refuses them whatever the mode, before any server starts."""
+    monkeypatch.setenv("KDTREE_VERIFY", "off")
+    (tmp_path / "config.json").write_text("{}")
+    argv = [
+        *spec(model, "DDTREE", "--speculative-draft-model-path", str(tmp_path), *DDTREE_ARGS),
+        "--dp-size",
+        "2",
+    ]
+    assert run(argv, n_gpus=2) == (EXIT_CONFIG, None)
+    assert "pass --dp-size 1 and serve more replicas as more servers (got dp_size=2)" in error_line(capsys)
 
 
 def test_ddtrees_check_sees_what_sglang_resolves_before_it(model, tmp_path, capsys):

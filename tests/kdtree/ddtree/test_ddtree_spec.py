@@ -72,6 +72,7 @@ def test_a_supported_launch_passes():
         (dict(speculative_eagle_topk=4), "drop --speculative-eagle-topk and --speculative-num-steps"),
         (dict(speculative_num_steps=3), "(got topk=None, steps=3)"),
         (dict(pp_size=2), "pass --pp-size 1 (got 2)"),
+        (dict(dp_size=2), "pass --dp-size 1 and serve more replicas as more servers (got dp_size=2)"),
         (dict(grammar_backend="xgrammar"), "pass --grammar-backend none (got 'xgrammar'"),
         (dict(speculative_draft_model_path=None), "pass --speculative-draft-model-path"),
         (dict(speculative_dflash_block_size=None), "--speculative-dflash-block-size B (the drafter's block)"),
