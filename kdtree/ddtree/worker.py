@@ -3,8 +3,9 @@
 One decode step, per request (bs requests at once, fixed shapes, no host synchronisation):
 1. the DFlash drafter runs its block of B = [bonus, mask x (B-1)] as before (draft CUDA graph of width B);
    inside that graph, `TreeDraftSampler` takes the top-K log-probs of each drafted depth from the target's
-   lm_head (SGLang's `candidate_topk`, tensor-parallel aware) and builds the best-first tree of `budget` nodes
-   (`kdtree.ddtree.fused.build_draft_tree`: one Triton kernel, or build_tree's torch ops for large budgets);
+   lm_head (SGLang's `candidate_topk`, tensor-parallel aware); a graph of its own then builds the best-first tree
+   of `budget` nodes from them (`kdtree.ddtree.fused.build_draft_tree`: one Triton kernel, or build_tree's torch
+   ops for large budgets), which a step of auto's chain arm does not replay;
 2. the target verifies the tree's N = budget + 1 tokens in one TARGET_VERIFY pass, positions prefix + depth,
    the ancestor mask written into the attention backend's verify-mask buffer (so kdtree serves it in `on`; both by
    `kdtree.ddtree.fused.write_verify_layout`, one Triton kernel);
@@ -63,13 +64,18 @@ log = logging.getLogger("kdtree.ddtree")
 
 
 class TreeOutputs:
-    """The tree of each request as the verify reads it, rows of N = budget + 1 nodes (see TreeBuffers), and its chain:
-    the top-1 token of each of the L drafted depths (what a chain step verifies) and E_chain, the drafter's expected
-    run of them (the sum over depths of the product of their probabilities)."""
+    """What the draft head writes (inside the draft graph): each of the L drafted depths' top-K tokens with their
+    log-probs, the root, and the chain: the top-1 token of each depth (what a chain step verifies) and E_chain, the
+    drafter's expected run of them (the sum over depths of the product of their probabilities). And what the tree's
+    build writes from them: the tree of each request as the verify reads it, rows of N = budget + 1 nodes (see
+    TreeBuffers)."""
 
-    def __init__(self, rows: int, N: int, L: int, device):
+    def __init__(self, rows: int, N: int, L: int, K: int, device):
         i64 = dict(dtype=torch.int64, device=device)
         self.rows = rows
+        self.lp = torch.zeros(rows, L, K, dtype=torch.float32, device=device)
+        self.ids = torch.zeros(rows, L, K, **i64)
+        self.root = torch.zeros(rows, **i64)
         self.chain = torch.zeros(rows, L, **i64)
         self.chain_expected = torch.zeros(rows, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(rows, N, **i64)
@@ -83,7 +89,9 @@ class TreeOutputs:
 
 class TreeDraftSampler:
     """The draft head of DDTree, run at the tail of the draft forward (inside its CUDA graph when there is
-    one): per drafted depth the top-K tokens of the target head with their log-probs, then the tree.
+    one): per drafted depth the top-K tokens of the target head with their log-probs. Then `build`, the tree, in a
+    CUDA graph of its own a captured size: a step that runs the chain (auto's chain arm) skips it (the fused tree
+    kernel alone is ~200 us at budget 32 on an H200, ~1.5% of a 61-layer step at 32k).
 
     Graph replays pad the batch to a captured size, so the tree is built into per-size `TreeBuffers` made
     before capture, and its outputs are copied into `max_bs`-row buffers that the worker reads."""
@@ -96,15 +104,17 @@ class TreeDraftSampler:
         self.trees = {bs: TreeBuffers(bs, self.L, self.K, budget, device) for bs in sorted(set(sizes))}
         # the graphs write the outputs of up to max(sizes) rows here (captured addresses: never replaced); an eager
         # batch above that gets outputs of its own
-        self.captured = TreeOutputs(max(sizes), budget + 1, self.L, device)
+        self.captured = TreeOutputs(max(sizes), budget + 1, self.L, self.K, device)
         self.eager: TreeOutputs | None = None
+        # the tree's graph a captured size (capture_builds)
+        self._builds: dict[int, torch.cuda.CUDAGraph] = {}
 
     def outputs(self, bs: int) -> TreeOutputs:
         """Where the tree of a batch of bs requests is (the captured rows, or an eager batch's own)."""
         if bs <= self.captured.rows:
             return self.captured
         if self.eager is None or self.eager.rows < bs:
-            self.eager = TreeOutputs(bs, self.budget + 1, self.L, self.captured.input_ids.device)
+            self.eager = TreeOutputs(bs, self.budget + 1, self.L, self.K, self.captured.input_ids.device)
         return self.eager
 
     @property
@@ -125,15 +135,50 @@ class TreeDraftSampler:
         return lp, torch.gather(ids.view(bs, self.L, self.K), 2, order)
 
     def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
-        """hidden_states [bs * B, H] of the draft block, input_ids [bs * B] its tokens (the root first)."""
+        """The head: hidden_states [bs * B, H] of the draft block, input_ids [bs * B] its tokens (the root first)."""
         bs = hidden_states.shape[0] // self.B
         hs = hidden_states.view(bs, self.B, -1)[:, 1:, :].reshape(bs * self.L, -1)
         root = input_ids.view(bs, self.B)[:, 0].to(torch.int64)
         lp, ids = self.candidates(hs, root)
-        if bs not in self.trees:  # an eager batch of a size no graph was captured for (never under capture)
-            self.trees[bs] = TreeBuffers(bs, self.L, self.K, self.budget, hs.device)
-        t = build_draft_tree(lp, ids, root, self.budget, out=self.trees[bs])
         o = self.outputs(bs)
+        o.lp[:bs].copy_(lp)
+        o.ids[:bs].copy_(ids)
+        o.root[:bs].copy_(root)
+        o.chain[:bs].copy_(ids[:, :, 0])
+        torch.sum(torch.exp(torch.cumsum(lp[:, :, 0], dim=1)), dim=1, out=o.chain_expected[:bs])
+
+    def build(self, bs: int, graphed: bool) -> TreeOutputs:
+        """The tree of each of the batch's bs requests from the head's top-K, where `outputs(bs)` has it. After a
+        draft graph replay (`graphed`: the head wrote the rows of the replay's padded size), the replay of the tree's
+        graph of the smallest captured size that holds bs (rows past bs are the padding's, never read); else eagerly
+        at bs."""
+        size = next((s for s in sorted(self._builds) if s >= bs), None) if graphed else None
+        if size is None:
+            self._build(bs)
+        else:
+            self._builds[size].replay()
+        return self.outputs(bs)
+
+    def capture_builds(self) -> None:
+        """The tree's graph for each size the draft graphs were captured at (one memory pool): it reads the head's
+        captured rows, whose addresses never change. Each size runs once outside capture first (Triton compiles
+        there)."""
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        for size in sorted(self.trees):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._build(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self._build(size)
+            self._builds[size] = graph
+
+    def _build(self, bs: int) -> None:
+        o = self.outputs(bs)
+        if bs not in self.trees:  # an eager batch of a size no graph was captured for (never under capture)
+            self.trees[bs] = TreeBuffers(bs, self.L, self.K, self.budget, o.lp.device)
+        t = build_draft_tree(o.lp[:bs], o.ids[:bs], o.root[:bs], self.budget, out=self.trees[bs])
         for mine, theirs in (
             (o.input_ids, t.input_ids),
             (o.candidates, t.candidates),
@@ -143,8 +188,6 @@ class TreeDraftSampler:
             (o.mask, t.mask),
         ):
             mine[:bs].copy_(theirs)
-        o.chain[:bs].copy_(ids[:, :, 0])
-        torch.sum(torch.exp(torch.cumsum(lp[:, :, 0], dim=1)), dim=1, out=o.chain_expected[:bs])
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -199,7 +242,10 @@ class DDTreeWorker(DFlashWorkerV2):
         super().init_cuda_graphs()
         if self._tree_sampler is None:  # graphs off: the same head, run eagerly after each draft forward
             self._tree_sampler = self._make_tree_sampler([1])
-        elif self._cut is not None and self._cut.chain_allowed:
+            return
+        with torch.inference_mode():
+            self._tree_sampler.capture_builds()
+        if self._cut is not None and self._cut.chain_allowed:
             self._chain_runner = ChainVerifyRunner.capture_beside(
                 self.target_worker.model_runner, self.block_size
             )
@@ -315,12 +361,13 @@ class DDTreeWorker(DFlashWorkerV2):
         draft_plan.bind(draft_batch, self.draft_model_runner.kv_index_translator)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(draft_batch)
-            if not (draft_out.can_run_graph and self._draft_sampler is not None):
+            graphed = draft_out.can_run_graph and self._draft_sampler is not None
+            if not graphed:
                 hidden = draft_out.logits_output.hidden_states
                 if hidden is None:
                     raise RuntimeError("DDTREE: the draft model returned no hidden states")
                 self._tree_sampler(hidden[: bs * B], block_ids.flatten())
-        tree = self._tree_sampler.outputs(bs)
+            tree = self._tree_sampler.build(bs, graphed)
         tree_ids, cands = tree.input_ids[:bs], tree.candidates[:bs]
         parents, depths = tree.parents[:bs], tree.depths[:bs]
 

@@ -57,3 +57,45 @@ def test_a_sampled_node_draws_from_the_targets_distribution(temperature, top_k):
     freq = torch.bincount(got.reshape(-1), minlength=V).float() / (bs * N)
     stderr = (want * (1 - want) / (bs * N)).sqrt()
     assert torch.all((freq - want).abs() <= 5 * stderr + 1e-4), (freq, want)
+
+
+def scripted_head(bs, L, budget):
+    """A TreeDraftSampler whose candidates are given (the target's lm_head and SGLang's candidate_topk are the real
+    server's: tests/gpu/test_engine_gpu.py), log-probs random and sorted per depth as the head returns them; with
+    them."""
+    from kdtree.ddtree.worker import TreeDraftSampler
+
+    K = budget  # the head's K (Lemma 1)
+    g = torch.Generator().manual_seed(7)
+    lp = torch.sort(torch.log_softmax(torch.randn(bs, L, 40, generator=g), -1)[..., :K], -1, descending=True)[
+        0
+    ]
+    ids = torch.randint(0, 1000, (bs, L, K), generator=g)
+    sampler = type("Scripted", (TreeDraftSampler,), {"candidates": lambda self, hs, root: (lp, ids)})(
+        lm_head=SimpleNamespace(org_vocab_size=1000),
+        block_size=L + 1,
+        budget=budget,
+        sizes=[bs],
+        device="cpu",
+    )
+    return sampler, lp, ids
+
+
+def test_the_head_writes_the_chain_and_the_build_the_tree_so_a_chain_step_builds_none():
+    """The draft graph's head writes each depth's top-K, the chain and E_chain; the tree is `build`'s alone (auto's
+    chain arm replays the head, not the build), and it equals build_tree on the head's candidates."""
+    from kdtree.ddtree.tree import build_tree
+
+    bs, L, budget = 3, 5, 8
+    sampler, lp, ids = scripted_head(bs, L, budget)
+    tokens = torch.arange(bs * (L + 1)) + 100  # the block: the root first
+    sampler(torch.zeros(bs * (L + 1), 2), tokens)
+    o = sampler.outputs(bs)
+    root = tokens.view(bs, L + 1)[:, 0]
+    assert torch.equal(o.chain[:bs], ids[:, :, 0]) and torch.equal(o.root[:bs], root)
+    assert torch.allclose(o.chain_expected[:bs], torch.exp(torch.cumsum(lp[:, :, 0], 1)).sum(1))
+    assert not o.parents.any() and not o.mask.any(), "the head built a tree"
+    tree = sampler.build(bs, graphed=False)  # no graph here: eagerly at bs
+    want = build_tree(lp, ids, root, budget)
+    for name in ("input_ids", "candidates", "parents", "depths", "scores", "mask"):
+        assert torch.equal(getattr(tree, name)[:bs], getattr(want, name)), name
