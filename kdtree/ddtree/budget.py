@@ -25,8 +25,8 @@ computes every row, so a cut saves nothing), every b costs the same and the cap 
 The chain, auto's other arm (`CHAIN`, offered when the worker captured a target verify of the chain's width): a step
 of DFlash's own chain, B tokens, costs exactly a chain step, which a tree cut to the chain's size does not (the MLP, the
 MoE and lm_head still run the cap's rows). tokens(chain) = bs * (1 + rho * E_chain), E_chain the drafter's expected
-run of top-1 tokens (the draft graph computes it every step), rho the same calibration (a chain step observes it as
-accepted over E_chain); seconds(chain) = F_chain + the chain's attention (kdtree's kernel at B tokens, timed with the
+run of top-1 tokens (the draft graph's head computes it every step), rho the same calibration (a chain step observes
+it as accepted over E_chain); seconds(chain) = F_chain + the chain's attention (kdtree's kernel at B tokens, timed with the
 rest), F_chain learnt from the intervals after chain steps as F from the tree's. A tree is chosen over the chain
 only if it promises `chain_margin` (5%) more tokens a second. Each kind's F is a time only its own steps observe,
 so after `explore_every` steps of one kind the best of the other runs for `explore_run` (3) steps (after 4 while the
