@@ -152,7 +152,8 @@ class TreeDraftSampler:
         draft graph replay (`graphed`: the head wrote the rows of the replay's padded size), the replay of the tree's
         graph of the smallest captured size that holds bs (rows past bs are the padding's, never read); else eagerly
         at bs."""
-        size = next((s for s in sorted(self._builds) if s >= bs), None) if graphed else None
+        # self._builds is in ascending order: capture_builds adds the sizes sorted
+        size = next((s for s in self._builds if s >= bs), None) if graphed else None
         if size is None:
             self._build(bs)
         else:
