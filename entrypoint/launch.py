@@ -413,7 +413,9 @@ def _check_ddtree(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise LaunchError(
             f"DDTREE's server arguments: {e}",
-            "each part names its own (docs/configuration.md, KDTREE_SPECULATIVE_ARGS)",
+            "each part names its own; change the server's arguments where you set them (KDTREE_SPECULATIVE_ARGS or "
+            "KDTREE_SGLANG_EXTRA_ARGS; under compose/kimi-ddtree.yaml or the kimi-ddtree overlay, the server command "
+            "in that file); DDTREE's settings: docs/configuration.md",
         ) from None
 
 
@@ -558,9 +560,9 @@ def plan(
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" uses {per_node} on this node",
             f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
-            f"in compose.override.yaml, compose/one-gpu.yaml or compose/kimi-ddtree.yaml; Kubernetes: the nvidia.com/gpu "
+            f"in compose/one-gpu.yaml with it, else compose.override.yaml; Kubernetes: the nvidia.com/gpu "
             f"limit) or set --tp-size {len(found)} (KDTREE_TP_SIZE; under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, "
-            f"the server command's --tp-size in that file)",
+            f"the server command's --tp-size in that file, and KDTREE_TP_SIZE to match)",
         )
 
     have = archs()

@@ -253,6 +253,22 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
         return action.help if action.dest == "token" else super()._get_help_string(action)
 
 
+STATUS_HELP = """\
+The sidecar's GET /status, summarised: the phase and readiness, the verify mode (current, expected, the mode
+file's), the server container, the latest startup marker, the latest completion probe, the verify line, then
+each rank's record (mode, calls served by kdtree and by SGLang's kernel, fallbacks, validate's parity).
+
+The verify line, with speculative decoding: the probe's accept length (tokens a verify step gave it), the tokens
+one verify reads a request (N: DDTREE's budget + 1), and under DDTREE's auto budget the tokens it verified a
+request on average (rank 0's record: auto cuts the tree, or runs DFlash's chain, where that pays).
+"""
+
+WAIT_HELP = """\
+Poll the sidecar's GET /status until the server is ready (its completion probe passed), printing the
+phase and the latest startup marker as it goes; return at once when the server crashed, with the reasons and the
+last lines of its log, or when --timeout passes. An unreachable sidecar is waited for, up to --timeout.
+"""
+
 MODE_HELP = """\
 Switch the verify mode through the sidecar's POST /mode: the gate first (to on: validate-mode evidence on every
 rank; to validate: the server answers; to standby, the live remedy, and to off, the kill switch: never gated),
@@ -307,11 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
     common = {"formatter_class": _Help, "parents": [_global_flags(defaults=False)]}
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("status", help="phase, evidence, ranks and transitions", **common)
+    s = sub.add_parser(
+        "status", help="phase, evidence, ranks and transitions", description=STATUS_HELP, **common
+    )
     s.add_argument("--json", action="store_true", help="the whole /status document")
     s.set_defaults(func=cmd_status)
 
-    w = sub.add_parser("wait", help="wait until the server is ready; fail fast when it crashed", **common)
+    w = sub.add_parser(
+        "wait",
+        help="wait until the server is ready; fail fast when it crashed",
+        description=WAIT_HELP,
+        **common,
+    )
     w.add_argument("--timeout", type=float, default=1800.0, help="seconds")
     w.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
     w.set_defaults(func=cmd_wait)

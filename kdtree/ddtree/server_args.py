@@ -42,8 +42,10 @@ def validate_server_args(cfg) -> None:
             f"DDTREE v1 commits a tree path slot by slot: pass --page-size 1 (got {cfg.page_size})"
         )
     if cfg.enable_dp_attention or cfg.attn_dp_size > 1:
+        # SGLang turns the deprecated --enable-dp-attention --dp-size N into attn_dp_size N: name both sources
         problems.append(
-            "DDTREE v1 does not run with DP attention: drop --enable-dp-attention and --attn-dp-size "
+            "DDTREE v1 does not run with DP attention: drop --enable-dp-attention and --attn-dp-size (with "
+            "--enable-dp-attention, --dp-size N is the attention-DP width: pass --dp-size 1) "
             f"(got attn_dp_size={cfg.attn_dp_size})"
         )
     # Replicas (SGLang's DP controller: one scheduler each) have not run DDTREE; with the deprecated
@@ -53,11 +55,14 @@ def validate_server_args(cfg) -> None:
             "DDTREE v1 has not run with data-parallel replicas: pass --dp-size 1 and serve more replicas as more "
             f"servers (got dp_size={cfg.dp_size})"
         )
-    if cfg.speculative_eagle_topk not in (None, 1) or cfg.speculative_num_steps is not None:
+    eagle = {
+        f"--speculative-eagle-topk {cfg.speculative_eagle_topk}": cfg.speculative_eagle_topk not in (None, 1),
+        f"--speculative-num-steps {cfg.speculative_num_steps}": cfg.speculative_num_steps is not None,
+    }
+    if given := [flag for flag, set_ in eagle.items() if set_]:
         problems.append(
-            "DDTREE's tree is set by its budget, not by EAGLE's top-k and steps: drop --speculative-eagle-topk and "
-            "--speculative-num-steps (--speculative-num-draft-tokens N sets the budget N - 1, and each depth's top-K "
-            f"is K = the budget) (got topk={cfg.speculative_eagle_topk}, steps={cfg.speculative_num_steps})"
+            f"DDTREE's tree is set by its budget, not by EAGLE's top-k and steps: drop {' and '.join(given)} "
+            "(--speculative-num-draft-tokens N sets the budget N - 1, and each depth's top-K is K = the budget)"
         )
     if cfg.pp_size != 1:
         problems.append(

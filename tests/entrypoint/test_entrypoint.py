@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from entrypoint import launch
@@ -10,6 +13,7 @@ from kdtree.config import Mode
 from kdtree.state.mode_file import write_desired_mode
 from kdtree.state.process_record import read_process_record
 
+REPO = Path(__file__).resolve().parents[2]
 H200 = Gpu(0, "NVIDIA H200", (9, 0))
 RTX_PRO = Gpu(0, "NVIDIA RTX PRO 6000 Blackwell", (12, 0))
 
@@ -157,6 +161,10 @@ def test_more_gpus_visible_than_tp_size_names_both_settings(model, capsys):
     assert "8 GPUs are visible and --tp-size 1 uses 1" in line
     assert "`count:`" in line and "--tp-size 8 (KDTREE_TP_SIZE;" in line
     assert "the server command's --tp-size in that file" in line  # where the -f files set it, not the setting
+    # every compose file the message sends one to for `count:` has one
+    reserve = line.split("`count:`", 1)[1].split("Kubernetes", 1)[0]
+    named = re.findall(r"compose[\w./-]*\.yaml", reserve)
+    assert named and all("count:" in (REPO / f).read_text() for f in named), named
 
 
 def test_tensor_parallel_alias_and_equals_form(model, capsys):
@@ -670,11 +678,10 @@ def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(mo
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     from sidecar.server_control.process import ServerProcess
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     environ = {
         **os.environ,
         "PYTHONPATH": str(repo),
@@ -718,8 +725,19 @@ def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(mo
         (["--speculative-num-draft-tokens", "0"], "must lie in [B, 1024] for block B=8: "),
         (["--speculative-num-draft-tokens", "100000"], "(got N=100000)"),
         (["--speculative-dflash-block-size", "1"], "must be at least 2"),
-        (["--attn-dp-size", "2"], "drop --enable-dp-attention and --attn-dp-size (got attn_dp_size=2)"),
-        (["--speculative-eagle-topk", "4"], "drop --speculative-eagle-topk"),
+        (
+            ["--attn-dp-size", "2"],
+            "drop --enable-dp-attention and --attn-dp-size (with --enable-dp-attention",
+        ),
+        # the deprecated flag: SGLang reads --dp-size 2 as the attention-DP width, and the refusal says so
+        (
+            ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
+            "--dp-size N is the attention-DP width",
+        ),
+        (
+            ["--speculative-eagle-topk", "4"],
+            "drop --speculative-eagle-topk 4 (--speculative-num-draft-tokens",
+        ),
         (["--grammar-backend", "xgrammar"], "pass --grammar-backend none"),
     ],
 )
@@ -731,6 +749,8 @@ def test_ddtrees_own_check_refuses_before_any_server_starts(model, tmp_path, cap
     assert run(argv) == (EXIT_CONFIG, None)
     line = error_line(capsys)
     assert line.startswith("kdtree launcher: error: DDTREE's server arguments: ") and refused in line
+    # the fix says where the arguments are set, the Kimi DDTree files' own command included
+    assert "KDTREE_SGLANG_EXTRA_ARGS" in line and "compose/kimi-ddtree.yaml" in line
 
 
 def test_ddtrees_replicas_are_refused_in_off_too(model, tmp_path, monkeypatch, capsys):

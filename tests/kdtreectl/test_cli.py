@@ -269,6 +269,18 @@ def test_help_explains_the_mode_and_shows_defaults():
     assert "--dry-run changes nothing and still needs the token" in r.stdout
 
 
+def test_every_command_has_a_description_and_status_explains_its_verify_line():
+    """A command's --help says what it does, beyond its options."""
+    from kdtreectl.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {name for name, parser in commands.items() if not parser.description} == set()
+    r = subprocess.run(
+        [sys.executable, "-m", "kdtreectl", "status", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "under DDTREE's auto budget the tokens it verified a" in r.stdout
+
+
 def test_mode_wait_reports_a_rollback(stack, tmp_path):
     url, proc = stack("--fault", "crash-on-start", "--fault-in-mode", "validate")
     proc.wait_port()

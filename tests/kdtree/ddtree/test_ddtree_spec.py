@@ -58,7 +58,8 @@ def test_a_supported_launch_passes():
         (dict(enable_dp_attention=True, dp_size=2, tp_size=2), "drop --enable-dp-attention"),
         (
             dict(attn_dp_size=2, tp_size=2),
-            "drop --enable-dp-attention and --attn-dp-size (got attn_dp_size=2)",
+            "drop --enable-dp-attention and --attn-dp-size (with --enable-dp-attention, --dp-size N is the "
+            "attention-DP width: pass --dp-size 1) (got attn_dp_size=2)",
         ),
         (
             dict(attention_backend="fa3"),
@@ -69,8 +70,12 @@ def test_a_supported_launch_passes():
             "--decode-attention-backend triton",
         ),
         (dict(prefill_attention_backend="fa3"), "pass --prefill-attention-backend triton (got 'fa3')"),
-        (dict(speculative_eagle_topk=4), "drop --speculative-eagle-topk and --speculative-num-steps"),
-        (dict(speculative_num_steps=3), "(got topk=None, steps=3)"),
+        (dict(speculative_eagle_topk=4), "drop --speculative-eagle-topk 4 (--speculative-num-draft-tokens"),
+        (dict(speculative_num_steps=3), "drop --speculative-num-steps 3 (--speculative-num-draft-tokens"),
+        (
+            dict(speculative_eagle_topk=4, speculative_num_steps=3),
+            "drop --speculative-eagle-topk 4 and --speculative-num-steps 3 (",
+        ),
         (dict(pp_size=2), "pass --pp-size 1 (got 2)"),
         (dict(dp_size=2), "pass --dp-size 1 and serve more replicas as more servers (got dp_size=2)"),
         (dict(grammar_backend="xgrammar"), "pass --grammar-backend none (got 'xgrammar'"),
