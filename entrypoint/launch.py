@@ -414,8 +414,8 @@ def _check_ddtree(args: argparse.Namespace) -> None:
         raise LaunchError(
             f"DDTREE's server arguments: {e}",
             "each part names its own; change the server's arguments where you set them (KDTREE_SPECULATIVE_ARGS or "
-            "KDTREE_SGLANG_EXTRA_ARGS; under compose/kimi-ddtree.yaml or the kimi-ddtree overlay, the server command "
-            "in that file); DDTREE's settings: docs/configuration.md",
+            "KDTREE_SGLANG_EXTRA_ARGS; under compose/kimi-ddtree.yaml, the server command in that file; under the "
+            "kimi-ddtree Kubernetes overlay, its deployment-patch.yaml); DDTREE's settings: docs/configuration.md",
         ) from None
 
 
