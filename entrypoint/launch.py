@@ -550,9 +550,11 @@ def plan(
             + (f" x --dp-size {replicas}" if replicas > 1 else "")
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" needs {per_node} GPUs on this node, {len(found)} visible",
-            "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose.override.yaml) "
+            "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose/one-gpu.yaml "
+            "with it, else compose.override.yaml; Kubernetes: the server container's nvidia.com/gpu limit) "
             f"or lower {' or '.join(f for f, n in sizes if n > 1) or '--tp-size'} to match (--tp-size: KDTREE_TP_SIZE; "
-            "under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, the server command in that file)",
+            "under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, the server command in that file; Kubernetes: the "
+            "server's args, and the sidecar's KDTREE_EXPECTED_TP_SIZE to match)",
         )
     if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
         raise LaunchError(
@@ -562,7 +564,8 @@ def plan(
             f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
             f"in compose/one-gpu.yaml with it, else compose.override.yaml; Kubernetes: the nvidia.com/gpu "
             f"limit) or set --tp-size {len(found)} (KDTREE_TP_SIZE; under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, "
-            f"the server command's --tp-size in that file, and KDTREE_TP_SIZE to match)",
+            f"the server command's --tp-size in that file, and KDTREE_TP_SIZE to match; Kubernetes: the server's args "
+            f"and the sidecar's KDTREE_EXPECTED_TP_SIZE)",
         )
 
     have = archs()

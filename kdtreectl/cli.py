@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from kdtree.config import Mode
+from kdtree.config import ConfigError, Mode
 from sidecar.api import StatusDocument
 from sidecar.store import Transition
 from sidecar.vocabulary import Outcome, Step
@@ -381,8 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument(
         "--selector",
         metavar="LABELS",
-        help="the pods of a label selector (e.g. app.kubernetes.io/name=kdtree), in name order: each wave states "
-        "the mode in its pods' annotation kdtree.dev/desired-mode and waits for their sidecars to converge; "
+        help="the pods of a label selector (e.g. app.kubernetes.io/name=kdtree,app.kubernetes.io/component=inference: "
+        "the Deployment's pods, or a LeaderWorkerSet group's leaders and not its workers), in name order: each wave "
+        "states the mode in its pods' annotation kdtree.dev/desired-mode and waits for their sidecars to converge; "
         "resumable (run it again)",
     )
     r.add_argument("--namespace", "-n", default="default", help="--selector: the pods' namespace")
@@ -413,7 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = (
+            build_parser()
+        )  # reads kdtreectl's variables (their token file included) for the flags' defaults
+    except ConfigError as e:
+        return _fail(f"error: {e}", USAGE)
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

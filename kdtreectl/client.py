@@ -59,8 +59,11 @@ def busy_with(t: Transition | dict | None) -> str:
 
 
 class SidecarClient:
-    def __init__(self, url: str, token: str | None, timeout: float):
+    def __init__(
+        self, url: str, token: str | None, timeout: float, address_from: str = "--url or KDTREE_SIDECAR_URL"
+    ):
         self.url = url.rstrip("/")
+        self.address_from = address_from  # where the address came from, for the fix of a failed connection
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -88,7 +91,7 @@ class SidecarClient:
         except httpx.HTTPError as e:
             raise Unreachable(
                 f"cannot reach the sidecar at {self.url}: {type(e).__name__}: {e} "
-                "(another address: --url or KDTREE_SIDECAR_URL)"
+                f"(another address: {self.address_from})"
             ) from None
 
     def _parse(self, model: type[M], body: dict, what: str) -> M:

@@ -17,7 +17,7 @@ MEANINGS = {
     TIMED_OUT: "timed out (wait, mode --wait)",
     BUSY: "another transition is running (mode, check)",
     UNAUTHORIZED: "not authorized (mode)",
-    UNREACHABLE: "the sidecar is unreachable or not a sidecar (every command)",
+    UNREACHABLE: "the sidecar is unreachable or not a sidecar (every command), or kubectl failed (rollout --selector)",
     NOT_READY: "the stack is not ready and has not crashed: starting, switching or broken (status, check)",
 }
 

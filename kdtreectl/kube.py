@@ -36,9 +36,9 @@ class Kubectl:
         except FileNotFoundError:
             raise KubeError(f"no kubectl at {self.exe!r}: install it, or pass --kubectl PATH") from None
         except subprocess.TimeoutExpired:
-            raise KubeError(f"`kubectl {' '.join(args)}` took longer than {KUBECTL_TIMEOUT_S:g}s") from None
+            raise KubeError(f"`{' '.join(argv)}` took longer than {KUBECTL_TIMEOUT_S:g}s") from None
         if r.returncode != 0:
-            raise KubeError(f"`kubectl {' '.join(args)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+            raise KubeError(f"`{' '.join(argv)}` failed: {r.stderr.strip() or r.stdout.strip()}")
         return r.stdout
 
     def pods(self, selector: str) -> list[Pod]:

@@ -91,7 +91,7 @@ def _normalized_url(url: str) -> str:
 
 
 def _client(args, url: str) -> SidecarClient:
-    return SidecarClient(url, args.token, args.http_timeout)
+    return SidecarClient(url, args.token, args.http_timeout, address_from="the --sidecar that names it")
 
 
 def _post_mode(

@@ -24,6 +24,11 @@ from .exit_codes import FAILED, OK, UNREACHABLE, USAGE
 from .kube import Kubectl, KubeError, Pod
 from .rollout import DONE, Replica, ReplicaOutcome, _dry_run_verdict, _line, _Lines, _table
 
+# where a pod's sidecar address comes from, for the fix of a failed connection
+POD_ADDRESS = (
+    "the pod's IP from kubectl: run this where pod IPs route, e.g. a Job or a debug pod in the namespace"
+)
+
 HELD_OUTCOME = {
     HoldVerdict.REFUSED: ReplicaOutcome.REFUSED,
     HoldVerdict.ROLLED_BACK: Outcome.ROLLED_BACK,
@@ -42,7 +47,9 @@ def names(value: str | None, mode: str) -> bool:
 def _status(args, url: str | None) -> StatusDocument:
     if url is None:
         raise Unreachable("the pod has no IP yet")
-    with SidecarClient(url, None, args.http_timeout) as c:  # GET /status needs no token
+    with SidecarClient(
+        url, None, args.http_timeout, address_from=POD_ADDRESS
+    ) as c:  # GET /status needs no token
         return c.status()
 
 
@@ -209,7 +216,7 @@ def _dry_run(args, pods: list[Pod], replicas: dict[str, Replica], say) -> int:
         try:
             if pod.sidecar_url is None:
                 raise Unreachable("the pod has no IP yet")
-            with SidecarClient(pod.sidecar_url, None, args.http_timeout) as c:
+            with SidecarClient(pod.sidecar_url, None, args.http_timeout, address_from=POD_ADDRESS) as c:
                 v = c.gate(args.to)
         except Unreachable as e:
             r.outcome, r.detail = ReplicaOutcome.UNREACHABLE, short(e)

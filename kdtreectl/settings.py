@@ -1,16 +1,29 @@
 """kdtreectl's variables: the defaults of its flags (the README's kdtreectl table). The sidecar's own settings are
-sidecar/settings.py; KDTREE_ADMIN_TOKEN, KDTREE_SERVER_URL and KDTREE_SERVER_API_KEY mean the same thing in both,
-so that kdtreectl run in the sidecar's container (docker compose exec sidecar kdtreectl) finds them set."""
+sidecar/settings.py; KDTREE_ADMIN_TOKEN (or KDTREE_ADMIN_TOKEN_FILE), KDTREE_SERVER_URL and KDTREE_SERVER_API_KEY mean
+the same thing in both, so that kdtreectl run in the sidecar's container (docker compose exec sidecar kdtreectl, or
+kubectl exec into a pod's sidecar, whose token is a Secret's file) finds them set."""
 
 from __future__ import annotations
 
-from pydantic import SecretStr
+from pathlib import Path
+
+from pydantic import SecretStr, model_validator
 
 from kdtree.config import KdtreeSettings
+from sidecar.settings import token_from
 
 
 class CtlSettings(KdtreeSettings):
     sidecar_url: str = "http://127.0.0.1:8080"  # --url
     admin_token: SecretStr | None = None  # --token: the bearer token for mode, rollout, check --flip
+    admin_token_file: Path | None = None  # the same token from a file (a Kubernetes pod's Secret volume)
     server_url: str = "http://127.0.0.1:30000"  # check --server-url: the SGLang server
     server_api_key: SecretStr | None = None  # check: SGLang's --api-key, sent with its completions
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> CtlSettings:
+        """The token from KDTREE_ADMIN_TOKEN_FILE where that is set, as the sidecar reads it (never both)."""
+        value = self.admin_token.get_secret_value() if self.admin_token else None
+        token = token_from(value, self.admin_token_file, "KDTREE_ADMIN_TOKEN")
+        self.admin_token = SecretStr(token) if token else None
+        return self

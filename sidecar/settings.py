@@ -194,6 +194,11 @@ class SidecarSettings(StateDirSettings):
                 f"{len(workers)} KDTREE_GROUP_WORKERS: the leader is node 0 of at least 2, and lists one sidecar URL "
                 "for each other node"
             )
+        if role == "worker" and self.desired_mode_file is not None:
+            raise ValueError(
+                "KDTREE_DESIRED_MODE_FILE is set on a sidecar whose KDTREE_GROUP_ROLE is worker: a worker's mode is "
+                "its leader's to set; unset it here (the leader's pod holds the group's desired mode)"
+            )
         if role == "worker" and not (n >= 2 and 1 <= self.node_rank < n):
             raise ValueError(
                 f"KDTREE_GROUP_ROLE=worker with KDTREE_NODE_RANK={self.node_rank} of KDTREE_NNODES={n}: a worker is "
@@ -246,8 +251,8 @@ class SidecarSettings(StateDirSettings):
         """The admin token (POST /mode) and, in a group, the group token (the leader's calls to its workers' sidecars):
         each from its variable or its file, never both; a worker holds the group token only (its mode is the
         leader's to set, so a worker's pod that is taken over cannot flip the group)."""
-        self.admin_token = _secret(self.admin_token, self.admin_token_file, "KDTREE_ADMIN_TOKEN")
-        self.group_token = _secret(self.group_token, self.group_token_file, "KDTREE_GROUP_TOKEN")
+        self.admin_token = token_from(self.admin_token, self.admin_token_file, "KDTREE_ADMIN_TOKEN")
+        self.group_token = token_from(self.group_token, self.group_token_file, "KDTREE_GROUP_TOKEN")
         role = self.group_role
         if role == "worker" and self.admin_token:
             raise ValueError(
@@ -278,7 +283,7 @@ class SidecarSettings(StateDirSettings):
         return self
 
 
-def _secret(value: str | None, file: Path | None, name: str) -> str | None:
+def token_from(value: str | None, file: Path | None, name: str) -> str | None:
     """A token from its variable or its file (one of them), checked to be one an HTTP header can carry."""
     if file is not None:
         if value:

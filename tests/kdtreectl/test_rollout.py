@@ -159,6 +159,8 @@ def test_a_dry_run_names_an_unreachable_sidecar_as_unreachable(replicas):
     assert [table(r.stdout)[url][2] for url in (stacks[0][0], gone[0])] == ["allowed", "unreachable"]
     assert f"dry run: 1 unreachable or not a sidecar ({gone[0]}); nothing changed" in r.stdout
     assert "gate" not in r.stdout.splitlines()[-1]
+    # the fix points at the flag the address came from, not at kdtreectl's --url
+    assert "another address: the --sidecar that names it" in r.stdout and "KDTREE_SIDECAR_URL" not in r.stdout
 
 
 def test_an_unreachable_sidecar_stops_the_rollout_before_anything_changes(replicas):

@@ -248,6 +248,15 @@ def test_kubectl_failing_is_named(cluster, tmp_path):
     )
     assert r.returncode == 7 and "no kubectl at" in r.stderr
     assert c.annotation("kdtree-0") is None
+    # a kubectl that runs and fails (no cluster): its own words, and the command as it ran, namespace included
+    failing = tmp_path / "kubectl"
+    failing.write_text("#!/bin/sh\necho 'error: no configuration has been provided' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    r = kdtreectl(
+        None, "rollout", "--selector", SELECTOR, "--to", "on", "-n", "kdtree", "--kubectl", str(failing)
+    )
+    assert r.returncode == 7 and "no configuration has been provided" in r.stderr
+    assert f"{failing} --namespace kdtree get pods --selector {SELECTOR}" in r.stderr
 
 
 def _audit(c: Cluster, i: int) -> list[dict]:

@@ -197,6 +197,10 @@ def modes_of_ranks(g: Group) -> dict[int, str]:
             "one sidecar URL for each other",
         ),
         (dict(group_role="worker", nnodes=2, node_rank=2), "node 1 .. nnodes-1"),
+        (
+            dict(group_role="worker", nnodes=2, node_rank=1, admin_token=None, desired_mode_file="/x"),
+            "a worker's mode is its leader's to set",
+        ),
         (dict(group_role="single", nnodes=2), "KDTREE_GROUP_ROLE=leader on node 0"),
         (dict(group_role="leader", nnodes=2, group_workers="http://a", expected_tp_size=3), "not divisible"),
         (

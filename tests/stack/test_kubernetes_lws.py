@@ -247,3 +247,44 @@ def test_a_workers_pod_holds_the_group_token_and_no_admin_token(objects):
             assert secrets["admin-token"] == "kdtree-admin" and "admin-token" in mounted
         else:
             assert "kdtree-admin" not in secrets.values() and "KDTREE_ADMIN_TOKEN_FILE" not in names
+
+
+def test_the_leader_holds_the_groups_desired_mode_and_a_worker_none(objects):
+    """The cluster holds the group's desired mode as the leader pod's annotation, through the downward API as
+    base/deployment.yaml's pod holds it (`kdtreectl rollout --selector` annotates the leaders); a worker's mode is
+    its leader's to set, so its sidecar reads no desired mode."""
+    base = yaml.safe_load((KUBE / "base" / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    base_volume = next(v for v in base["volumes"] if v["name"] == "podinfo")
+    leader = pod_container(objects, "leaderTemplate", "sidecar")
+    path = env_values(leader)["KDTREE_DESIRED_MODE_FILE"]
+    assert path == env_values(base["initContainers"][0])["KDTREE_DESIRED_MODE_FILE"]
+    mount = next(m for m in leader["volumeMounts"] if m["mountPath"] == path.rsplit("/", 1)[0])
+    assert mount["readOnly"] is True
+    volume = next(
+        v for v in template(objects, "leaderTemplate")["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    assert volume["downwardAPI"]["items"] == base_volume["downwardAPI"]["items"]
+    server = pod_container(objects, "leaderTemplate", "server")
+    assert mount["name"] not in {m["name"] for m in server["volumeMounts"]}
+    worker = pod_container(objects, "workerTemplate", "sidecar")
+    assert "KDTREE_DESIRED_MODE_FILE" not in env_values(worker)
+
+
+def test_the_fleets_selector_picks_the_pods_that_take_flips(objects):
+    """deploy/kubernetes/README.md's `--selector`: the Deployment's pods and a group's leader, never its workers
+    (their sidecars answer the leader only, with the group's token)."""
+    import re
+
+    readme = (KUBE / "README.md").read_text()
+    selectors = set(re.findall(r"--selector (\S+)", readme)) | set(re.findall(r"get pods -l (\S+)", readme))
+    selectors.discard("app.kubernetes.io/name=kdtree")  # `get pods -w`: watching every pod, no flip
+    assert selectors, "no selector in the README"
+
+    def picks(labels: dict) -> bool:
+        return all(labels.get(k) == v for k, v in (p.split("=", 1) for p in sel.split(",")))
+
+    deployment = yaml.safe_load((KUBE / "base" / "deployment.yaml").read_text())
+    for sel in selectors:
+        assert picks(deployment["spec"]["template"]["metadata"]["labels"]), sel
+        assert picks(template(objects, "leaderTemplate")["metadata"]["labels"]), sel
+        assert not picks(template(objects, "workerTemplate")["metadata"]["labels"]), sel

@@ -348,6 +348,18 @@ def test_commented_scrape_jobs_are_valid_yaml_for_the_same_jobs():
         ]
         assert f"- name: {port}\n" in deployment, port
     assert "static_configs" in jobs[2]
+    # the sidecar job leaves out a LeaderWorkerSet's workers, whose sidecars answer their leader only
+    lws = (
+        REPO / "deploy" / "kubernetes" / "overlays" / "leaderworkerset" / "leaderworkerset.yaml"
+    ).read_text()
+    worker = yaml.safe_load(lws)["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+    dropped = [
+        r["regex"]
+        for r in jobs[0]["relabel_configs"]
+        if r.get("action") == "drop"
+        and r["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+    ]
+    assert dropped == [worker["app.kubernetes.io/component"]]
 
 
 REQUIRED_ALERTS = {
