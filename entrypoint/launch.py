@@ -414,9 +414,21 @@ def _check_ddtree(args: argparse.Namespace) -> None:
         raise LaunchError(
             f"DDTREE's server arguments: {e}",
             "each part names its own; change the server's arguments where you set them (KDTREE_SPECULATIVE_ARGS or "
-            "KDTREE_SGLANG_EXTRA_ARGS; under compose/kimi-ddtree.yaml, the server command in that file; under the "
-            "kimi-ddtree Kubernetes overlay, its deployment-patch.yaml); DDTREE's settings: docs/configuration.md",
+            "KDTREE_SGLANG_EXTRA_ARGS; under compose/kimi-ddtree.yaml, the server command in that file; on Kubernetes, "
+            "the server's args: a patch in your overlay); DDTREE's settings: docs/configuration.md",
         ) from None
+
+
+# Where a stack sets what the launcher's GPU-count refusals ask to change (compose, its -f files, Kubernetes).
+GPU_COUNT_WHERE = (
+    "compose: `count:` under the server's deploy.resources.reservations.devices, in compose/one-gpu.yaml with "
+    "it, else compose.override.yaml; Kubernetes: the server container's nvidia.com/gpu limit, a group's per node"
+)
+TP_SIZE_WHERE = (
+    "KDTREE_TP_SIZE; under compose/one-gpu.yaml, the server command's --tp-size and KDTREE_EXPECTED_TP_SIZE in that "
+    "file; under compose/kimi-ddtree.yaml, its server command's --tp-size, and KDTREE_TP_SIZE to match; Kubernetes: "
+    "the server's args and the sidecar's KDTREE_EXPECTED_TP_SIZE"
+)
 
 
 def plan(
@@ -550,22 +562,19 @@ def plan(
             + (f" x --dp-size {replicas}" if replicas > 1 else "")
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" needs {per_node} GPUs on this node, {len(found)} visible",
-            "reserve that many GPUs (compose: deploy.resources.reservations.devices[0].count in compose/one-gpu.yaml "
-            "with it, else compose.override.yaml; Kubernetes: the server container's nvidia.com/gpu limit) "
-            f"or lower {' or '.join(f for f, n in sizes if n > 1) or '--tp-size'} to match (--tp-size: KDTREE_TP_SIZE; "
-            "under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, the server command in that file; Kubernetes: the "
-            "server's args, and the sidecar's KDTREE_EXPECTED_TP_SIZE to match)",
+            f"reserve that many GPUs ({GPU_COUNT_WHERE}) "
+            f"or lower {' or '.join(f for f, n in sizes if n > 1) or '--tp-size'} to match (--tp-size: {TP_SIZE_WHERE})",
         )
     if len(found) > per_node:  # the reservation and --tp-size are set apart (compose v1): name a mismatch
+        others = replicas * args.pp_size
+        fit = len(found) // others * args.nnodes if len(found) % others == 0 else None  # the whole group's
         raise LaunchError(
             f"{len(found)} GPUs are visible and --tp-size {args.tp_size}"
             + (f" over --nnodes {args.nnodes}" if args.nnodes > 1 else "")
             + f" uses {per_node} on this node",
-            f"reserve {per_node} (compose: `count:` under the server's deploy.resources.reservations.devices, "
-            f"in compose/one-gpu.yaml with it, else compose.override.yaml; Kubernetes: the nvidia.com/gpu "
-            f"limit) or set --tp-size {len(found)} (KDTREE_TP_SIZE; under compose/one-gpu.yaml or compose/kimi-ddtree.yaml, "
-            f"the server command's --tp-size in that file, and KDTREE_TP_SIZE to match; Kubernetes: the server's args "
-            f"and the sidecar's KDTREE_EXPECTED_TP_SIZE)",
+            f"reserve {per_node} ({GPU_COUNT_WHERE}) or "
+            + (f"set --tp-size {fit}" if fit else "set a --tp-size that uses them")
+            + f" ({TP_SIZE_WHERE})",
         )
 
     have = archs()

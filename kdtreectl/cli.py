@@ -291,6 +291,10 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
         return value if defaults else argparse.SUPPRESS
 
     env = CtlSettings.load()
+    if defaults and env.token_problem:  # once: the commands that need no token still run
+        print(
+            f"kdtreectl: warning: no admin token from the environment: {env.token_problem}", file=sys.stderr
+        )
     token = env.admin_token.get_secret_value() if env.admin_token else None
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
@@ -301,7 +305,7 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
     p.add_argument(
         "--token",
         default=default(token),
-        help="admin bearer token for mode changes (env KDTREE_ADMIN_TOKEN; never shown here)",
+        help="admin bearer token for mode changes (env KDTREE_ADMIN_TOKEN or KDTREE_ADMIN_TOKEN_FILE; never shown here)",
     )
     p.add_argument("--http-timeout", type=float, default=default(60.0), help="seconds per HTTP request")
     return p

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import SecretStr, model_validator
+from pydantic import PrivateAttr, SecretStr, model_validator
 
 from kdtree.config import KdtreeSettings
 from sidecar.settings import token_from
@@ -19,11 +19,21 @@ class CtlSettings(KdtreeSettings):
     admin_token_file: Path | None = None  # the same token from a file (a Kubernetes pod's Secret volume)
     server_url: str = "http://127.0.0.1:30000"  # check --server-url: the SGLang server
     server_api_key: SecretStr | None = None  # check: SGLang's --api-key, sent with its completions
+    # why no token came from the token variables (both set, a file unreadable or not a token): kdtreectl warns, and
+    # only the commands that need a token fail (the sidecar's 401), unless --token gives one
+    _token_problem: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _token_from_file(self) -> CtlSettings:
         """The token from KDTREE_ADMIN_TOKEN_FILE where that is set, as the sidecar reads it (never both)."""
         value = self.admin_token.get_secret_value() if self.admin_token else None
-        token = token_from(value, self.admin_token_file, "KDTREE_ADMIN_TOKEN")
+        try:
+            token = token_from(value, self.admin_token_file, "KDTREE_ADMIN_TOKEN")
+        except ValueError as e:
+            token, self._token_problem = None, str(e)
         self.admin_token = SecretStr(token) if token else None
         return self
+
+    @property
+    def token_problem(self) -> str | None:
+        return self._token_problem

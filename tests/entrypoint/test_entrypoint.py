@@ -160,11 +160,21 @@ def test_more_gpus_visible_than_tp_size_names_both_settings(model, capsys):
     line = error_line(capsys)
     assert "8 GPUs are visible and --tp-size 1 uses 1" in line
     assert "`count:`" in line and "--tp-size 8 (KDTREE_TP_SIZE;" in line
-    assert "the server command's --tp-size in that file" in line  # where the -f files set it, not the setting
+    # where the -f files set it, not the setting
+    assert "the server command's --tp-size and KDTREE_EXPECTED_TP_SIZE in that file" in line
     # every compose file the message sends one to for `count:` has one
     reserve = line.split("`count:`", 1)[1].split("Kubernetes", 1)[0]
     named = re.findall(r"compose[\w./-]*\.yaml", reserve)
     assert named and all("count:" in (REPO / f).read_text() for f in named), named
+
+
+def test_more_gpus_visible_in_a_group_suggests_the_groups_tp_size(model, capsys):
+    """Over --nnodes 2, 8 visible GPUs a node make --tp-size 16, not the 8 already given."""
+    argv = args(model, "--tp-size", "8", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "a:1")
+    assert run(argv, n_gpus=8)[0] == EXIT_CONFIG
+    line = error_line(capsys)
+    assert "8 GPUs are visible and --tp-size 8 over --nnodes 2 uses 4 on this node" in line
+    assert "set --tp-size 16 (" in line
 
 
 def test_tensor_parallel_alias_and_equals_form(model, capsys):
