@@ -2,7 +2,7 @@
 and `kubectl get events` show it.
 
 Least privilege: the sidecar only ever creates core/v1 Events in its namespace (a Role with `create` on `events`,
-deploy/kubernetes/base/rbac.yaml), with a service-account token projected into the sidecar container alone (the pod
+deploy/kubernetes/sidecar-events/rbac.yaml), with a service-account token projected into the sidecar container alone (the pod
 keeps automountServiceAccountToken: false, so the server container holds no token). A pod annotation or a pod
 condition would need `patch` on pods (or pods/status), which also lets the holder rewrite any pod of the namespace:
 its labels (and so which Service sends it traffic), and this very desired-mode annotation.

@@ -1,6 +1,6 @@
 """A stand-in for the Kubernetes API server (NOT Kubernetes): the one request the sidecar makes of it, creating a
 core/v1 Event in its namespace, with what the real one does around it: the bearer token checked (401), the Role
-deploy/kubernetes/base/rbac.yaml grants applied (403 "forbidden" for any other verb or resource, as RBAC answers),
+deploy/kubernetes/sidecar-events/rbac.yaml grants applied (403 "forbidden" for any other verb or resource, as RBAC answers),
 and the object validated against the Kubernetes schema (kubernetes-validate, strict: 422 as the API server's own
 validation answers). It keeps the Events it created, with the name it generated, for the tests to read.
 """

@@ -288,3 +288,27 @@ def test_the_fleets_selector_picks_the_pods_that_take_flips(objects):
         assert picks(deployment["spec"]["template"]["metadata"]["labels"]), sel
         assert picks(template(objects, "leaderTemplate")["metadata"]["labels"]), sel
         assert not picks(template(objects, "workerTemplate")["metadata"]["labels"]), sel
+
+
+def test_the_leaders_sidecar_alone_holds_a_token_that_can_only_create_events(objects):
+    """The leader's sidecar posts Events about the desired mode as base/'s pod does: the same service account and
+    grant (../../sidecar-events), its token projected into the sidecar alone; a worker's pod holds no token."""
+    from sidecar.pod_events import SERVICE_ACCOUNT_DIR
+
+    base = yaml.safe_load((KUBE / "base" / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    leader = template(objects, "leaderTemplate")["spec"]
+    assert (
+        leader["serviceAccountName"] == base["serviceAccountName"]
+        and leader["automountServiceAccountToken"] is False
+    )
+    sidecar = pod_container(objects, "leaderTemplate", "sidecar")
+    mount = next(m for m in sidecar["volumeMounts"] if m["mountPath"] == str(SERVICE_ACCOUNT_DIR))
+    volume = next(v for v in leader["volumes"] if v["name"] == mount["name"])
+    assert volume == next(v for v in base["volumes"] if v["name"] == mount["name"])
+    server = pod_container(objects, "leaderTemplate", "server")
+    assert mount["name"] not in {m["name"] for m in server["volumeMounts"]}
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {("ServiceAccount", "kdtree-sidecar"), ("Role", "kdtree-sidecar-events")} <= kinds
+    worker = template(objects, "workerTemplate")["spec"]
+    assert "serviceAccountName" not in worker and worker["automountServiceAccountToken"] is False
+    assert not any("projected" in v for v in worker["volumes"])
