@@ -289,6 +289,30 @@ def test_sidecar_image_has_kdtreectl_on_its_path(sidecar_image):
     assert "in-env-secret" not in r.stdout
 
 
+def test_kdtreectl_in_the_sidecar_image_reads_the_token_file_a_pod_mounts(sidecar_image, tmp_path):
+    """`kubectl exec POD -c sidecar -- kdtreectl mode off`: in the real image, as its user, the token comes from
+    KDTREE_ADMIN_TOKEN_FILE (a pod's Secret file) with no warning; an unreadable one warns and names it. Exit 7: no
+    sidecar listens at --url here."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "token").write_text("pod-secret-token\n")
+    (secret / "token").chmod(0o444)
+    secret.chmod(0o755)
+    argv = ("--url", "http://127.0.0.1:9", "mode", "off")
+    read = docker_run(
+        sidecar_image, *argv, entrypoint="kdtreectl", volumes=[f"{secret}:/secret:ro"],
+        env={"KDTREE_ADMIN_TOKEN_FILE": "/secret/token"},
+    )  # fmt: skip
+    assert read.returncode == 7 and "warning" not in read.stderr, read.stderr
+    missing = docker_run(
+        sidecar_image, *argv, entrypoint="kdtreectl", env={"KDTREE_ADMIN_TOKEN_FILE": "/secret/token"}
+    )
+    assert (
+        missing.returncode == 7
+        and "warning: no admin token from the environment: KDTREE_ADMIN_TOKEN_FILE" in (missing.stderr)
+    )
+
+
 # ---- compose ----------------------------------------------------------------------------------------
 
 
