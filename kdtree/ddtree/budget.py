@@ -29,8 +29,9 @@ run of top-1 tokens (the draft graph's head computes it every step), rho the sam
 it as accepted over E_chain); seconds(chain) = F_chain + the chain's attention (kdtree's kernel at B tokens, timed with the
 rest), F_chain learnt from the intervals after chain steps as F from the tree's. A tree is chosen over the chain
 only if it promises `chain_margin` (5%) more tokens a second. Each kind's F is a time only its own steps observe,
-so after `explore_every` steps of one kind the best of the other runs for `explore_run` (3) steps (after 4 while the
-other has fewer than 3 samples). Not offered under tensor parallelism: each rank's host chooses on its own, and a
+so after `explore_every` (64) steps of one kind the best of the other runs for `explore_run` (3) steps (after 4 while
+the other has fewer than 3 samples); each exploration that leaves the choice where it was doubles that interval, up
+to `explore_max` (256), and a change of kind sets it back. Not offered under tensor parallelism: each rank's host chooses on its own, and a
 step's kind must agree on every rank.
 
 The policy is plain Python on host numbers (this module imports torch only in `measure_cut_cost`), tested on the CPU.
@@ -85,6 +86,10 @@ class BudgetPolicy:
     cost: VerifyCost | None
     chain: bool = False  # CHAIN is offered (the cost model then has its time)
     explore_every: int = 64  # steps of one kind (tree, chain) before one of the other
+    # ... doubled after each exploration that leaves the choice where it was, up to explore_max, and back to
+    # explore_every when the kind changes: an exploration that confirms costs a step's worth of time (at 32k on the
+    # H200, a tree step 0.86 ms over a chain step, 3 steps in 64: 0.3% of the chain's rate)
+    explore_max: int = 256
     # how much more than the chain's tokens a second a tree must promise to be chosen over it: the two kinds' F are
     # learnt from different steps, and the model's error between them was at least 3% on the H100 (batch 4, paper
     # profile, 2k: trees chosen over the chain ran at 0.97x of it); the chain is the baseline auto must not lose to
@@ -110,6 +115,8 @@ class BudgetPolicy:
     _explore_left: int = 0  # steps left of an exploration's run
     _streak: int = 0  # steps of the last choice's kind (tree or chain) in a row
     _last_kind_is_chain: bool = False
+    _interval: int = 0  # steps of one kind before an exploration now (explore_every .. explore_max)
+    _explored_from: bool | None = None  # the kind (is the chain) a running exploration left
 
     def __post_init__(self):
         self.budgets = tuple(sorted(self.budgets))
@@ -117,6 +124,10 @@ class BudgetPolicy:
             raise ValueError(f"budgets must be positive (got {self.budgets})")
         if not 0 <= self.chain_margin < 1:
             raise ValueError(f"chain_margin must be at least 0 and below 1 (got {self.chain_margin})")
+        if not 1 <= self.explore_every <= self.explore_max:
+            raise ValueError(f"explore_every must be at least 1 and at most explore_max (got {self.explore_every}, "
+                             f"{self.explore_max})")  # fmt: skip
+        self._interval = self.explore_every
         if self.explore_run < self.lag + 2:
             raise ValueError(f"explore_run must be at least lag + 2 (got {self.explore_run}, lag {self.lag}): its "
                              "middle steps are the only ones timed clear of a switch")  # fmt: skip
@@ -216,13 +227,21 @@ class BudgetPolicy:
             return CHAIN if self._last_kind_is_chain else tree
         # a tie, and anything within the margin, to the chain
         best = CHAIN if self._rate(CHAIN, bs, sum_prefix) * (1.0 + self.chain_margin) >= tree_rate else tree
-        # the other kind once in a while, so that its F stays current: every explore_every steps, or sooner while it
+        if self._explored_from is not None:  # the first choice after an exploration: did it move the choice?
+            kept = (best == CHAIN) == self._explored_from
+            self._interval = min(2 * self._interval, self.explore_max) if kept else self.explore_every
+            self._explored_from = None
+        elif (best == CHAIN) != self._last_kind_is_chain:  # the kind changed on its own: the rates moved
+            self._interval = self.explore_every
+        # the other kind once in a while, so that its F stays current: every `_interval` steps, or after 4 while it
         # has fewer than 3 samples (a median of 1 or 2 may still be an outlier's), for explore_run steps
         other = len(self._fixed.get(best != CHAIN, ()))
         if (best == CHAIN) == self._last_kind_is_chain and self._streak >= (
-            self.explore_every if other >= 3 else 4
+            self._interval if other >= 3 else 4
         ):
             self._explore_left = self.explore_run - 1
+            if other >= 3:
+                self._explored_from = best == CHAIN
             return tree if best == CHAIN else CHAIN
         return best
 

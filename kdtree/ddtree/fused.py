@@ -30,7 +30,13 @@ program and writes AcceptBuffers' path, accepted, bonus, out_tokens, perm and ro
 (`live`) it walks only each request's first live[b] nodes, given the tree's scores it writes `cut_stats` too, and
 given a `WindowCommit` it does `commit_window`.
 
-All three allocate nothing and read nothing back to the host: a call is one launch, capturable in a CUDA graph.
+`top1_kernel` and `chain_expected_kernel` (`chain_head`) take the drafter's chain from its logits: each depth's argmax
+and its log-probability (one pass over the row: a running max, its first index and an online sum of exponentials),
+then E_chain, the chain's expected accepted length. Two launches where the top-K head takes a dozen: what auto's
+chain steps run (kdtree.ddtree.worker.TreeDraftSampler).
+
+They allocate nothing and read nothing back to the host: a call is one launch (two for chain_head), capturable in
+a CUDA graph.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from kdtree.ddtree.accept import (
     path_rows,
     window_permutation,
 )
-from kdtree.ddtree.tree import TreeBuffers, build_tree, verify_layout
+from kdtree.ddtree.tree import TreeBuffers, build_tree, chain_expected, verify_layout
 
 SORT_BLOCK = 4096  # the most elements one tl.sort takes (registers of one program)
 # budget * K (padded) above which build_draft_tree keeps build_tree. Measured on an H200 (bs 1, L 15, graph replays;
@@ -540,6 +546,65 @@ def write_verify_layout(
         N=N, NP=_p2(N), BB=128, num_warps=1,
     )  # fmt: skip
     return positions
+
+
+@triton.jit
+def top1_kernel(
+    logits_ptr,  # [rows, V], rows contiguous
+    stride,  # elements between rows
+    V,
+    tokens_ptr,  # [rows] int64: each row's argmax (the first of equal maxima)
+    lp_ptr,  # [rows] float32: its log-probability, max - logsumexp
+    BV: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + r * stride
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    idx = tl.zeros([], dtype=tl.int64)
+    for v0 in range(0, V, BV):
+        v = v0 + tl.arange(0, BV)
+        x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        bm = tl.max(x, 0)
+        bi = tl.argmax(x, 0, tie_break_left=True)
+        new_m = tl.maximum(m, bm)
+        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+        idx = tl.where(bm > m, v0 + bi.to(tl.int64), idx)  # strictly greater: an earlier block keeps a tie
+        m = new_m
+    tl.store(tokens_ptr + r, idx)
+    tl.store(lp_ptr + r, -tl.log(s))  # x_max - (x_max + log s)
+
+
+@triton.jit
+def chain_expected_kernel(lp_ptr, out_ptr, L: tl.constexpr, LP: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, LP)
+    lp = tl.load(lp_ptr + b * L + j, mask=j < L, other=0.0)
+    e = tl.where(j < L, tl.exp(tl.cumsum(lp, 0)), 0.0)
+    tl.store(out_ptr + b, tl.sum(e, 0))
+
+
+def chain_head(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, expected: torch.Tensor) -> None:
+    """The chain from the drafter's logits [bs * L, V] (rows contiguous): tokens [bs, L] int64, each depth's argmax
+    (the first of equal logits, as torch.argmax), lp [bs, L] float32 its log-probability, and expected [bs] float32,
+    E_chain (`kdtree.ddtree.tree.chain_expected`). Two launches on CUDA (or under Triton's interpreter), torch ops
+    elsewhere; the outputs are written in place."""
+    bs, L = tokens.shape
+    if logits.dim() != 2 or logits.shape[0] != bs * L or logits.stride(1) != 1:
+        raise ValueError(f"chain_head: logits must be [bs * L, V] = [{bs * L}, V] with contiguous rows")
+    if not (tokens.is_contiguous() and lp.is_contiguous() and tokens.dtype == torch.int64):
+        raise ValueError("chain_head: tokens (int64) and lp must be contiguous")
+    if not (logits.is_cuda or _interpreting()):
+        x = logits.float()
+        tokens.copy_(torch.argmax(x, -1).view(bs, L))
+        lp.copy_((x.gather(1, tokens.view(-1, 1)).squeeze(1) - torch.logsumexp(x, -1)).view(bs, L))
+        expected.copy_(chain_expected(lp))
+        return
+    V = logits.shape[1]
+    top1_kernel[(bs * L,)](
+        logits, logits.stride(0), V, tokens, lp, BV=min(4096, triton.next_power_of_2(V)), num_warps=8
+    )  # fmt: skip
+    chain_expected_kernel[(bs,)](lp, expected, L=L, LP=_p2(L), num_warps=1)
 
 
 def _interpreting() -> bool:

@@ -222,3 +222,10 @@ def verify_layout(
     buf.view(torch.uint8).view(-1)[idx.reshape(-1)] = mask.reshape(-1).to(torch.uint8)
     torch.add(p[:, None], depths, out=positions)
     return positions
+
+
+def chain_expected(top1_lp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """E_chain [bs] from the chain's log-probs [bs, L] (each depth's top-1): the drafter's expected accepted length
+    of its chain, the sum over depths of the product of the probabilities up to there (Proposition 1 of the DDTree
+    paper, for a tree that is one path)."""
+    return torch.sum(torch.exp(torch.cumsum(top1_lp, dim=1)), dim=1, out=out)

@@ -26,7 +26,9 @@ import time
 
 import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.kernels.ops.speculative.lilicorr import lilicorr_topk_lse
 from sglang.srt.layers.dp_attention import get_dp_tp_group
+from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.scheduler import GenerationBatchResult
@@ -38,13 +40,14 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.models.dflash import candidate_topk
-from sglang.srt.runtime_context import get_disagg, get_exec, get_schedule, get_spec
+from sglang.srt.runtime_context import get_disagg, get_exec, get_parallel, get_schedule, get_spec
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_utils import (
     _get_or_create_chain_verify_buffers,
     apply_dflash_verify_logits_adjustments,
     build_speculative_verify_target_probs,
+    is_dense_head_weight,
 )
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.draft_worker_common import (
@@ -57,8 +60,8 @@ from sglang.srt.speculative.spec_utils import draft_tp_context
 from kdtree.config import Mode
 from kdtree.ddtree.accept import AcceptBuffers, WindowCommit
 from kdtree.ddtree.budget import CHAIN, BudgetPolicy, arm_name, cut_budgets, measure_cut_cost
-from kdtree.ddtree.fused import accept_walk, build_draft_tree, write_verify_layout
-from kdtree.ddtree.tree import TreeBuffers
+from kdtree.ddtree.fused import accept_walk, build_draft_tree, chain_head, write_verify_layout
+from kdtree.ddtree.tree import TreeBuffers, chain_expected
 
 log = logging.getLogger("kdtree.ddtree")
 
@@ -77,6 +80,7 @@ class TreeOutputs:
         self.ids = torch.zeros(rows, L, K, **i64)
         self.root = torch.zeros(rows, **i64)
         self.chain = torch.zeros(rows, L, **i64)
+        self.chain_lp = torch.zeros(rows, L, dtype=torch.float32, device=device)
         self.chain_expected = torch.zeros(rows, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(rows, N, **i64)
         self.candidates = torch.zeros(rows, N, **i64)
@@ -86,6 +90,17 @@ class TreeOutputs:
         self.mask = torch.zeros(rows, N, N, dtype=torch.bool, device=device)
         self.positions = torch.zeros(rows, N, **i64)  # the verify's (the worker writes them: prefix + depth)
 
+    def take_topk(self, lp: torch.Tensor, ids: torch.Tensor, bs: int) -> None:
+        """Each depth's top-K (sorted descending) into the first bs rows."""
+        self.lp[:bs].copy_(lp)
+        self.ids[:bs].copy_(ids)
+
+    def take_chain(self, lp: torch.Tensor, ids: torch.Tensor, bs: int) -> None:
+        """The chain and E_chain from each depth's top-K (sorted descending): its first candidates."""
+        self.chain[:bs].copy_(ids[:, :, 0])
+        self.chain_lp[:bs].copy_(lp[:, :, 0])
+        chain_expected(self.chain_lp[:bs], out=self.chain_expected[:bs])
+
 
 class TreeDraftSampler:
     """The draft head of DDTree, run at the tail of the draft forward (inside its CUDA graph when there is
@@ -93,10 +108,15 @@ class TreeDraftSampler:
     CUDA graph of its own a captured size: a step that runs the chain (auto's chain arm) skips it (the fused tree
     kernel alone is ~200 us at budget 32 on an H200, ~1.5% of a 61-layer step at 32k).
 
+    With `split_head` (auto's chain arm, a dense lm_head on one rank) the draft graph's head keeps the logits in a
+    buffer of its own and takes only the chain from them (`kdtree.ddtree.fused.chain_head`: two launches, as DFlash's
+    argmax head is one), and the tree's graph takes the top-K from that buffer: a chain step then costs what DFlash's
+    does (the whole head in the draft graph took 72 us more a step on the H200, about 17 launches).
+
     Graph replays pad the batch to a captured size, so the tree is built into per-size `TreeBuffers` made
     before capture, and its outputs are copied into `max_bs`-row buffers that the worker reads."""
 
-    def __init__(self, *, lm_head, block_size: int, budget: int, sizes: list[int], device):
+    def __init__(self, *, lm_head, block_size: int, budget: int, sizes: list[int], device, split_head=False):
         self.lm_head = lm_head
         self.B, self.L, self.budget = block_size, block_size - 1, budget
         vocab = int(getattr(lm_head, "org_vocab_size", 0) or lm_head.weight.shape[0])
@@ -106,6 +126,12 @@ class TreeDraftSampler:
         # batch above that gets outputs of its own
         self.captured = TreeOutputs(max(sizes), budget + 1, self.L, self.K, device)
         self.eager: TreeOutputs | None = None
+        # split_head: the draft graph's logits of up to max(sizes) requests (what the tree's graph reads)
+        self.logits = (
+            torch.empty(max(sizes) * self.L, vocab, dtype=lm_head.weight.dtype, device=device)
+            if split_head
+            else None
+        )
         # the tree's graph a captured size (capture_builds)
         self._builds: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -130,32 +156,68 @@ class TreeDraftSampler:
         if hs.dtype != self.lm_head.weight.dtype:
             hs = hs.to(self.lm_head.weight.dtype)
         ids, vals, lse = candidate_topk(hs, self.lm_head, self.K, with_partition=True)
+        return self._sorted(vals, lse, ids, bs)
+
+    def candidates_from_logits(
+        self, logits: torch.Tensor, root: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`candidates` from the head's logits [bs * L, V] (split_head: one rank, a dense head), as candidate_topk
+        takes them on one rank."""
+        vals, ids, lse = lilicorr_topk_lse(logits, self.K)
+        return self._sorted(vals, lse, ids.long(), root.shape[0])
+
+    def _sorted(self, vals, lse, ids, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         lp = (vals.float() - lse[:, None]).view(bs, self.L, self.K)
         lp, order = torch.sort(lp, dim=-1, descending=True, stable=True)
         return lp, torch.gather(ids.view(bs, self.L, self.K), 2, order)
 
+    def chain(self, logits: torch.Tensor, root: torch.Tensor, o: TreeOutputs) -> None:
+        """split_head: the chain, its log-probs and E_chain of the batch's requests from the head's logits."""
+        bs = root.shape[0]
+        chain_head(logits, o.chain[:bs], o.chain_lp[:bs], o.chain_expected[:bs])
+
     def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
-        """The head: hidden_states [bs * B, H] of the draft block, input_ids [bs * B] its tokens (the root first)."""
-        bs = hidden_states.shape[0] // self.B
-        hs = hidden_states.view(bs, self.B, -1)[:, 1:, :].reshape(bs * self.L, -1)
-        root = input_ids.view(bs, self.B)[:, 0].to(torch.int64)
+        """The head, as the draft graph captures it: hidden_states [bs * B, H] of the draft block, input_ids [bs * B]
+        its tokens (the root first). With split_head the logits and the chain; else the whole head (`head`)."""
+        if self.logits is None:
+            return self.head(hidden_states, input_ids)
+        hs, root = self._block(hidden_states, input_ids)
+        bs = root.shape[0]
+        o = self.outputs(bs)
+        o.root[:bs].copy_(root)
+        logits = self.logits[: bs * self.L]
+        weight = self.lm_head.weight
+        torch.matmul(hs.to(weight.dtype), weight[: logits.shape[1]].T, out=logits)
+        self.chain(logits, root, o)
+
+    def head(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """The whole head: each depth's top-K, the root, the chain and E_chain (the tree's build reads the first
+        two). The draft graph's head without split_head, and an eager step's."""
+        hs, root = self._block(hidden_states, input_ids)
+        bs = root.shape[0]
         lp, ids = self.candidates(hs, root)
         o = self.outputs(bs)
-        o.lp[:bs].copy_(lp)
-        o.ids[:bs].copy_(ids)
+        o.take_topk(lp, ids, bs)
         o.root[:bs].copy_(root)
-        o.chain[:bs].copy_(ids[:, :, 0])
-        torch.sum(torch.exp(torch.cumsum(lp[:, :, 0], dim=1)), dim=1, out=o.chain_expected[:bs])
+        o.take_chain(lp, ids, bs)
+
+    def _block(
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafted depths' hidden states [bs * L, H] and the roots [bs] of a draft block."""
+        bs = hidden_states.shape[0] // self.B
+        hs = hidden_states.view(bs, self.B, -1)[:, 1:, :].reshape(bs * self.L, -1)
+        return hs, input_ids.view(bs, self.B)[:, 0].to(torch.int64)
 
     def build(self, bs: int, graphed: bool) -> TreeOutputs:
         """The tree of each of the batch's bs requests from the head's top-K, where `outputs(bs)` has it. After a
         draft graph replay (`graphed`: the head wrote the rows of the replay's padded size), the replay of the tree's
         graph of the smallest captured size that holds bs (rows past bs are the padding's, never read); else eagerly
-        at bs."""
+        at bs, after `head`."""
         # self._builds is in ascending order: capture_builds adds the sizes sorted
         size = next((s for s in self._builds if s >= bs), None) if graphed else None
         if size is None:
-            self._build(bs)
+            self._build(bs, topk=graphed and self.logits is not None)
         else:
             self._builds[size].replay()
         return self.outputs(bs)
@@ -165,18 +227,22 @@ class TreeDraftSampler:
         captured rows, whose addresses never change. Each size runs once outside capture first (Triton compiles
         there)."""
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        topk = self.logits is not None
         for size in sorted(self.trees):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._build(size)
+                self._build(size, topk)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self._build(size)
+                self._build(size, topk)
             self._builds[size] = graph
 
-    def _build(self, bs: int) -> None:
+    def _build(self, bs: int, topk: bool) -> None:
+        """The tree from outputs(bs)'s top-K; topk: first that top-K from the split head's logits."""
         o = self.outputs(bs)
+        if topk:
+            o.take_topk(*self.candidates_from_logits(self.logits[: bs * self.L], o.root[:bs]), bs)
         if bs not in self.trees:  # an eager batch of a size no graph was captured for (never under capture)
             self.trees[bs] = TreeBuffers(bs, self.L, self.K, self.budget, o.lp.device)
         t = build_draft_tree(o.lp[:bs], o.ids[:bs], o.root[:bs], self.budget, out=self.trees[bs])
@@ -225,19 +291,36 @@ class DDTreeWorker(DFlashWorkerV2):
     def _lm_head(self):
         return unwrap_lora_layer(self._target_worker.model_runner.model.lm_head)
 
-    def _make_tree_sampler(self, sizes: list[int]) -> TreeDraftSampler:
+    def _make_tree_sampler(self, sizes: list[int], split_head: bool = False) -> TreeDraftSampler:
         return TreeDraftSampler(
             lm_head=self._lm_head(),
             block_size=self.block_size,
             budget=self.budget,
             sizes=sizes,
             device=self.device,
+            split_head=split_head,
         )
 
     def _maybe_build_draft_sampler(self):
         # DFlashWorkerV2.init_cuda_graphs calls this before capturing the draft graphs.
-        self._tree_sampler = self._make_tree_sampler(list(get_exec().graph.cuda_graph_config.decode.bs))
+        self._tree_sampler = self._make_tree_sampler(
+            list(get_exec().graph.cuda_graph_config.decode.bs), split_head=self._split_head()
+        )
         return self._tree_sampler
+
+    def _split_head(self) -> bool:
+        """Whether the draft graph's head takes only the chain (`TreeDraftSampler`'s split_head): where auto may run
+        chain steps, and the logits are one matmul of a dense head on one rank (else the whole head, as before)."""
+        if self._cut is None or not self._cut.chain_allowed:
+            return False
+        lm_head = self._lm_head()
+        dense = is_dense_head_weight(
+            getattr(lm_head, "weight", None)
+        ) and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
+        if not dense or get_parallel().tp_size != 1:
+            log.info("DDTREE auto: the draft graph keeps the whole head (a quantised or sharded lm_head)")
+            return False
+        return True
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
@@ -367,7 +450,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 hidden = draft_out.logits_output.hidden_states
                 if hidden is None:
                     raise RuntimeError("DDTREE: the draft model returned no hidden states")
-                self._tree_sampler(hidden[: bs * B], block_ids.flatten())
+                self._tree_sampler.head(hidden[: bs * B], block_ids.flatten())
             tree = self._tree_sampler.build(bs, graphed)
         tree_ids, cands = tree.input_ids[:bs], tree.candidates[:bs]
         parents, depths = tree.parents[:bs], tree.depths[:bs]

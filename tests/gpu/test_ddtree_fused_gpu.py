@@ -239,3 +239,36 @@ def test_the_verify_layout_and_the_walks_commit_equal_the_torch_forms_and_replay
     del want_tree, want, want_buf, want_pos, want_table
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated
+
+
+@pytest.mark.parametrize("bs, L, V", [(1, 15, 8192), (4, 15, 163840), (3, 7, 151936)])
+def test_the_chain_head_equals_torch_syncs_never_and_replays_in_a_cuda_graph(bs, L, V):
+    """chain_head (auto's split head: the chain from the logits) at Kimi-K2's and Qwen3's vocabularies: each depth's
+    argmax (torch.argmax's, ties included), its log-probability and E_chain, in a graph replayed on new logits."""
+    from kdtree.ddtree.fused import chain_head
+
+    g = torch.Generator(device="cuda").manual_seed(V + bs)
+    logits = torch.empty(bs * L, V, dtype=torch.bfloat16, device="cuda")
+    tokens = torch.zeros(bs, L, dtype=torch.int64, device="cuda")
+    lp = torch.zeros(bs, L, device="cuda")
+    expected = torch.zeros(bs, device="cuda")
+
+    def fill(ties: bool):
+        x = torch.randn(bs * L, V, generator=g, device="cuda") * 3
+        if ties:  # the max twice a row, far apart (different blocks of the kernel)
+            x = torch.round(x * 4) / 4
+            x[:, 5] = x[:, V - 3] = 40.0
+        logits.copy_(x)
+
+    fill(False)
+    graph, allocated = checked_capture(lambda: chain_head(logits, tokens, lp, expected))
+    for ties in (False, True, False):
+        fill(ties)
+        graph.replay()
+        torch.cuda.synchronize()
+        x = logits.float()
+        want_lp = (x.max(-1).values - torch.logsumexp(x, -1)).view(bs, L)
+        assert torch.equal(tokens.view(-1), torch.argmax(x, -1)), ties
+        assert torch.allclose(lp, want_lp, atol=1e-4), ties
+        assert torch.allclose(expected, torch.exp(torch.cumsum(want_lp, 1)).sum(1), rtol=1e-4), ties
+    assert torch.cuda.memory_allocated() <= allocated

@@ -404,3 +404,34 @@ def test_the_host_report_times_each_phase_of_a_decode_step_on_the_gpus_clock(tmp
             3.0,
         ],  # the two pairs of consecutive steps; the pair across the prefill is left out
     }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_split_heads_chain_is_the_scripted_one(monkeypatch, tmp_path):
+    """Under auto (split head) a chain step's head runs the real chain head on the logits, then takes the script's
+    chain, the tokens DFLASH's scripted head drafts, and the E_chain of the script's candidates (what the whole head
+    takes from them)."""
+    from kdtree.ddtree import worker
+
+    profile = oracle.PROFILES["paper"]
+    monkeypatch.setenv(oracle.PROFILE_ENV, _profile_file(tmp_path, ",".join(map(str, profile))))
+    L, K, vocab, bs = 15, 16, 8192, 40
+    module = types.SimpleNamespace(
+        TreeDraftSampler=type("S", (worker.TreeDraftSampler,), {}), DDTreeWorker=type("W", (), {"forward_batch_generation": None})
+    )  # fmt: skip
+    oracle.install(module)
+    sampler = object.__new__(module.TreeDraftSampler)
+    sampler.L, sampler.K, sampler.lm_head = L, K, types.SimpleNamespace(org_vocab_size=vocab)
+    sampler.oracle_lp = torch.tensor(oracle.profile_lp(profile, K), dtype=torch.float32)
+    sampler.oracle_chain_expected = torch.zeros(())
+    lp0 = sampler.oracle_lp[:1].expand(1, L)
+    sampler.oracle_chain_expected.fill_(float(torch.exp(torch.cumsum(lp0, 1)).sum()))
+    root = torch.randint(0, vocab, (bs,), generator=torch.Generator().manual_seed(5))
+    o = worker.TreeOutputs(bs, 17, L, K, "cpu")
+    sampler.chain(torch.randn(bs * L, vocab), root, o)
+    lp, ids = sampler.candidates(None, root)
+    want = worker.TreeOutputs(bs, 17, L, K, "cpu")
+    want.take_chain(lp, ids, bs)
+    true = oracle.true_tokens(root, L, vocab)
+    assert torch.equal(o.chain, want.chain) and (o.chain == true).any() and (o.chain != true).any()
+    assert torch.allclose(o.chain_expected, want.chain_expected)

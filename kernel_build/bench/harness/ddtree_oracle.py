@@ -19,8 +19,10 @@ a drafter whose candidates are scripted, so that accepted lengths and tokens can
     separate random streams left a token of spread in a row's accept length), and the draws are still those of a
     fresh draw a step: a walk observes a token's rank once (past its first miss, the target's own token is committed
     there and the next step drafts after it; tokens past a miss are not observed).
-  DDTREE's candidates are `TreeDraftSampler.candidates`; DFLASH's chain is its captured draft head
-  (`_DflashDraftSampler`), which drafts the true token where the script puts it at rank 0 and another one elsewhere.
+  DDTREE's candidates are `TreeDraftSampler.candidates` (and `candidates_from_logits`); DFLASH's chain is its
+  captured draft head (`_DflashDraftSampler`), which drafts the true token where the script puts it at rank 0 and
+  another one elsewhere. Under auto, DDTREE's chain (`TreeDraftSampler.chain`: a chain step's head) runs on the real
+  logits for its cost, then takes the same scripted tokens and the script's E_chain.
 
 It says what it measures: the system (the tree, the verify, the walk, the commit's bookkeeping and the scheduler's
 handling of accepted tokens), not a drafter. With the attention's output zeroed, the verify's attention does not
@@ -519,6 +521,8 @@ def install(worker_module) -> None:
         return
     import torch
 
+    from kdtree.ddtree.tree import chain_expected
+
     sampler_cls, worker_cls = worker_module.TreeDraftSampler, worker_module.DDTreeWorker
 
     def candidates(self, hs, root):
@@ -532,6 +536,21 @@ def install(worker_module) -> None:
         ids = torch.where(ks == rank[:, :, None], true[:, :, None], row)
         return lp, ids
 
+    def candidates_from_logits(self, logits, root):
+        return candidates(self, None, root)
+
+    real_chain = sampler_cls.chain
+
+    def chain(self, logits, root, o):
+        # the split head's chain runs on the real logits (its cost), then takes the script's tokens as DFLASH's
+        # scripted head drafts them (the true token where it is at rank 0) and the script's E_chain
+        bs, L = root.shape[0], self.L
+        real_chain(self, logits, root, o)
+        vocab = int(self.lm_head.org_vocab_size)
+        true = true_tokens(root, L, vocab)
+        o.chain[:bs].copy_(torch.where(script.ranks(true) == 0, true, (true + 1) % vocab))
+        o.chain_expected[:bs].copy_(self.oracle_chain_expected.expand(bs))
+
     sampler_init = sampler_cls.__init__
 
     def sampler_init_with_lp(self, *args, **kwargs):
@@ -542,6 +561,8 @@ def install(worker_module) -> None:
         self.oracle_lp = torch.tensor(
             script.lp(self.K), dtype=torch.float32, device=self.captured.parents.device
         )
+        self.oracle_chain_expected = torch.zeros((), dtype=torch.float32, device=self.oracle_lp.device)
+        set_chain_expected(self)
 
     step = worker_cls.forward_batch_generation
 
@@ -549,10 +570,17 @@ def install(worker_module) -> None:
         if script.refresh(self.device) and self._tree_sampler is not None:  # a new profile: its log-probs too
             lp = self._tree_sampler.oracle_lp
             lp.copy_(torch.tensor(script.lp(int(lp.numel())), dtype=lp.dtype))
+            set_chain_expected(self._tree_sampler)
         return step(self, batch, *args, **kwargs)
+
+    def set_chain_expected(sampler):  # E_chain of the script's log-probs: its rank-0 one at every depth
+        lp0 = sampler.oracle_lp[:1].expand(1, sampler.L)
+        sampler.oracle_chain_expected.copy_(chain_expected(lp0)[0])
 
     sampler_cls.__init__ = sampler_init_with_lp
     sampler_cls.candidates = candidates
+    sampler_cls.candidates_from_logits = candidates_from_logits
+    sampler_cls.chain = chain
     worker_cls.forward_batch_generation = forward_batch_generation
 
 

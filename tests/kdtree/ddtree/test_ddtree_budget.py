@@ -401,3 +401,27 @@ def test_a_switchs_own_cost_is_no_arms_time(lag, tree_pays):
     assert 0.0102 < p.fixed_s < 0.0105
     share = tail.count(CHAIN) / len(tail)
     assert share <= 0.06 if tree_pays else share >= 0.94, tail
+
+
+def test_explorations_thin_out_while_they_confirm_the_choice_and_come_back_when_the_kind_changes():
+    """Each exploration that leaves the chain chosen doubles the steps before the next (64, 128, 256, then 256: an
+    exploration of a tree at 32k costs 0.86 ms over a chain step); when the trees start to pay (a drafter that
+    turned confident on breadth), the kind changes and the interval is explore_every again."""
+    p = chain_policy()
+    paper = dict(accept=lambda b: min(b, 15) * 0.4, expected=lambda b: min(b, 15) * 0.45, e_chain=15 * 0.43)
+    chosen = run_arms(p, 1500, tree_s=lambda b: 0.0105, chain_s=0.0093, **paper)
+    starts = [i for i in range(1, len(chosen)) if chosen[i] != CHAIN and chosen[i - 1] == CHAIN]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[-3:] == [256 + 3] * 3, gaps  # a run of 256 chain steps, then 3 of the tree
+    assert 64 + 3 in gaps and 128 + 3 in gaps, gaps
+    assert p._interval == p.explore_max == 256
+    pessimistic = dict(accept=lambda b: min(b, 31) * 0.1, expected=lambda b: min(b, 31) * 0.1, e_chain=1.5)
+    tail = run_arms(p, 700, tree_s=lambda b: 0.0105, chain_s=0.0093, t0=100.0, **pessimistic)
+    assert next(i for i, b in enumerate(tail) if b != CHAIN) < 3, tail[:10]
+    chain_starts = [i for i in range(1, len(tail)) if tail[i] == CHAIN and tail[i - 1] != CHAIN]
+    gaps = [b - a for a, b in zip(chain_starts, chain_starts[1:], strict=False)]
+    assert gaps[:3] == [64 + 1, 128 + 3, 256 + 3], (
+        gaps
+    )  # the trees now, the chain explored from 64 steps again
+    with pytest.raises(ValueError, match="explore_every must be at least 1 and at most explore_max"):
+        BudgetPolicy(cut_budgets(32), None, explore_every=512)

@@ -288,3 +288,27 @@ def test_the_kernels_compile_for_an_h200_without_one():
     assert (
         "ptx" in compile_for_sm90(fused.verify_layout_kernel, layout, dict(mask_ptr="*u8", buf_ptr="*u8")).asm
     )
+    # the split head's chain: the argmax pass over bf16 logits, and E_chain
+    top1 = dict(logits_ptr="*bf16", stride="i64", V="i32", lp_ptr="*fp32")
+    assert "ptx" in compile_for_sm90(fused.top1_kernel, dict(BV=4096), top1).asm
+    expected = dict(lp_ptr="*fp32", out_ptr="*fp32")
+    assert "ptx" in compile_for_sm90(fused.chain_expected_kernel, dict(L=L, LP=fused._p2(L)), expected).asm
+
+
+@pytest.mark.parametrize("V", [50, 4096 + 37])
+def test_the_chain_head_is_the_argmax_and_its_log_probability(fused, V):
+    """chain_head on the drafter's logits: each depth's argmax (the first of equal maxima, also across the kernel's
+    blocks of 4096), its log-probability, and E_chain, as the torch form computes them."""
+    bs, L = 2, 3
+    g = torch.Generator().manual_seed(V)
+    logits = (torch.randn(bs * L, V, generator=g) * 4).round() / 4  # quarters: ties within a row
+    logits[0, 7] = logits[0, V - 1] = 20.0  # a tie for the max, in different blocks when V > 4096
+    logits = logits.to(torch.bfloat16)
+    tokens = torch.zeros(bs, L, dtype=torch.int64)
+    lp, expected = torch.zeros(bs, L), torch.zeros(bs)
+    fused.chain_head(logits, tokens, lp, expected)
+    x = logits.float()
+    assert torch.equal(tokens.view(-1), torch.argmax(x, -1)) and tokens[0, 0] == 7
+    want_lp = (x.max(-1).values - torch.logsumexp(x, -1)).view(bs, L)
+    assert torch.allclose(lp, want_lp, atol=1e-5)
+    assert torch.allclose(expected, torch.exp(torch.cumsum(want_lp, 1)).sum(1), rtol=1e-5)

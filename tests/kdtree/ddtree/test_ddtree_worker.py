@@ -99,3 +99,48 @@ def test_the_head_writes_the_chain_and_the_build_the_tree_so_a_chain_step_builds
     want = build_tree(lp, ids, root, budget)
     for name in ("input_ids", "candidates", "parents", "depths", "scores", "mask"):
         assert torch.equal(getattr(tree, name)[:bs], getattr(want, name)), name
+
+
+def test_a_split_head_drafts_the_chain_from_the_logits_and_the_build_the_tree_from_them():
+    """auto's split head (the draft graph keeps the logits and takes only the chain; the tree's graph takes the
+    top-K from those logits): the chain is each depth's argmax of the real head's logits with E_chain of their
+    log-probs, the head computes no top-K, and the build's tree is build_tree on the top-K of the same logits."""
+    from kdtree.ddtree.tree import build_tree
+    from kdtree.ddtree.worker import TreeDraftSampler
+
+    bs, L, budget, V, H = 3, 5, 8, 64, 16
+    g = torch.Generator().manual_seed(11)
+    lm_head = SimpleNamespace(weight=torch.randn(V, H, generator=g), org_vocab_size=V)
+    sampler = TreeDraftSampler(
+        lm_head=lm_head, block_size=L + 1, budget=budget, sizes=[4], device="cpu", split_head=True
+    )
+    hidden = torch.randn(bs * (L + 1), H, generator=g)
+    tokens = torch.arange(bs * (L + 1)) + 100
+    sampler(hidden, tokens)
+    o = sampler.outputs(bs)
+    logits = (hidden.view(bs, L + 1, H)[:, 1:] @ lm_head.weight.T).float()
+    lp = torch.log_softmax(logits, -1)
+    assert torch.equal(o.chain[:bs], logits.argmax(-1))
+    want_e = torch.exp(torch.cumsum(lp.max(-1).values, 1)).sum(1)
+    assert torch.allclose(o.chain_expected[:bs], want_e, rtol=1e-5)
+    assert not o.lp.any() and not o.parents.any(), "the split head computed the top-K or a tree"
+    tree = sampler.build(bs, graphed=True)  # no graph captured here: the build eagerly, top-K from the logits
+    top_lp, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+    root = tokens.view(bs, L + 1)[:, 0]
+    want = build_tree(top_lp[..., :budget].contiguous(), top_ids[..., :budget].contiguous(), root, budget)
+    assert torch.allclose(tree.lp[:bs], top_lp[..., :budget], atol=1e-5)
+    for name in ("input_ids", "candidates", "parents", "depths", "mask"):
+        assert torch.equal(getattr(tree, name)[:bs], getattr(want, name)), name
+
+
+def test_without_a_split_head_the_draft_graphs_head_is_the_whole_head():
+    bs, L, budget = 2, 4, 6
+    sampler, lp, ids = scripted_head(bs, L, budget)
+    assert sampler.logits is None
+    sampler(torch.zeros(bs * (L + 1), 2), torch.arange(bs * (L + 1)))
+    o = sampler.outputs(bs)
+    assert (
+        torch.equal(o.lp[:bs], lp)
+        and torch.equal(o.ids[:bs], ids)
+        and torch.equal(o.chain[:bs], ids[:, :, 0])
+    )
