@@ -306,6 +306,12 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tree_sampler = self._make_tree_sampler(
             list(get_exec().graph.cuda_graph_config.decode.bs), split_head=self._split_head()
         )
+        if self._tree_sampler.logits is not None:
+            log.info(
+                "DDTREE auto: a chain step's draft head takes the chain alone; the logits it keeps for the tree's "
+                "graph take %.2f GB of GPU memory",
+                self._tree_sampler.logits.nbytes / 2**30,
+            )
         return self._tree_sampler
 
     def _split_head(self) -> bool:
