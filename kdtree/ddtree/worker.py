@@ -126,9 +126,10 @@ class TreeDraftSampler:
         # batch above that gets outputs of its own
         self.captured = TreeOutputs(max(sizes), budget + 1, self.L, self.K, device)
         self.eager: TreeOutputs | None = None
-        # split_head: the draft graph's logits of up to max(sizes) requests (what the tree's graph reads)
+        # split_head: the draft graph's logits of up to max(sizes) requests (what the tree's graph reads; zeros until
+        # the first draft, as the tree's graphs are captured on them)
         self.logits = (
-            torch.empty(max(sizes) * self.L, vocab, dtype=lm_head.weight.dtype, device=device)
+            torch.zeros(max(sizes) * self.L, vocab, dtype=lm_head.weight.dtype, device=device)
             if split_head
             else None
         )
