@@ -271,4 +271,6 @@ def test_the_chain_head_equals_torch_syncs_never_and_replays_in_a_cuda_graph(bs,
         assert torch.equal(tokens.view(-1), torch.argmax(x, -1)), ties
         assert torch.allclose(lp, want_lp, atol=1e-4), ties
         assert torch.allclose(expected, torch.exp(torch.cumsum(want_lp, 1)).sum(1), rtol=1e-4), ties
+    del x, want_lp
+    torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= allocated
