@@ -151,6 +151,10 @@ class BudgetPolicy:
         """The budget (or CHAIN) for a decode step of bs requests whose prefixes sum to sum_prefix, at host time `now`
         (seconds); serving: kdtree computes this step's verify (mode on); chain_ok: the chain can run this batch."""
         self._learn_fixed(now)
+        if (
+            not serving
+        ):  # an exploration cut short by a mode change learnt nothing: it neither ran nor confirmed
+            self._explore_left, self._explored_from = 0, None
         b = self._best(bs, sum_prefix, chain_ok) if serving else self.cap
         if self._last_kind_is_chain == (b == CHAIN):
             self._streak += 1
@@ -218,7 +222,7 @@ class BudgetPolicy:
             if rate >= tree_rate:
                 tree, tree_rate = b, rate
         if not (self.chain and chain_ok) or self.expected_accepted(CHAIN) is None:
-            self._explore_left = 0
+            self._explore_left, self._explored_from = 0, None  # an exploration cut short confirms nothing
             return tree
         if self.chain_fixed_s is None:  # its first timed steps (a few: what never gets timed is not offered)
             return CHAIN if self.chosen[CHAIN] < 8 else tree

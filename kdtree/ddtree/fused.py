@@ -568,7 +568,8 @@ def top1_kernel(
         bm = tl.max(x, 0)
         bi = tl.argmax(x, 0, tie_break_left=True)
         new_m = tl.maximum(m, bm)
-        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+        ref = tl.where(new_m == float("-inf"), 0.0, new_m)  # all -inf so far: exp(-inf - 0) = 0, not exp(NaN)
+        s = s * tl.exp(m - ref) + tl.sum(tl.exp(x - ref), 0)
         idx = tl.where(bm > m, v0 + bi.to(tl.int64), idx)  # strictly greater: an earlier block keeps a tie
         m = new_m
     tl.store(tokens_ptr + r, idx)
@@ -585,10 +586,10 @@ def chain_expected_kernel(lp_ptr, out_ptr, L: tl.constexpr, LP: tl.constexpr):
 
 
 def chain_head(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, expected: torch.Tensor) -> None:
-    """The chain from the drafter's logits [bs * L, V] (rows contiguous): tokens [bs, L] int64, each depth's argmax
-    (the first of equal logits, as torch.argmax), lp [bs, L] float32 its log-probability, and expected [bs] float32,
-    E_chain (`kdtree.ddtree.tree.chain_expected`). Two launches on CUDA (or under Triton's interpreter), torch ops
-    elsewhere; the outputs are written in place."""
+    """The chain from the drafter's logits [bs * L, V] (rows contiguous; no NaN, -inf allowed): tokens [bs, L] int64,
+    each depth's argmax (the first of equal logits, as torch.argmax), lp [bs, L] float32 its log-probability, and
+    expected [bs] float32, E_chain (`kdtree.ddtree.tree.chain_expected`). Two launches on CUDA (or under Triton's
+    interpreter), torch ops elsewhere; the outputs are written in place."""
     bs, L = tokens.shape
     if logits.dim() != 2 or logits.shape[0] != bs * L or logits.stride(1) != 1:
         raise ValueError(f"chain_head: logits must be [bs * L, V] = [{bs * L}, V] with contiguous rows")

@@ -310,7 +310,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._tree_sampler.logits is not None:
             log.info(
                 "DDTREE auto: a chain step's draft head takes the chain alone; the logits it keeps for the tree's "
-                "graph take %.2f GB of GPU memory",
+                "graph take %.2f GB of GPU memory (beside the KV cache)",
                 self._tree_sampler.logits.nbytes / 2**30,
             )
         return self._tree_sampler
@@ -320,6 +320,8 @@ class DDTreeWorker(DFlashWorkerV2):
         chain steps, and the logits are one matmul of a dense head on one rank (else the whole head, as before)."""
         if self._cut is None or not self._cut.chain_allowed:
             return False
+        if ChainVerifyRunner.unavailable(self.target_worker.model_runner) is not None:
+            return False  # no chain steps to draft for (capture_beside logs why)
         lm_head = self._lm_head()
         dense = is_dense_head_weight(
             getattr(lm_head, "weight", None)
@@ -771,14 +773,11 @@ class ChainVerifyRunner(DecodeCudaGraphRunner):
     def capture_beside(cls, model_runner, block_size: int) -> ChainVerifyRunner | None:
         """The runner, or None (logged) where the tree's verify is not captured or the chain's cannot be: then auto
         chooses among the tree's budgets only."""
+        why = cls.unavailable(model_runner)
+        if why is not None:
+            log.info("DDTREE auto: no chain arm (%s): trees only", why)
+            return None
         tree_runner = model_runner.decode_cuda_graph_runner
-        if tree_runner is None or not getattr(tree_runner, "capture_bs", None):
-            return None
-        # a runner's construction also remakes LoRA's graph batch info and PD multiplexing's attention state, which
-        # the tree's graphs were captured against
-        if model_runner.lora_manager is not None or get_disagg().enable_pdmux:
-            log.info("DDTREE auto: no chain arm with LoRA or PD multiplexing: trees only")
-            return None
         free_before = torch.cuda.mem_get_info()[0]
         try:
             backend = type(model_runner.attn_backend)(model_runner)
@@ -794,6 +793,18 @@ class ChainVerifyRunner(DecodeCudaGraphRunner):
             (free_before - torch.cuda.mem_get_info()[0]) / 2**30,
         )
         return runner
+
+    @staticmethod
+    def unavailable(model_runner) -> str | None:
+        """Why the chain's verify cannot be captured beside the tree's (None: it can be tried)."""
+        tree_runner = model_runner.decode_cuda_graph_runner
+        if tree_runner is None or not getattr(tree_runner, "capture_bs", None):
+            return "the target's verify is not captured"
+        # a runner's construction also remakes LoRA's graph batch info and PD multiplexing's attention state, which
+        # the tree's graphs were captured against
+        if model_runner.lora_manager is not None or get_disagg().enable_pdmux:
+            return "LoRA or PD multiplexing"
+        return None
 
     def stale(self) -> bool:
         """The tree's graphs were captured again since (a weight update's or a role switch's recapture): this runner's

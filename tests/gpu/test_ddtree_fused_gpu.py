@@ -258,6 +258,10 @@ def test_the_chain_head_equals_torch_syncs_never_and_replays_in_a_cuda_graph(bs,
         if ties:  # the max twice a row, far apart (different blocks of the kernel)
             x = torch.round(x * 4) / 4
             x[:, 5] = x[:, V - 3] = 40.0
+            x[0, 6 : V // 2] = float(
+                "-inf"
+            )  # and masked tokens: whole blocks of -inf after the first maximum
+            x[1, : V // 2] = float("-inf")  # a first block of -inf alone
         logits.copy_(x)
 
     fill(False)
@@ -269,6 +273,7 @@ def test_the_chain_head_equals_torch_syncs_never_and_replays_in_a_cuda_graph(bs,
         x = logits.float()
         want_lp = (x.max(-1).values - torch.logsumexp(x, -1)).view(bs, L)
         assert torch.equal(tokens.view(-1), torch.argmax(x, -1)), ties
+        assert torch.isfinite(lp).all() and torch.isfinite(expected).all(), ties
         assert torch.allclose(lp, want_lp, atol=1e-4), ties
         assert torch.allclose(expected, torch.exp(torch.cumsum(want_lp, 1)).sum(1), rtol=1e-4), ties
     del x, want_lp

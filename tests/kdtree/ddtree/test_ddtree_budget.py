@@ -425,3 +425,32 @@ def test_explorations_thin_out_while_they_confirm_the_choice_and_come_back_when_
     )  # the trees now, the chain explored from 64 steps again
     with pytest.raises(ValueError, match="explore_every must be at least 1 and at most explore_max"):
         BudgetPolicy(cut_budgets(32), None, explore_every=512)
+
+
+def test_an_exploration_cut_short_confirms_nothing():
+    """A batch the chain cannot run (or a mode change) in the middle of an exploration ends it: the choice after it
+    does not double the interval (the exploration timed nothing)."""
+    p = chain_policy()
+    paper = dict(
+        tree_s=lambda b: 0.0105, chain_s=0.0093, accept=lambda b: min(b, 15) * 0.4,
+        expected=lambda b: min(b, 15) * 0.45, e_chain=15 * 0.43,
+    )  # fmt: skip
+    run_arms(p, 100, **paper)
+    t, explored = 2.0, None
+    for _ in range(300):  # to the next exploration's first step
+        t += 0.01
+        if run_arms(p, 1, t0=t, **paper) != [CHAIN]:
+            explored = p._explored_from
+            break
+    assert explored is True, "no exploration of a tree from the chain"
+    interval = p._interval
+    t += 0.01
+    run_arms(p, 1, t0=t, chain_ok=False, **paper)  # cut short
+    for _ in range(5):
+        t += 0.01
+        assert run_arms(p, 1, t0=t, **paper) == [CHAIN]
+    # not doubled (the forced tree step, a change of kind, even sets it back to explore_every)
+    assert p._interval == p.explore_every < interval and p._explored_from is None
+    run_arms(p, 1, t0=t + 0.01, **paper)
+    p.choose(t + 0.02, 1, 2048, serving=False)  # a mode change clears a running exploration too
+    assert p._explore_left == 0 and p._explored_from is None

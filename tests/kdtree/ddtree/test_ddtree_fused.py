@@ -303,12 +303,14 @@ def test_the_chain_head_is_the_argmax_and_its_log_probability(fused, V):
     g = torch.Generator().manual_seed(V)
     logits = (torch.randn(bs * L, V, generator=g) * 4).round() / 4  # quarters: ties within a row
     logits[0, 7] = logits[0, V - 1] = 20.0  # a tie for the max, in different blocks when V > 4096
+    logits[1, : min(V - 3, 4096)] = float("-inf")  # a first block of -inf alone when V > 4096 (masked tokens)
     logits = logits.to(torch.bfloat16)
     tokens = torch.zeros(bs, L, dtype=torch.int64)
     lp, expected = torch.zeros(bs, L), torch.zeros(bs)
     fused.chain_head(logits, tokens, lp, expected)
     x = logits.float()
     assert torch.equal(tokens.view(-1), torch.argmax(x, -1)) and tokens[0, 0] == 7
+    assert torch.isfinite(lp).all() and torch.isfinite(expected).all()
     want_lp = (x.max(-1).values - torch.logsumexp(x, -1)).view(bs, L)
     assert torch.allclose(lp, want_lp, atol=1e-5)
     assert torch.allclose(expected, torch.exp(torch.cumsum(want_lp, 1)).sum(1), rtol=1e-5)
