@@ -9,7 +9,8 @@ prompt's last token is not in the window). From each trace: the wall time of a s
 and the kernels that take the most GPU time per step, grouped by name. A step whose GPU busy time is far below its
 wall time is bound by the host (the scheduler, the drafter's launches), not by attention: the GPU's waits on the host
 (idle gaps over 20 us, charged to the kernel that ends each) and the launches a step are in the JSON, and each row's
-kernels (name, start, duration) in kernels/<row>.kernels.json.gz beside --out, for a timeline read offline.
+kernels (name, start, duration) in kernels/<row>.kernels.json.gz beside --out, for a timeline read offline
+(kernel_build/bench/tuning/profile_steps.py cuts them into steps: a chain step's cost beside a tree step's).
 
     python3 kernel_build/bench/benchmarks/profile_engine.py --out profile.md          # profile.json beside it
     # a DDTREE step's own cost against DFlash's chain at the same verified width (16 tokens), and auto's, in on only
