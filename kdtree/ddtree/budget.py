@@ -30,9 +30,9 @@ it as accepted over E_chain); seconds(chain) = F_chain + the chain's attention (
 rest), F_chain learnt from the intervals after chain steps as F from the tree's. A tree is chosen over the chain
 only if it promises `chain_margin` (5%) more tokens a second. Each kind's F is a time only its own steps observe,
 so after `explore_every` (64) steps of one kind the best of the other runs for `explore_run` (3) steps (after 4 while
-the other has fewer than 3 samples); each exploration that leaves the choice where it was doubles that interval, up
-to `explore_max` (256), and a change of kind sets it back. Not offered under tensor parallelism: each rank's host chooses on its own, and a
-step's kind must agree on every rank.
+the other has fewer than 3 samples); each exploration that leaves the choice where it was doubles that interval, up to
+`explore_max` (256), and a change of kind sets it back. Not offered under tensor parallelism: each rank's host chooses
+on its own, and a step's kind must agree on every rank.
 
 The policy is plain Python on host numbers (this module imports torch only in `measure_cut_cost`), tested on the CPU.
 """
@@ -151,9 +151,8 @@ class BudgetPolicy:
         """The budget (or CHAIN) for a decode step of bs requests whose prefixes sum to sum_prefix, at host time `now`
         (seconds); serving: kdtree computes this step's verify (mode on); chain_ok: the chain can run this batch."""
         self._learn_fixed(now)
-        if (
-            not serving
-        ):  # an exploration cut short by a mode change learnt nothing: it neither ran nor confirmed
+        if not serving:
+            # an exploration cut short by a mode change learnt nothing: it neither ran nor confirmed
             self._explore_left, self._explored_from = 0, None
         b = self._best(bs, sum_prefix, chain_ok) if serving else self.cap
         if self._last_kind_is_chain == (b == CHAIN):

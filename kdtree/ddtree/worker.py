@@ -80,7 +80,9 @@ class TreeOutputs:
         self.ids = torch.zeros(rows, L, K, **i64)
         self.root = torch.zeros(rows, **i64)
         self.chain = torch.zeros(rows, L, **i64)
-        self.chain_lp = torch.zeros(rows, L, dtype=torch.float32, device=device)
+        self.chain_lp = torch.zeros(
+            rows, L, dtype=torch.float32, device=device
+        )  # chain_head's (split head only)
         self.chain_expected = torch.zeros(rows, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(rows, N, **i64)
         self.candidates = torch.zeros(rows, N, **i64)
@@ -96,10 +98,10 @@ class TreeOutputs:
         self.ids[:bs].copy_(ids)
 
     def take_chain(self, lp: torch.Tensor, ids: torch.Tensor, bs: int) -> None:
-        """The chain and E_chain from each depth's top-K (sorted descending): its first candidates."""
+        """The chain and E_chain from each depth's top-K (sorted descending): its first candidates (chain_lp is left
+        alone: nothing reads it here, and the whole head runs every step)."""
         self.chain[:bs].copy_(ids[:, :, 0])
-        self.chain_lp[:bs].copy_(lp[:, :, 0])
-        chain_expected(self.chain_lp[:bs], out=self.chain_expected[:bs])
+        chain_expected(lp[:, :, 0], out=self.chain_expected[:bs])
 
 
 class TreeDraftSampler:
@@ -109,8 +111,8 @@ class TreeDraftSampler:
     kernel alone is ~200 us at budget 32 on an H200, ~1.5% of a 61-layer step at 32k).
 
     With `split_head` (auto's chain arm, a dense lm_head on one rank) the draft graph's head keeps the logits in a
-    buffer of its own and takes only the chain from them (`kdtree.ddtree.fused.chain_head`: two launches, as DFlash's
-    argmax head is one), and the tree's graph takes the top-K from that buffer: a chain step then costs what DFlash's
+    buffer of its own and takes only the chain from them (`kdtree.ddtree.fused.chain_head`: two launches where DFlash's
+    argmax head takes one), and the tree's graph takes the top-K from that buffer: a chain step then costs what DFlash's
     does (the whole head in the draft graph took 72 us more a step on the H200, about 17 launches).
 
     Graph replays pad the batch to a captured size, so the tree is built into per-size `TreeBuffers` made
