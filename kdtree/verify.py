@@ -594,9 +594,11 @@ class VerifyOverride:
 
 
 def live_rows(c: VerifyCall, state: DeviceState) -> torch.Tensor | None:
-    """The cut an `on` launch of this call reads: DDTREE's verify only (its worker writes the buffer), and a batch the
-    buffer holds."""
+    """The cut an `on` launch of this call reads: DDTREE's tree verify only (its worker writes the buffer), and a batch
+    the buffer holds. Auto's chain verify (no mask: every token live) takes none, so its kernel skips the load."""
     if getattr(getattr(c.forward_batch, "spec_algorithm", None), "name", None) != "DDTREE":
+        return None
+    if c.backend.forward_metadata.custom_mask is None:
         return None
     batch = c.backend.forward_metadata.qo_indptr.numel() - 1
     return state.live_rows if batch <= state.live_rows.numel() else None

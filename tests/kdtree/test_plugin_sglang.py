@@ -549,3 +549,32 @@ def test_validate_compares_an_fp8_pool_against_its_dtype_bound(pool_dtype, setti
     want = FP8_PARITY_RTOL[getattr(torch, pool_dtype)] if bound == "fp8" else bound
     assert parity_rtol(c, setting) == want
     assert bound != "fp8" or want > setting
+
+
+@pytest.mark.parametrize(
+    "algorithm,mask,batch,reads",
+    [
+        ("DDTREE", True, 2, True),  # a tree verify: the cut
+        ("DDTREE", False, 2, False),  # auto's chain verify: causal, every token live
+        ("DFLASH", True, 2, False),  # another algorithm's verify writes no cut
+        ("DDTREE", True, 5, False),  # a batch past the buffer: every token
+    ],
+)
+def test_only_a_ddtree_tree_verify_reads_the_cut(algorithm, mask, batch, reads):
+    import torch
+
+    from kdtree.verify import live_rows
+
+    state = SimpleNamespace(live_rows=torch.zeros(4, dtype=torch.int32))
+    metadata = SimpleNamespace(
+        custom_mask=torch.ones(16, dtype=torch.bool) if mask else None, qo_indptr=torch.zeros(batch + 1)
+    )
+    c = _call(
+        **{
+            "backend.forward_metadata": metadata,
+            "forward_batch.spec_algorithm": SimpleNamespace(name=algorithm),
+        }
+    )
+    assert (
+        live_rows(c, state) is state.live_rows
+    ) == reads  # tests/gpu/test_hook_gpu.py runs the kernel on it
