@@ -372,3 +372,25 @@ def test_a_benchmarks_ddtree_key_runs_its_budget_fixed_or_auto():
     for t in (15, 31):
         args = real_server.SPECULATIVE[f"DDTREE-B16-T{t}"]
         assert int(args[args.index("--speculative-num-draft-tokens") + 1]) == t + 1
+
+
+@pytest.mark.sglang
+def test_servers_started_together_get_rendezvous_ports_of_their_own_that_sglang_takes(tmp_path):
+    """SGLang draws a server's rendezvous port at random unless --nccl-port names one; two servers starting together
+    once drew the same (EADDRINUSE on the GPU machine). Every server of the harness names its own, and SGLang's own
+    parser reads it."""
+    import argparse
+
+    import real_server
+    from sglang.srt.server_args import ServerArgs
+
+    from kdtree.config import Mode
+
+    spec = real_server.ServerSpec("ngram-on", "NGRAM", Mode.ON)
+    servers = [real_server.RealServer(spec, tmp_path / f"s{i}", tmp_path / "model") for i in range(8)]
+    ports = [s.nccl_port for s in servers] + [s.port for s in servers]
+    assert len(set(ports)) == len(ports)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(servers[0].args())
+    assert args.nccl_port == servers[0].nccl_port and args.port == servers[0].port

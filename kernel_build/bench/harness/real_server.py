@@ -30,6 +30,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,10 +169,20 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+_GIVEN_PORTS: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and handed to no other server of this process: servers start in parallel and bind only later."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _GIVEN_PORTS:
+                _GIVEN_PORTS.add(port)
+                return port
 
 
 @dataclass(frozen=True)
@@ -251,6 +262,9 @@ class RealServer(Orchestrated):
         self.spec = spec
         self.root = root
         self.port = port or free_port()
+        # SGLang draws its rendezvous port at random in each server (22000-29999), so servers starting together can
+        # draw the same one (EADDRINUSE at init_process_group): each gets one of its own.
+        self.nccl_port = free_port()
         self.model_dir = model_dir
         state = root / "state"
         state.mkdir(parents=True, exist_ok=True)
@@ -286,6 +300,7 @@ class RealServer(Orchestrated):
         s = self.spec
         return [
             "--model-path", str(self.model_dir), "--tp-size", "1", "--host", "127.0.0.1", "--port", str(self.port),
+            "--nccl-port", str(self.nccl_port),
             "--attention-backend", "triton", "--trust-remote-code", "--load-format", "dummy",
             "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--mem-fraction-static", str(s.mem_fraction), "--max-total-tokens", str(s.max_total_tokens),
