@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from enum import Enum, StrEnum
 from typing import ClassVar, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -129,10 +130,29 @@ def invalid_setting(cls: type[KdtreeSettings], e: ValidationError) -> str:
     var = name.upper() if name.upper().startswith("KDTREE_") else "KDTREE_" + name.upper()
     field = cls.model_fields.get(name)
     kind = field.annotation if field is not None else None
-    if isinstance(kind, type) and issubclass(kind, Enum):
+    choices = isinstance(kind, type) and issubclass(kind, Enum)
+    if choices:
         msg = "set it to one of: " + ", ".join(m.value for m in kind)
     fix = cls.fixes.get(var)
+    # pydantic's own constraints (a bound, a type) name no fix: the way out every optional setting has
+    if not (fix or choices or err["type"] == "value_error") and field is not None and not field.is_required():
+        default = field.get_default(call_default_factory=True)
+        shown = default.value if isinstance(default, Enum) else default
+        fix = "a value that meets this, or unset it" + (
+            f" for the default ({shown})" if shown is not None else ""
+        )
     return f"{var}={err.get('input')!r} is invalid: {msg}" + (f"; fix: {fix}" if fix else "")
+
+
+def http_url(value: str, example: str = "http://HOST:PORT") -> str:
+    """value, if it is an http(s) URL with a host (at most 2,048 characters); else ValueError naming the form."""
+    try:
+        parts = urlsplit(value) if isinstance(value, str) and len(value) <= 2048 else None
+    except ValueError:  # urlsplit's own refusals (an unclosed IPv6 bracket)
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{str(value)[:100]!r} is not an http(s) URL: write it as {example}")
+    return value
 
 
 class StateDirSettings(KdtreeSettings):

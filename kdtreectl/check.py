@@ -32,7 +32,7 @@ from sidecar.vocabulary import Outcome
 
 from .client import SidecarClient, Unreachable, criterion_line, short
 from .exit_codes import BUSY, CRASHED, FAILED, NOT_READY, OK, UNREACHABLE, USAGE, listing, readiness
-from .settings import CtlSettings
+from .settings import CtlSettings, url_flag
 
 
 class ServerUnreachable(Exception):
@@ -378,6 +378,7 @@ def add_parser(sub, common: dict) -> None:
     )
     c.add_argument(
         "--server-url",
+        type=url_flag,
         default=CtlSettings.load().server_url,
         help="the SGLang server's base URL (env KDTREE_SERVER_URL)",
     )

@@ -18,7 +18,7 @@ from sidecar.vocabulary import Outcome, Step
 from . import check, exit_codes, rollout, rollout_pods
 from .client import SidecarClient, Unreachable, busy_with, criterion_line, fmt_elapsed
 from .exit_codes import BUSY, CRASHED, FAILED, OK, TIMED_OUT, UNAUTHORIZED, UNREACHABLE, USAGE, readiness
-from .settings import CtlSettings
+from .settings import CtlSettings, url_flag
 
 
 def _client(args) -> SidecarClient:
@@ -299,6 +299,7 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--url",
+        type=url_flag,
         default=default(env.sidecar_url),
         help="sidecar base URL (env KDTREE_SIDECAR_URL)",
     )

@@ -1,15 +1,16 @@
-"""kdtreectl's variables: the defaults of its flags (the README's kdtreectl table). The sidecar's own settings are
-sidecar/settings.py; KDTREE_ADMIN_TOKEN (or KDTREE_ADMIN_TOKEN_FILE), KDTREE_SERVER_URL and KDTREE_SERVER_API_KEY mean
-the same thing in both, so that kdtreectl run in the sidecar's container (docker compose exec sidecar kdtreectl, or
-kubectl exec into a pod's sidecar, whose token is a Secret's file) finds them set."""
+"""kdtreectl's variables: the defaults of its flags (docs/configuration.md's kdtreectl table). The sidecar's own
+settings are sidecar/settings.py; KDTREE_ADMIN_TOKEN (or KDTREE_ADMIN_TOKEN_FILE), KDTREE_SERVER_URL and
+KDTREE_SERVER_API_KEY mean the same thing in both, so that kdtreectl run in the sidecar's container (docker compose
+exec sidecar kdtreectl, or kubectl exec into a pod's sidecar, whose token is a Secret's file) finds them set."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-from pydantic import PrivateAttr, SecretStr, model_validator
+from pydantic import PrivateAttr, SecretStr, field_validator, model_validator
 
-from kdtree.config import KdtreeSettings
+from kdtree.config import KdtreeSettings, http_url
 from sidecar.settings import token_from
 
 
@@ -22,6 +23,11 @@ class CtlSettings(KdtreeSettings):
     # why no token came from the token variables (both set, a file unreadable or not a token): kdtreectl warns, and
     # only the commands that need a token fail (the sidecar's 401), unless --token gives one
     _token_problem: str | None = PrivateAttr(default=None)
+
+    @field_validator("sidecar_url", "server_url")
+    @classmethod
+    def _urls(cls, v: str) -> str:
+        return http_url(v)
 
     @model_validator(mode="after")
     def _token_from_file(self) -> CtlSettings:
@@ -37,3 +43,11 @@ class CtlSettings(KdtreeSettings):
     @property
     def token_problem(self) -> str | None:
         return self._token_problem
+
+
+def url_flag(text: str) -> str:
+    """argparse's type for --url and --server-url: the settings' own check, as a usage error (exit 2)."""
+    try:
+        return http_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from kdtree.config import Mode, StateDirSettings
+from kdtree.config import Mode, StateDirSettings, http_url
 
 GROUP_MAX_NODES = 64
 
@@ -152,6 +151,11 @@ class SidecarSettings(StateDirSettings):
         validation_alias=AliasChoices("KDTREE_NODE_RANK", "LWS_WORKER_INDEX"),
     )
 
+    @field_validator("server_url")
+    @classmethod
+    def _server_url(cls, v: str) -> str:
+        return http_url(v, "http://HOST:30000, the SGLang server's base URL")
+
     @field_validator("group_workers", mode="before")
     @classmethod
     def _worker_urls(cls, v):
@@ -162,17 +166,7 @@ class SidecarSettings(StateDirSettings):
                 f"at most {GROUP_MAX_NODES - 1} worker URLs (a group of {GROUP_MAX_NODES} nodes)"
             )
         for url in v:
-            parts = urlsplit(url) if isinstance(url, str) else None
-            if (
-                parts is None
-                or parts.scheme not in ("http", "https")
-                or not parts.hostname
-                or len(url) > 2048
-            ):
-                raise ValueError(
-                    f"{str(url)[:100]!r} is not an http(s) URL: list each worker's sidecar as "
-                    "http://HOST:8080, comma-separated"
-                )
+            http_url(url, "http://HOST:8080, one a worker's sidecar, comma-separated")
         return [u.rstrip("/") for u in v]
 
     @model_validator(mode="after")

@@ -67,6 +67,26 @@ def test_wait_exits_4_on_timeout(stack):
     assert r.returncode == 4 and "not ready after" in r.stderr and "connection_refused" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "args,env,named",
+    [
+        (["--url", "localhost:8080", "status"], {}, "argument --url: 'localhost:8080' is not an http(s) URL"),
+        (
+            ["check", "--server-url", "127.0.0.1:30000"],
+            {},
+            "argument --server-url: '127.0.0.1:30000' is not an",
+        ),
+        (["status"], {"KDTREE_SIDECAR_URL": "localhost:1"}, "KDTREE_SIDECAR_URL='localhost:1' is invalid"),
+        (["status"], {"KDTREE_SERVER_URL": "http://"}, "KDTREE_SERVER_URL='http://' is invalid"),
+    ],
+)
+def test_a_url_without_its_scheme_is_bad_input_that_names_the_flag_or_variable(args, env, named):
+    """Bad input (exit 2, before any request), not an unreachable sidecar (exit 7 with httpx's complaint)."""
+    r = kdtreectl(None, *args, env=env, timeout=30)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert named in r.stderr and "http://" in r.stderr.split(named)[1], r.stderr
+
+
 def test_wait_exits_7_when_no_sidecar_answers():
     r = kdtreectl(f"http://127.0.0.1:{free_port()}", "wait", "--timeout", "0.5", "--interval", "0.1")
     assert r.returncode == 7 and "never answered" in r.stderr

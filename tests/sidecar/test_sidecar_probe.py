@@ -377,7 +377,17 @@ def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
     monkeypatch.setenv("KDTREE_ALLOW_OPEN_ADMIN", "true")
     assert SidecarSettings.load().allow_open_admin
     monkeypatch.setenv("KDTREE_PROBE_DEADLINE_S", "soon")
-    with pytest.raises(ConfigError, match="KDTREE_PROBE_DEADLINE_S='soon' is invalid"):
+    with pytest.raises(
+        ConfigError, match="KDTREE_PROBE_DEADLINE_S='soon' is invalid: .*; fix: .*default \\(10.0\\)"
+    ):
+        SidecarSettings.load()
+    monkeypatch.delenv("KDTREE_PROBE_DEADLINE_S")
+    monkeypatch.setenv(
+        "KDTREE_SERVER_URL", "localhost:13000"
+    )  # the probe would fail later, naming no setting
+    with pytest.raises(
+        ConfigError, match="KDTREE_SERVER_URL='localhost:13000' is invalid: .* write it as http://"
+    ):
         SidecarSettings.load()
 
 
