@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|oracle|engine-profile|fp8|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|oracle|engine-profile|fp8|userbench|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
@@ -44,6 +44,12 @@
 # summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
 set -uo pipefail
 what=${1:-all}; shift || true
+parts="tests bench ddtree-grid modes profile engine-tests engine engine-spec oracle engine-profile fp8 userbench all"
+if [[ " $parts " != *" $what "* ]]; then  # before the GPU probe: a typo or --help is answered on any machine
+  sed -n '2,4p' "$0"
+  case "$what" in -h | --help) exit 0 ;; esac
+  echo "device_run.sh: no part named '$what' (the parts: $parts)" >&2; exit 2
+fi
 t0=$SECONDS
 source kernel_build/bench/gpu_env.sh
 logs=$out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -260,6 +261,25 @@ def test_device_run_has_the_ddtree_grid_target():
         ["bash", "-n", str(ROOT / "kernel_build" / "bench" / "device_run.sh")], capture_output=True
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_device_run_names_its_parts_before_it_looks_for_a_gpu():
+    """A typo is refused (exit 2, the parts listed) and --help answered on a machine without a GPU; every part the
+    script runs is in its list and its usage line."""
+    path = ROOT / "kernel_build" / "bench" / "device_run.sh"
+    script = path.read_text()
+    listed = set(re.search(r'^parts="([^"]+)"', script, re.M).group(1).split())
+    usage = next(line for line in script.splitlines() if line.startswith("# usage:"))
+    assert (
+        listed
+        == set(re.findall(r'"\$what" = ([\w-]+)', script))
+        == set(usage.split("[", 1)[1].split("]")[0].split("|"))
+    )
+    bad = subprocess.run(["bash", str(path), "engine-spce"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "no part named 'engine-spce'" in bad.stderr and "engine-spec" in bad.stderr
+    assert "nvidia-smi" not in bad.stderr
+    helped = subprocess.run(["bash", str(path), "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert helped.returncode == 0 and "# usage:" in helped.stdout
 
 
 def test_input_sets_keep_the_published_rule_on_the_h200_and_grow_with_the_l2():
