@@ -129,6 +129,8 @@ def invalid_setting(cls: type[KdtreeSettings], e: ValidationError) -> str:
     name = str(err["loc"][0])
     var = name.upper() if name.upper().startswith("KDTREE_") else "KDTREE_" + name.upper()
     field = cls.model_fields.get(name)
+    if field is None:  # read through an alias: pydantic names the first of the field's choices
+        field = next((f for f in cls.model_fields.values() if name in _alias_names(f)), None)
     kind = field.annotation if field is not None else None
     choices = isinstance(kind, type) and issubclass(kind, Enum)
     if choices:
@@ -144,14 +146,26 @@ def invalid_setting(cls: type[KdtreeSettings], e: ValidationError) -> str:
     return f"{var}={err.get('input')!r} is invalid: {msg}" + (f"; fix: {fix}" if fix else "")
 
 
+def _alias_names(field) -> set[str]:
+    alias = field.validation_alias
+    choices = alias.choices if isinstance(alias, AliasChoices) else [alias] if alias else []
+    return {c for c in choices if isinstance(c, str)}
+
+
 def http_url(value: str, example: str = "http://HOST:PORT") -> str:
-    """value, if it is an http(s) URL with a host (at most 2,048 characters); else ValueError naming the form."""
+    """value, if it is an http(s) URL with a host and, if any, a port in range (at most 2,048 characters, no
+    surrounding space); else ValueError naming the form (not the value: the caller's message has it)."""
     try:
-        parts = urlsplit(value) if isinstance(value, str) and len(value) <= 2048 else None
-    except ValueError:  # urlsplit's own refusals (an unclosed IPv6 bracket)
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{str(value)[:100]!r} is not an http(s) URL: write it as {example}")
+        ok = isinstance(value, str) and len(value) <= 2048 and value == value.strip()
+        parts = urlsplit(value) if ok else None
+        ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        ok = ok and (
+            parts.port is None or parts.port > 0
+        )  # .port refuses a port out of range or not a number
+    except ValueError:  # urlsplit's own refusals (an unclosed IPv6 bracket), a bad port
+        ok = False
+    if not ok:
+        raise ValueError(f"not an http(s) URL with a host and a valid port: write it as {example}")
     return value
 
 

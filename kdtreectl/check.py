@@ -378,7 +378,7 @@ def add_parser(sub, common: dict) -> None:
     )
     c.add_argument(
         "--server-url",
-        type=url_flag,
+        type=url_flag("KDTREE_SERVER_URL"),
         default=CtlSettings.load().server_url,
         help="the SGLang server's base URL (env KDTREE_SERVER_URL)",
     )

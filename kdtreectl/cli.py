@@ -299,7 +299,7 @@ def _global_flags(*, defaults: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--url",
-        type=url_flag,
+        type=url_flag("KDTREE_SIDECAR_URL"),
         default=default(env.sidecar_url),
         help="sidecar base URL (env KDTREE_SIDECAR_URL)",
     )

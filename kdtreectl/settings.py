@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pydantic import PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import PrivateAttr, SecretStr, model_validator
 
 from kdtree.config import KdtreeSettings, http_url
 from sidecar.settings import token_from
@@ -23,11 +23,6 @@ class CtlSettings(KdtreeSettings):
     # why no token came from the token variables (both set, a file unreadable or not a token): kdtreectl warns, and
     # only the commands that need a token fail (the sidecar's 401), unless --token gives one
     _token_problem: str | None = PrivateAttr(default=None)
-
-    @field_validator("sidecar_url", "server_url")
-    @classmethod
-    def _urls(cls, v: str) -> str:
-        return http_url(v)
 
     @model_validator(mode="after")
     def _token_from_file(self) -> CtlSettings:
@@ -45,9 +40,16 @@ class CtlSettings(KdtreeSettings):
         return self._token_problem
 
 
-def url_flag(text: str) -> str:
-    """argparse's type for --url and --server-url: the settings' own check, as a usage error (exit 2)."""
-    try:
-        return http_url(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def url_flag(variable: str):
+    """argparse's type for a URL flag whose default is `variable`'s: kdtree.config's check, as a usage error (exit
+    2). argparse converts a default given as text too, so a bad variable is refused only where its flag is read."""
+
+    def parse(text: str) -> str:
+        try:
+            return http_url(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"{text[:100]!r} is {e} (the flag, or {variable} without it)"
+            ) from None
+
+    return parse

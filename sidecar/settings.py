@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
@@ -16,6 +16,10 @@ GROUP_MAX_NODES = 64
 
 
 class SidecarSettings(StateDirSettings):
+    fixes: ClassVar[dict[str, str]] = {
+        "KDTREE_EXPECTED_TP_SIZE": "set it to the server's --tp-size (every node's ranks); 0 skips the rank check"
+    }
+
     # Where the sidecar itself listens.
     sidecar_host: str = "0.0.0.0"
     sidecar_port: int = Field(8080, ge=1, le=65535)
@@ -166,7 +170,10 @@ class SidecarSettings(StateDirSettings):
                 f"at most {GROUP_MAX_NODES - 1} worker URLs (a group of {GROUP_MAX_NODES} nodes)"
             )
         for url in v:
-            http_url(url, "http://HOST:8080, one a worker's sidecar, comma-separated")
+            try:
+                http_url(url, "http://HOST:8080, one a worker's sidecar, comma-separated")
+            except ValueError as e:
+                raise ValueError(f"{str(url)[:100]!r}: {e}") from None
         return [u.rstrip("/") for u in v]
 
     @model_validator(mode="after")

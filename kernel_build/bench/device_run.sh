@@ -45,7 +45,7 @@
 set -uo pipefail
 what=${1:-all}; shift || true
 parts="tests bench ddtree-grid modes profile engine-tests engine engine-spec oracle engine-profile fp8 userbench all"
-if [[ " $parts " != *" $what "* ]]; then  # before the GPU probe: a typo or --help is answered on any machine
+if [[ " $parts " != *" $what "* || "$what" == *[[:space:]]* ]]; then  # before the GPU probe: a typo or --help
   sed -n '2,4p' "$0"
   case "$what" in -h | --help) exit 0 ;; esac
   echo "device_run.sh: no part named '$what' (the parts: $parts)" >&2; exit 2

@@ -76,15 +76,36 @@ def test_wait_exits_4_on_timeout(stack):
             {},
             "argument --server-url: '127.0.0.1:30000' is not an",
         ),
-        (["status"], {"KDTREE_SIDECAR_URL": "localhost:1"}, "KDTREE_SIDECAR_URL='localhost:1' is invalid"),
-        (["status"], {"KDTREE_SERVER_URL": "http://"}, "KDTREE_SERVER_URL='http://' is invalid"),
+        (["--url", "http://127.0.0.1:abc", "status"], {}, "argument --url: 'http://127.0.0.1:abc' is not"),
+        (["status"], {"KDTREE_SIDECAR_URL": "localhost:1"}, "argument --url: 'localhost:1' is not"),
+        (["check"], {"KDTREE_SERVER_URL": "http://"}, "argument --server-url: 'http://' is not"),
     ],
 )
 def test_a_url_without_its_scheme_is_bad_input_that_names_the_flag_or_variable(args, env, named):
     """Bad input (exit 2, before any request), not an unreachable sidecar (exit 7 with httpx's complaint)."""
     r = kdtreectl(None, *args, env=env, timeout=30)
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert named in r.stderr and "http://" in r.stderr.split(named)[1], r.stderr
+    assert named in r.stderr and "http://HOST:PORT" in r.stderr.split(named)[1], r.stderr
+    assert not env or next(iter(env)) in r.stderr  # the variable that gave the default
+
+
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["--url", f"https://[::1]:{free_port()}/base/", "status"], {}),  # https, IPv6, a path
+        (
+            ["--url", f"http://127.0.0.1:{free_port()}", "status"],
+            {"KDTREE_SIDECAR_URL": "localhost:1"},
+        ),  # overrides
+        (
+            ["--url", f"http://127.0.0.1:{free_port()}", "status"],
+            {"KDTREE_SERVER_URL": "nonsense"},
+        ),  # not read
+    ],
+)
+def test_a_good_url_reaches_the_request_whatever_an_unused_variable_holds(args, env):
+    r = kdtreectl(None, *args, "--http-timeout", "2", env=env, timeout=30)
+    assert r.returncode == 7 and "cannot reach the sidecar" in r.stderr, (r.stdout, r.stderr)
 
 
 def test_wait_exits_7_when_no_sidecar_answers():

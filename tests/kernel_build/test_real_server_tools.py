@@ -5,6 +5,7 @@ machine lacks, and the sidecar's startup markers against an excerpt of a real se
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import sys
 import types
@@ -387,9 +388,17 @@ def test_servers_started_together_get_rendezvous_ports_of_their_own_that_sglang_
     from kdtree.config import Mode
 
     spec = real_server.ServerSpec("ngram-on", "NGRAM", Mode.ON)
-    servers = [real_server.RealServer(spec, tmp_path / f"s{i}", tmp_path / "model") for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # as the GPU suite's fleet makes them
+        servers = list(
+            pool.map(
+                lambda i: real_server.RealServer(spec, tmp_path / f"s{i}", tmp_path / "model"), range(32)
+            )
+        )
     ports = [s.nccl_port for s in servers] + [s.port for s in servers]
     assert len(set(ports)) == len(ports)
+    assert all(
+        22000 <= s.nccl_port <= 29999 for s in servers
+    )  # where SGLang draws it: no outgoing connection's
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(servers[0].args())

@@ -382,11 +382,24 @@ def test_settings_refuse_to_start_without_an_admin_decision(monkeypatch):
     ):
         SidecarSettings.load()
     monkeypatch.delenv("KDTREE_PROBE_DEADLINE_S")
-    monkeypatch.setenv(
-        "KDTREE_SERVER_URL", "localhost:13000"
-    )  # the probe would fail later, naming no setting
+    # the probe would fail later, naming no setting
+    monkeypatch.setenv("KDTREE_SERVER_URL", "localhost:13000")
+    with pytest.raises(ConfigError, match="KDTREE_SERVER_URL='localhost:13000' is invalid: .*as http://"):
+        SidecarSettings.load()
+    monkeypatch.setenv("KDTREE_SERVER_URL", "http://server:30x")  # httpx: InvalidURL at every probe
+    with pytest.raises(ConfigError, match="KDTREE_SERVER_URL='http://server:30x' is invalid: .*valid port"):
+        SidecarSettings.load()
+    monkeypatch.setenv("KDTREE_SERVER_URL", "https://[fd00::1]:30000/base/")
+    assert SidecarSettings.load().server_url == "https://[fd00::1]:30000/base/"
+    # a field read through an alias: its default still named
+    monkeypatch.setenv("KDTREE_READY_TIMEOUT_S", "-1")
+    with pytest.raises(ConfigError, match=r"KDTREE_READY_TIMEOUT_S='-1' is invalid: .*default \(1800.0\)"):
+        SidecarSettings.load()
+    monkeypatch.delenv("KDTREE_READY_TIMEOUT_S")
+    # its own fix: the default (1) is wrong for most servers
+    monkeypatch.setenv("KDTREE_EXPECTED_TP_SIZE", "-8")
     with pytest.raises(
-        ConfigError, match="KDTREE_SERVER_URL='localhost:13000' is invalid: .* write it as http://"
+        ConfigError, match="KDTREE_EXPECTED_TP_SIZE='-8' is invalid: .*fix: set it to the server's"
     ):
         SidecarSettings.load()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -185,6 +186,28 @@ def free_port() -> int:
                 return port
 
 
+def rendezvous_port() -> int:
+    """A port for a server's rendezvous (--nccl-port), drawn as SGLang draws it (below the kernel's ephemeral range,
+    where no outgoing connection takes it before the server binds it; free on every address) but never one handed
+    to another server of this process."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    with _PORTS_LOCK:
+        for port in random.sample(range(22000, min(29999, ephemeral_low - 1) + 1), 256):
+            if port in _GIVEN_PORTS:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+            _GIVEN_PORTS.add(port)
+            return port
+    raise RuntimeError("no free rendezvous port below the ephemeral range (22000-29999) after 256 draws")
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """One server: speculative algorithm, the mode it starts in, how kdtree is installed, the model's depth."""
@@ -264,7 +287,7 @@ class RealServer(Orchestrated):
         self.port = port or free_port()
         # SGLang draws its rendezvous port at random in each server (22000-29999), so servers starting together can
         # draw the same one (EADDRINUSE at init_process_group): each gets one of its own.
-        self.nccl_port = free_port()
+        self.nccl_port = rendezvous_port()
         self.model_dir = model_dir
         state = root / "state"
         state.mkdir(parents=True, exist_ok=True)
