@@ -139,6 +139,8 @@ class Prober:
         api_key: str | None = None,
     ):
         self.server_url = server_url.rstrip("/")
+        # what the probe's verdicts (and so /status) say of it: credentials in the URL stay out
+        self._shown_url = str(httpx.URL(self.server_url).copy_with(userinfo=b""))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # One TLS context for every client: httpx builds a new one per client otherwise, about 50 ms of the event
         # loop each (for /ready's answers too), twice a round with /health beside the probe.
@@ -224,7 +226,7 @@ class Prober:
         except TimeoutError:
             result = self._failed(TIMEOUT, f"no answer within {self.timeout_s:.3g}s", start, model)
         except httpx.ConnectError as e:
-            result = self._failed(REFUSED, f"cannot connect to {self.server_url}: {e}", start, model)
+            result = self._failed(REFUSED, f"cannot connect to {self._shown_url}: {e}", start, model)
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
             result = self._failed(DISCONNECTED, f"connection broke: {e!r}", start, model)
         except httpx.TimeoutException:

@@ -73,6 +73,14 @@ async def test_probe_names_each_fault(engine, fault, reason):
     assert time.monotonic() - start < 0.8 + 0.3  # a hang costs the deadline, no more
 
 
+async def test_a_refused_probe_names_the_server_without_the_urls_credentials():
+    """The verdict's detail reaches GET /status: a password in KDTREE_SERVER_URL stays out of it."""
+    port = free_port()
+    r = await P.Prober(f"http://probe:s3cret@127.0.0.1:{port}", "Hi", 2, 1.0, "m").probe()
+    assert r.reason == P.REFUSED and f"cannot connect to http://127.0.0.1:{port}" in r.detail
+    assert "s3cret" not in r.detail and "probe:" not in r.detail
+
+
 def test_the_standin_refuses_a_fault_it_does_not_have(engine):
     """The demo switches faults by name: a misspelt one is refused, naming the valid ones, and changes nothing."""
     url = f"http://127.0.0.1:{engine().port}/_standin/fault"
