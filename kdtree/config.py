@@ -159,9 +159,8 @@ def http_url(value: str, example: str = "http://HOST:PORT") -> str:
         ok = isinstance(value, str) and len(value) <= 2048 and value == value.strip()
         parts = urlsplit(value) if ok else None
         ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
-        ok = ok and (
-            parts.port is None or parts.port > 0
-        )  # .port refuses a port out of range or not a number
+        # .port raises ValueError for a port out of range or not a number
+        ok = ok and (parts.port is None or parts.port > 0)
     except ValueError:  # urlsplit's own refusals (an unclosed IPv6 bracket), a bad port
         ok = False
     if not ok:

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 import httpx
 
+from kdtree.config import http_url
 from sidecar.api import Criterion, ModeAnswer, StatusDocument
 from sidecar.store import Transition
 from sidecar.vocabulary import Outcome
@@ -84,9 +85,11 @@ with --dry-run: allowed, refused, already.
 
 
 def _normalized_url(url: str) -> str:
+    try:
+        http_url(url.strip(), "http://10.0.0.5:8080")  # the one check of a URL (kdtree.config)
+    except ValueError as e:
+        raise ValueError(f"--sidecar {url!r} is {e}") from None
     parsed = httpx.URL(url.strip())
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"--sidecar {url!r} is not an http(s) URL with a host, e.g. http://10.0.0.5:8080")
     return str(parsed.copy_with(path=parsed.path.rstrip("/") or "/", query=None, fragment=None)).rstrip("/")
 
 

@@ -80,9 +80,8 @@ class TreeOutputs:
         self.ids = torch.zeros(rows, L, K, **i64)
         self.root = torch.zeros(rows, **i64)
         self.chain = torch.zeros(rows, L, **i64)
-        self.chain_lp = torch.zeros(
-            rows, L, dtype=torch.float32, device=device
-        )  # chain_head's (split head only)
+        # chain_head's (the split head only)
+        self.chain_lp = torch.zeros(rows, L, dtype=torch.float32, device=device)
         self.chain_expected = torch.zeros(rows, dtype=torch.float32, device=device)
         self.input_ids = torch.zeros(rows, N, **i64)
         self.candidates = torch.zeros(rows, N, **i64)
