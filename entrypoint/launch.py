@@ -67,8 +67,8 @@ class LauncherSettings(SupervisorSettings):
 
     fixes: ClassVar[dict[str, str]] = {
         **SupervisorSettings.fixes,
-        "KDTREE_ALLOW_OTHER_BACKEND": "set it to 1 or 0",
-        "KDTREE_RESTART_IN_PLACE": "set it to 1 or 0",
+        "KDTREE_ALLOW_OTHER_BACKEND": "set it to true or false",
+        "KDTREE_RESTART_IN_PLACE": "set it to true or false",
     }
 
     allow_other_backend: bool = False  # serve with a non-Triton attention backend: kdtree then never runs
@@ -468,7 +468,7 @@ def plan(
     or_else = (
         " (DDTREE's tree verify runs there in every mode, whatever KDTREE_ALLOW_OTHER_BACKEND says)"
         if algorithm == "DDTREE"
-        else ", or set KDTREE_ALLOW_OTHER_BACKEND=1 to serve without kdtree"
+        else ", or set KDTREE_ALLOW_OTHER_BACKEND=true to serve without kdtree"
     )
     if args.attention_backend is None and not allow_other:
         raise LaunchError(

@@ -145,7 +145,9 @@ def test_invalid_launcher_setting(model, monkeypatch, capsys):
     monkeypatch.setenv("KDTREE_ALLOW_OTHER_BACKEND", "perhaps")
     assert run(args(model))[0] == EXIT_CONFIG
     line = error_line(capsys)
-    assert "KDTREE_ALLOW_OTHER_BACKEND='perhaps' is invalid" in line and "fix: set it to 1 or 0" in line
+    assert (
+        "KDTREE_ALLOW_OTHER_BACKEND='perhaps' is invalid" in line and "fix: set it to true or false" in line
+    )
 
 
 def test_tp_size_above_visible_gpus(model, capsys):
