@@ -137,9 +137,19 @@ def _cuobjdump_archs() -> list[int]:
     return sorted({int(m) for m in re.findall(r"\.sm_(\d+)a?\.cubin", out)})
 
 
+# Where a stack sets the server's arguments, for the refusals that ask to change one.
+SERVER_ARGS_WHERE = (
+    "compose.yaml: KDTREE_SPECULATIVE_ARGS or KDTREE_SGLANG_EXTRA_ARGS; compose/kimi-ddtree.yaml or one-gpu.yaml: the "
+    "server command in that file, or KDTREE_SGLANG_EXTRA_ARGS; Kubernetes: the server's args, a patch in your overlay"
+)
+
+
 class _ArgParser(argparse.ArgumentParser):
     def error(self, message: str):  # one line of ours instead of argparse's usage text and exit
-        raise LaunchError(f"unreadable sglang.launch_server arguments: {message}", "fix the server command")
+        raise LaunchError(
+            f"unreadable sglang.launch_server arguments: {message}",
+            f"correct it where the server's arguments are set ({SERVER_ARGS_WHERE})",
+        )
 
 
 def _server_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -413,9 +423,8 @@ def _check_ddtree(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise LaunchError(
             f"DDTREE's server arguments: {e}",
-            "each part names its own; change the server's arguments where you set them (KDTREE_SPECULATIVE_ARGS or "
-            "KDTREE_SGLANG_EXTRA_ARGS; under compose/kimi-ddtree.yaml, the server command in that file; on Kubernetes, "
-            "the server's args: a patch in your overlay); DDTREE's settings: docs/configuration.md",
+            f"as each problem says, where the server's arguments are set ({SERVER_ARGS_WHERE}); DDTREE's settings: "
+            "docs/configuration.md",
         ) from None
 
 
@@ -603,6 +612,12 @@ def plan(
         f"attention={'/'.join(f'{k}={v}' for k, v in backends.items()) or 'SGLang default'}; "
         f"speculative={algorithm}"
         + (f" draft={args.speculative_draft_model_path}" if args.speculative_draft_model_path else "")
+        + (
+            f" N={args.speculative_num_draft_tokens} B={args.speculative_dflash_block_size} "
+            f"budget={VerifySettings.load().ddtree_budget} (KDTREE_DDTREE_BUDGET)"
+            if algorithm == "DDTREE"
+            else ""
+        )
         + ("; api key: from KDTREE_SERVER_API_KEY" if key else "")
     )
     extra = ["--api-key", key] if key else []

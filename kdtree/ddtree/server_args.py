@@ -37,16 +37,16 @@ def validate_server_args(cfg) -> None:
             f"DDTREE's verify runs in SGLang's Triton attention backend: pass {', '.join(backends)}"
         )
     # another backend may have set the page size (FlashMLA: 64): the backend's fix comes first
-    elif cfg.page_size is not None and cfg.page_size > 1:
+    elif cfg.page_size is not None and cfg.page_size != 1:  # 0 or less: SGLang divides by it
         problems.append(
             f"DDTREE v1 commits a tree path slot by slot: pass --page-size 1 (got {cfg.page_size})"
         )
     if cfg.enable_dp_attention or cfg.attn_dp_size > 1:
         # SGLang turns the deprecated --enable-dp-attention --dp-size N into attn_dp_size N: name both sources
         problems.append(
-            "DDTREE v1 does not run with DP attention: drop --enable-dp-attention and --attn-dp-size (with "
-            "--enable-dp-attention, --dp-size N is the attention-DP width: pass --dp-size 1) "
-            f"(got attn_dp_size={cfg.attn_dp_size})"
+            f"DDTREE v1 does not run with DP attention (got attn_dp_size={cfg.attn_dp_size}, from --attn-dp-size or "
+            "from --enable-dp-attention, with which --dp-size N is the attention-DP width): pass --attn-dp-size 1 "
+            "or drop --enable-dp-attention, whichever you gave"
         )
     # Replicas (SGLang's DP controller: one scheduler each) have not run DDTREE; with the deprecated
     # --enable-dp-attention, --dp-size is the attention-DP width, refused above.
@@ -76,20 +76,28 @@ def validate_server_args(cfg) -> None:
             f"(got {cfg.grammar_backend!r}, which is also SGLang's choice when the flag is unset)"
         )
     n, block = cfg.speculative_num_draft_tokens, cfg.speculative_dflash_block_size
-    if n is None or block is None:
+    if n is None:
         problems.append(
-            "DDTREE needs --speculative-num-draft-tokens N (= tree budget + 1) and --speculative-dflash-block-size B"
-            f" (the drafter's block) (got N={n}, B={block})"
+            "DDTREE needs --speculative-num-draft-tokens N (= tree budget + 1), e.g. 33 for a budget of 32"
         )
-    elif block < 2:
+    if block is None:
+        problems.append(
+            "DDTREE needs --speculative-dflash-block-size B, the DFlash drafter's block (its config.json's "
+            "dflash_config.block_size)"
+        )
+    if block is not None and block < 2:
         problems.append(
             f"--speculative-dflash-block-size must be at least 2, the root and one drafted depth (got {block})"
         )
-    elif not block <= n <= MAX_VERIFY_TOKENS:
+    elif n is not None and block is not None and n < block:
         problems.append(
-            f"--speculative-num-draft-tokens (N = budget + 1) must lie in [B, {MAX_VERIFY_TOKENS}] for block B={block}: "
-            f"a budget below B-1 cannot reach the drafter's last depth, above {MAX_VERIFY_TOKENS - 1} SGLang's tree op "
-            f"cannot index it (got N={n})"
+            f"--speculative-num-draft-tokens N (= budget + 1) must be at least the block B={block}: a budget below "
+            f"B-1 cannot reach the drafter's last depth; pass {block} or more (got N={n})"
+        )
+    if n is not None and n > MAX_VERIFY_TOKENS:
+        problems.append(
+            f"--speculative-num-draft-tokens N (= budget + 1) must be at most {MAX_VERIFY_TOKENS}: SGLang's tree op "
+            f"cannot index a larger tree; pass {MAX_VERIFY_TOKENS} or less (got N={n})"
         )
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError(" | ".join(problems))  # "; " is what the launcher puts before its fix

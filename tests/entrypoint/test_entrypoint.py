@@ -304,7 +304,11 @@ def test_replicas_count_towards_the_gpus_needed(model, monkeypatch, capsys):
 
 def test_unreadable_tp_size(model, capsys):
     assert run(args(model, "--tp-size", "eight"))[0] == EXIT_CONFIG
-    assert "unreadable sglang.launch_server arguments: argument --tp-size" in error_line(capsys)
+    line = error_line(capsys)
+    assert "unreadable sglang.launch_server arguments: argument --tp-size" in line
+    assert (
+        "fix: correct it where the server's arguments are set (compose.yaml: KDTREE_SPECULATIVE_ARGS" in line
+    )
 
 
 def test_no_gpu_visible(model, capsys):
@@ -734,12 +738,13 @@ def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(mo
     "changes, refused",
     [
         (["--page-size", "16"], "pass --page-size 1 (got 16)"),
-        (["--speculative-num-draft-tokens", "0"], "must lie in [B, 1024] for block B=8: "),
+        (["--speculative-num-draft-tokens", "0"], "must be at least the block B=8: a budget below B-1"),
+        (["--page-size", "0"], "pass --page-size 1 (got 0)"),  # SGLang would divide by it
         (["--speculative-num-draft-tokens", "100000"], "(got N=100000)"),
         (["--speculative-dflash-block-size", "1"], "must be at least 2"),
         (
             ["--attn-dp-size", "2"],
-            "drop --enable-dp-attention and --attn-dp-size (with --enable-dp-attention",
+            "pass --attn-dp-size 1 or drop --enable-dp-attention, whichever you gave",
         ),
         # the deprecated flag: SGLang reads --dp-size 2 as the attention-DP width, and the refusal says so
         (
@@ -790,6 +795,15 @@ def test_ddtrees_check_sees_what_sglang_resolves_before_it(model, tmp_path, caps
     assert "pass --grammar-backend none (got 'xgrammar'" in error_line(capsys)
     good = [*base, "--grammar-backend", "none"]
     assert run([*good, "--enable-dp-attention"])[0] == 0
-    capsys.readouterr()
+    # the start's summary line names DDTREE's tree: its N and B, and the budget setting
+    assert "speculative=DDTREE draft=" in capsys.readouterr().err
     assert run([*good, "--enable-dp-attention", "--dp-size", "2"], n_gpus=2) == (EXIT_CONFIG, None)
-    assert "(got attn_dp_size=2)" in error_line(capsys)
+    assert "(got attn_dp_size=2, from --attn-dp-size or from --enable-dp-attention" in error_line(capsys)
+
+
+def test_ddtrees_summary_names_its_tree(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_DDTREE_BUDGET", "fixed")
+    (tmp_path / "config.json").write_text("{}")
+    assert run(spec(model, "DDTREE", "--speculative-draft-model-path", str(tmp_path), *DDTREE_ARGS))[0] == 0
+    (summary,) = capsys.readouterr().err.strip().splitlines()
+    assert f"speculative=DDTREE draft={tmp_path} N=32 B=8 budget=fixed (KDTREE_DDTREE_BUDGET)" in summary

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_compose_files import compose, env_file, rendered  # noqa: F401 - `compose` is a fixture
+from test_compose_files import arg, command, compose, env_file, rendered  # noqa: F401 - `compose` is a fixture
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP_TOKEN = "ci-group-token"
@@ -44,9 +44,13 @@ def test_the_two_node_file_renders_two_nodes_apart(compose, tmp_path):  # noqa: 
         assert services[name]["network_mode"] == "service:netns-worker", name  # node 1's own namespace
         (volume,) = [v for v in services[name]["volumes"] if "/var/run/kdtree" in str(v)]
         assert "kdtree-state-worker" in str(volume), name
-    server, worker_server = str(services["server"]["command"]), str(services["server-worker"]["command"])
-    assert "--nnodes 2 --node-rank 0" in server and "--nnodes 2 --node-rank 1" in worker_server
-    assert "--leader-url http://netns:30000" in worker_server
+    server, worker_server = (
+        command(services["server"]),
+        command(services["server-worker"]),
+    )  # v1: a string, v2: a list
+    assert (arg(server, "--nnodes"), arg(server, "--node-rank")) == ("2", "0")
+    assert (arg(worker_server, "--nnodes"), arg(worker_server, "--node-rank")) == ("2", "1")
+    assert arg(worker_server, "--leader-url") == "http://netns:30000"
 
 
 # ---- end to end (Docker) -----------------------------------------------------------------------------------

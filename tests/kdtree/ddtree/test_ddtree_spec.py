@@ -55,11 +55,15 @@ def test_a_supported_launch_passes():
     "changes, fix",
     [
         (dict(page_size=16), "pass --page-size 1 (got 16)"),
-        (dict(enable_dp_attention=True, dp_size=2, tp_size=2), "drop --enable-dp-attention"),
+        (dict(page_size=0), "pass --page-size 1 (got 0)"),  # SGLang would divide by it
+        (
+            dict(enable_dp_attention=True, dp_size=2, tp_size=2),
+            "or drop --enable-dp-attention, whichever you gave",
+        ),
         (
             dict(attn_dp_size=2, tp_size=2),
-            "drop --enable-dp-attention and --attn-dp-size (with --enable-dp-attention, --dp-size N is the "
-            "attention-DP width: pass --dp-size 1) (got attn_dp_size=2)",
+            "(got attn_dp_size=2, from --attn-dp-size or from --enable-dp-attention, with which --dp-size N is the "
+            "attention-DP width): pass --attn-dp-size 1 or drop --enable-dp-attention",
         ),
         (
             dict(attention_backend="fa3"),
@@ -80,11 +84,23 @@ def test_a_supported_launch_passes():
         (dict(dp_size=2), "pass --dp-size 1 and serve more replicas as more servers (got dp_size=2)"),
         (dict(grammar_backend="xgrammar"), "pass --grammar-backend none (got 'xgrammar'"),
         (dict(speculative_draft_model_path=None), "pass --speculative-draft-model-path"),
-        (dict(speculative_dflash_block_size=None), "--speculative-dflash-block-size B (the drafter's block)"),
-        (dict(speculative_num_draft_tokens=None), "--speculative-num-draft-tokens N (= tree budget + 1)"),
+        (
+            dict(speculative_dflash_block_size=None),
+            "needs --speculative-dflash-block-size B, the DFlash drafter's",
+        ),
+        (
+            dict(speculative_num_draft_tokens=None),
+            "needs --speculative-num-draft-tokens N (= tree budget + 1), e.g. 33",
+        ),
         (dict(speculative_dflash_block_size=1, speculative_num_draft_tokens=4), "at least 2"),
-        (dict(speculative_num_draft_tokens=8), "must lie in [B, 1024] for block B=16"),
-        (dict(speculative_num_draft_tokens=1025), "(got N=1025)"),
+        (
+            dict(speculative_num_draft_tokens=8),
+            "must be at least the block B=16: a budget below B-1 cannot reach",
+        ),
+        (
+            dict(speculative_num_draft_tokens=1025),
+            "must be at most 1024: SGLang's tree op cannot index a larger tree",
+        ),
     ],
     ids=lambda v: "-".join(f"{k}={v}" for k, v in v.items()) if isinstance(v, dict) else "",
 )
@@ -92,7 +108,7 @@ def test_each_unsupported_setting_is_refused_in_one_line_naming_the_fix(changes,
     with pytest.raises(ValueError) as err:
         check(**changes)
     assert fix in str(err.value)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and " | " not in str(err.value)  # one problem, and only that one
 
 
 def test_another_backends_page_size_is_not_blamed_on_the_user():
@@ -108,7 +124,9 @@ def test_several_problems_come_in_one_line():
     with pytest.raises(ValueError) as err:
         check(page_size=64, pp_size=2, grammar_backend="xgrammar")
     message = str(err.value)
-    assert "\n" not in message and message.count("; ") == 2
+    assert (
+        "\n" not in message and message.count(" | ") == 2 and "; " not in message
+    )  # "; fix:" is the launcher's
     assert "--page-size 1" in message and "--pp-size 1" in message and "--grammar-backend none" in message
 
 
