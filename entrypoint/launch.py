@@ -293,6 +293,26 @@ def _trained_block(draft: Path | None) -> tuple[int, str] | None:
     return (block, key) if isinstance(block, int) and block > 0 else None
 
 
+def _drafter_warning(algorithm: str, draft: str, draft_dir: Path | None) -> str | None:
+    """A local drafter whose config.json names architectures that are no DFlash drafter's and holds no DFlash block
+    (say the target's own folder): SGLang accepts the path and fails only once it has loaded that model."""
+    config = _config(draft_dir) if algorithm in DFLASH_DRAFTED else None
+    if not config or "dflash_config" in config or "block_size" in config:
+        return None
+    named = config.get("architectures")
+    if (
+        not isinstance(named, list)
+        or not named
+        or any("DFlash" in str(a) or "DSpark" in str(a) for a in named)
+    ):
+        return None
+    return (
+        f"the drafter at {draft} looks like no DFlash drafter: its config.json names {', '.join(map(str, named))} and "
+        "has no dflash_config (is it the target's folder?); SGLang would fail only once it has loaded it: pass "
+        "--speculative-draft-model-path a DFlash drafter's folder"
+    )
+
+
 def _block_warning(
     args: argparse.Namespace, algorithm: str, draft: str, draft_dir: Path | None
 ) -> str | None:
@@ -517,7 +537,13 @@ def plan(
     warnings: list[str] = []
     if draft is not None:
         draft_dir = _local_path("--speculative-draft-model-path", draft)
-        warnings += filter(None, [_block_warning(args, algorithm, draft, draft_dir)])
+        warnings += filter(
+            None,
+            [
+                _drafter_warning(algorithm, draft, draft_dir),
+                _block_warning(args, algorithm, draft, draft_dir),
+            ],
+        )
     elif algorithm in NEEDS_DRAFT_MODEL:
         raise LaunchError(
             f"--speculative-algorithm {algorithm} needs a draft model and --speculative-draft-model-path is missing",

@@ -543,12 +543,16 @@ def test_an_unknown_algorithm_is_refused_unless_another_plugin_may_register_it(m
          "(its config.json's block_size): its depths past 7 are untrained guesses, lossless but rarely accepted; for "
          "the drafter's own block pass --speculative-num-draft-tokens and --speculative-dflash-block-size 8 or less"),
         ({}, ["DDTREE", *DDTREE_ARGS], None),  # not known: nothing to hold the block to
+        # the target's folder given as the drafter: SGLang would load it first and fail after
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, ["DDTREE", *DDTREE_ARGS],
+         "the drafter at {d} looks like no DFlash drafter: its config.json names DeepseekV3ForCausalLM and has no "
+         "dflash_config (is it the target's folder?)"),
+        ({"architectures": ["DFlashDraftModel"]}, ["DFLASH", "--speculative-num-draft-tokens", "16"], None),
     ],
 )  # fmt: skip
-def test_a_block_above_the_one_the_drafter_was_trained_for_is_warned_of(
-    model, tmp_path, capsys, config, algorithm_args, warned
-):
-    """SGLang runs it (lossless, its deeper depths untrained) and only logs a mismatch: the launcher says it once."""
+def test_a_drafter_that_does_not_fit_is_warned_of(model, tmp_path, capsys, config, algorithm_args, warned):
+    """SGLang runs it (lossless, its deeper depths untrained) and only logs a mismatch: the launcher says it once. And a
+    drafter that is no DFlash drafter's folder is named before SGLang spends its start on it."""
     import json
 
     draft = tmp_path / "drafter"
