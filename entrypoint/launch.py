@@ -293,23 +293,20 @@ def _trained_block(draft: Path | None) -> tuple[int, str] | None:
     return (block, key) if isinstance(block, int) and block > 0 else None
 
 
-def _drafter_warning(algorithm: str, draft: str, draft_dir: Path | None) -> str | None:
-    """A local drafter whose config.json names architectures that are no DFlash drafter's and holds no DFlash block
-    (say the target's own folder): SGLang accepts the path and fails only once it has loaded that model."""
+def _drafter_warning(algorithm: str, draft: str, draft_dir: Path | None, model: Path | None) -> str | None:
+    """A local drafter that is the target model itself (its folder, or a config.json naming the target's architectures
+    with no DFlash block): SGLang accepts the path and fails only once it has loaded that model as a drafter."""
     config = _config(draft_dir) if algorithm in DFLASH_DRAFTED else None
     if not config or "dflash_config" in config or "block_size" in config:
         return None
+    same_folder = model is not None and draft_dir is not None and draft_dir.resolve() == model.resolve()
     named = config.get("architectures")
-    if (
-        not isinstance(named, list)
-        or not named
-        or any("DFlash" in str(a) or "DSpark" in str(a) for a in named)
-    ):
+    if not same_folder and not (named and named == (_config(model) or {}).get("architectures")):
         return None
     return (
-        f"the drafter at {draft} looks like no DFlash drafter: its config.json names {', '.join(map(str, named))} and "
-        "has no dflash_config (is it the target's folder?); SGLang would fail only once it has loaded it: pass "
-        "--speculative-draft-model-path a DFlash drafter's folder"
+        f"the drafter at {draft} looks like the target model (its config.json names the target's architectures and "
+        "has no dflash_config): SGLang would fail only once it has loaded it; pass --speculative-draft-model-path a "
+        "DFlash drafter's folder"
     )
 
 
@@ -540,7 +537,7 @@ def plan(
         warnings += filter(
             None,
             [
-                _drafter_warning(algorithm, draft, draft_dir),
+                _drafter_warning(algorithm, draft, draft_dir, model),
                 _block_warning(args, algorithm, draft, draft_dir),
             ],
         )
@@ -562,7 +559,8 @@ def plan(
         _check_ddtree(args)
     if min(args.tp_size, args.pp_size, args.dp_size, args.nnodes) < 1:
         raise LaunchError(
-            "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1", "fix the value in the server command"
+            "--tp-size, --pp-size, --dp-size and --nnodes must be >= 1",
+            f"correct it where the server's arguments are set ({SERVER_ARGS_WHERE})",
         )
     group = _check_nodes(args, algorithm)
     # Data-parallel replicas (not attention DP, which runs inside the TP group) each bring tp x pp GPUs.

@@ -44,9 +44,9 @@ def validate_server_args(cfg) -> None:
     if cfg.enable_dp_attention or cfg.attn_dp_size > 1:
         # SGLang turns the deprecated --enable-dp-attention --dp-size N into attn_dp_size N: name both sources
         problems.append(
-            f"DDTREE v1 does not run with DP attention (got attn_dp_size={cfg.attn_dp_size}, from --attn-dp-size or "
-            "from --enable-dp-attention, with which --dp-size N is the attention-DP width): pass --attn-dp-size 1 "
-            "or drop --enable-dp-attention, whichever you gave"
+            f"DDTREE v1 does not run with DP attention (got attn_dp_size={cfg.attn_dp_size}): drop --attn-dp-size, "
+            "or with the deprecated --enable-dp-attention (which makes --dp-size N the attention-DP width) drop it "
+            "and pass --dp-size 1"
         )
     # Replicas (SGLang's DP controller: one scheduler each) have not run DDTREE; with the deprecated
     # --enable-dp-attention, --dp-size is the attention-DP width, refused above.
@@ -92,12 +92,12 @@ def validate_server_args(cfg) -> None:
     elif n is not None and block is not None and n < block:
         problems.append(
             f"--speculative-num-draft-tokens N (= budget + 1) must be at least the block B={block}: a budget below "
-            f"B-1 cannot reach the drafter's last depth; pass {block} or more (got N={n})"
+            f"B-1 cannot reach the drafter's last depth, so pass {block} or more (got N={n})"
         )
     if n is not None and n > MAX_VERIFY_TOKENS:
         problems.append(
             f"--speculative-num-draft-tokens N (= budget + 1) must be at most {MAX_VERIFY_TOKENS}: SGLang's tree op "
-            f"cannot index a larger tree; pass {MAX_VERIFY_TOKENS} or less (got N={n})"
+            f"cannot index a larger tree, so pass {MAX_VERIFY_TOKENS} or less (got N={n})"
         )
     if problems:
         raise ValueError(" | ".join(problems))  # "; " is what the launcher puts before its fix

@@ -543,16 +543,12 @@ def test_an_unknown_algorithm_is_refused_unless_another_plugin_may_register_it(m
          "(its config.json's block_size): its depths past 7 are untrained guesses, lossless but rarely accepted; for "
          "the drafter's own block pass --speculative-num-draft-tokens and --speculative-dflash-block-size 8 or less"),
         ({}, ["DDTREE", *DDTREE_ARGS], None),  # not known: nothing to hold the block to
-        # the target's folder given as the drafter: SGLang would load it first and fail after
-        ({"architectures": ["DeepseekV3ForCausalLM"]}, ["DDTREE", *DDTREE_ARGS],
-         "the drafter at {d} looks like no DFlash drafter: its config.json names DeepseekV3ForCausalLM and has no "
-         "dflash_config (is it the target's folder?)"),
-        ({"architectures": ["DFlashDraftModel"]}, ["DFLASH", "--speculative-num-draft-tokens", "16"], None),
     ],
 )  # fmt: skip
-def test_a_drafter_that_does_not_fit_is_warned_of(model, tmp_path, capsys, config, algorithm_args, warned):
-    """SGLang runs it (lossless, its deeper depths untrained) and only logs a mismatch: the launcher says it once. And a
-    drafter that is no DFlash drafter's folder is named before SGLang spends its start on it."""
+def test_a_block_above_the_one_the_drafter_was_trained_for_is_warned_of(
+    model, tmp_path, capsys, config, algorithm_args, warned
+):
+    """SGLang runs it (lossless, its deeper depths untrained) and only logs a mismatch: the launcher says it once."""
     import json
 
     draft = tmp_path / "drafter"
@@ -564,6 +560,34 @@ def test_a_drafter_that_does_not_fit_is_warned_of(model, tmp_path, capsys, confi
     assert warnings == ([] if warned is None else [warnings[0]])
     if warned is not None:
         assert warned.format(d=draft) in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "drafter, warned",
+    [
+        ("target", True),  # the target's own folder
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, True),  # a copy of the target's config
+        (
+            {"architectures": ["MuseGlimmerAssistantModel"]},
+            False,
+        ),  # a DFlash drafter SGLang knows, no block in it
+        ({"architectures": ["DeepseekV3ForCausalLM"], "dflash_config": {"block_size": 8}}, False),
+    ],
+)
+def test_the_target_given_as_the_drafter_is_warned_of(model, tmp_path, capsys, drafter, warned):
+    """SGLang takes any folder as the drafter and fails only once it has loaded it: the launcher names the mistake."""
+    import json
+
+    (model / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    draft = model if drafter == "target" else tmp_path / "drafter"
+    if drafter != "target":
+        draft.mkdir()
+        (draft / "config.json").write_text(json.dumps(drafter))
+    rc, _ = run([*spec(model, "DDTREE", *DDTREE_ARGS), "--speculative-draft-model-path", str(draft)])
+    assert rc == 0
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kdtree launcher: warning: ")]
+    expected = f"the drafter at {draft} looks like the target model (its config.json names the target's architectures"
+    assert [expected in w for w in warnings] == ([True] if warned else [])
 
 
 def test_ddtree_needs_a_draft_model_and_kdtrees_plugin(model, tmp_path, monkeypatch, capsys):
@@ -748,12 +772,12 @@ def test_the_sidecars_restart_is_carried_out_in_place_by_the_launcher_process(mo
         (["--speculative-dflash-block-size", "1"], "must be at least 2"),
         (
             ["--attn-dp-size", "2"],
-            "pass --attn-dp-size 1 or drop --enable-dp-attention, whichever you gave",
+            "drop it and pass --dp-size 1",
         ),
         # the deprecated flag: SGLang reads --dp-size 2 as the attention-DP width, and the refusal says so
         (
             ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
-            "--dp-size N is the attention-DP width",
+            "makes --dp-size N the attention-DP width) drop it and pass --dp-size 1",
         ),
         (
             ["--speculative-eagle-topk", "4"],
@@ -799,10 +823,12 @@ def test_ddtrees_check_sees_what_sglang_resolves_before_it(model, tmp_path, caps
     assert "pass --grammar-backend none (got 'xgrammar'" in error_line(capsys)
     good = [*base, "--grammar-backend", "none"]
     assert run([*good, "--enable-dp-attention"])[0] == 0
-    # the start's summary line names DDTREE's tree: its N and B, and the budget setting
     assert "speculative=DDTREE draft=" in capsys.readouterr().err
     assert run([*good, "--enable-dp-attention", "--dp-size", "2"], n_gpus=2) == (EXIT_CONFIG, None)
-    assert "(got attn_dp_size=2, from --attn-dp-size or from --enable-dp-attention" in error_line(capsys)
+    assert (
+        "(got attn_dp_size=2): drop --attn-dp-size, or with the deprecated --enable-dp-attention"
+        in error_line(capsys)
+    )
 
 
 def test_ddtrees_summary_names_its_tree(model, tmp_path, monkeypatch, capsys):

@@ -57,13 +57,9 @@ def test_a_supported_launch_passes():
         (dict(page_size=16), "pass --page-size 1 (got 16)"),
         (dict(page_size=0), "pass --page-size 1 (got 0)"),  # SGLang would divide by it
         (
-            dict(enable_dp_attention=True, dp_size=2, tp_size=2),
-            "or drop --enable-dp-attention, whichever you gave",
-        ),
-        (
             dict(attn_dp_size=2, tp_size=2),
-            "(got attn_dp_size=2, from --attn-dp-size or from --enable-dp-attention, with which --dp-size N is the "
-            "attention-DP width): pass --attn-dp-size 1 or drop --enable-dp-attention",
+            "DDTREE v1 does not run with DP attention (got attn_dp_size=2): drop --attn-dp-size, or with the deprecated "
+            "--enable-dp-attention (which makes --dp-size N the attention-DP width) drop it and pass --dp-size 1",
         ),
         (
             dict(attention_backend="fa3"),
