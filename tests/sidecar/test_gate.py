@@ -35,6 +35,12 @@ def completions(proc) -> int:
     return httpx.get(f"http://127.0.0.1:{proc.port}/_standin/stats").json()["completions"]
 
 
+def verdict(body: dict) -> tuple:
+    """A gate's verdict without its live values: what passed, and what failed."""
+    criteria = [(c["name"], c["op"], c["threshold"], c["passed"]) for c in body["criteria"]]
+    return body["pass"], body["failed"], body["from_mode"], body["to_mode"], criteria
+
+
 async def test_a_passing_gate_is_200_for_both_shapes_and_sends_no_completion(engine, tmp_path):
     proc = engine(*GOOD_PARITY, mode=Mode.VALIDATE)
     # One background probe a minute: any completion during the test would be the gate's own.
@@ -47,7 +53,10 @@ async def test_a_passing_gate_is_200_for_both_shapes_and_sends_no_completion(eng
         for _ in range(5):
             await c.get("/gate")
         assert completions(proc) == before
-    assert got.status_code == 200 and hook.status_code == 200 and got.json() == hook.json()
+    assert got.status_code == 200 and hook.status_code == 200
+    # the same verdict for both shapes; the stand-in's ranks go on comparing calls between the two reads, so the
+    # counts it reports may have grown
+    assert verdict(got.json()) == verdict(hook.json())
     body = got.json()
     assert (
         body["pass"] is True
