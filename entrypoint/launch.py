@@ -279,10 +279,9 @@ def _mtp_layers(model: Path | None) -> int | None:
     return None if config is None else int(config.get("num_nextn_predict_layers") or 0)
 
 
-def _trained_block(draft: Path | None) -> tuple[int, str] | None:
-    """The block a local DFlash drafter was trained for and the config.json key that holds it, read where SGLang
-    reads it (dflash_config.block_size, else a top-level block_size); None when unknown."""
-    config = _config(draft)
+def _trained_block(config: dict | None) -> tuple[int, str] | None:
+    """The block a local DFlash drafter (its config.json) was trained for and the key that holds it, read where
+    SGLang reads it (dflash_config.block_size, else a top-level block_size); None when unknown."""
     if config is None:
         return None
     dflash = config.get("dflash_config")
@@ -293,10 +292,11 @@ def _trained_block(draft: Path | None) -> tuple[int, str] | None:
     return (block, key) if isinstance(block, int) and block > 0 else None
 
 
-def _drafter_warning(algorithm: str, draft: str, draft_dir: Path | None, model: Path | None) -> str | None:
-    """A local drafter that is the target model itself (its folder, or a config.json naming the target's architectures
-    with no DFlash block): SGLang accepts the path and fails only once it has loaded that model as a drafter."""
-    config = _config(draft_dir) if algorithm in DFLASH_DRAFTED else None
+def _drafter_warning(
+    draft: str, draft_dir: Path | None, config: dict | None, model: Path | None
+) -> str | None:
+    """A local drafter (config: its config.json) that is the target model itself (its folder, or a config naming the
+    target's architectures with no DFlash block): SGLang accepts the path and fails only once it has loaded it."""
     if not config or "dflash_config" in config or "block_size" in config:
         return None
     same_folder = model is not None and draft_dir is not None and draft_dir.resolve() == model.resolve()
@@ -310,12 +310,10 @@ def _drafter_warning(algorithm: str, draft: str, draft_dir: Path | None, model: 
     )
 
 
-def _block_warning(
-    args: argparse.Namespace, algorithm: str, draft: str, draft_dir: Path | None
-) -> str | None:
+def _block_warning(args: argparse.Namespace, algorithm: str, draft: str, config: dict | None) -> str | None:
     """A block above the one the drafter was trained for: SGLang runs it (lossless; its depths past the trained block
     are untrained guesses, so fewer are accepted) and only logs a mismatch among its start-up lines."""
-    trained = _trained_block(draft_dir) if algorithm in DFLASH_DRAFTED else None
+    trained = _trained_block(config)
     if algorithm == "DFLASH":  # one number: B = N (SGLang refuses them unequal)
         block = args.speculative_dflash_block_size or args.speculative_num_draft_tokens
         flags = "--speculative-num-draft-tokens and --speculative-dflash-block-size"
@@ -534,11 +532,12 @@ def plan(
     warnings: list[str] = []
     if draft is not None:
         draft_dir = _local_path("--speculative-draft-model-path", draft)
+        drafter = _config(draft_dir) if algorithm in DFLASH_DRAFTED else None  # read once, for both warnings
         warnings += filter(
             None,
             [
-                _drafter_warning(algorithm, draft, draft_dir, model),
-                _block_warning(args, algorithm, draft, draft_dir),
+                _drafter_warning(draft, draft_dir, drafter, model),
+                _block_warning(args, algorithm, draft, drafter),
             ],
         )
     elif algorithm in NEEDS_DRAFT_MODEL:
