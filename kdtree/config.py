@@ -77,7 +77,7 @@ OTHER_VARIABLES = frozenset(
         "KDTREE_CI_LOG_DIR", "KDTREE_CI_LOAD_SECONDS", "KDTREE_CI_SERVER_RESTART", "KDTREE_CI_STANDIN_ARGS",
         # the test and benchmark tools (tests/, kernel_build/bench/)
         "KDTREE_VENV", "KDTREE_DIST", "KDTREE_ENGINE_SITE", "KDTREE_FP8_BUDGET_S", "KDTREE_FP8_ERRORS",
-        "KDTREE_TIMELINE", "KDTREE_VARIANTS_DIR",
+        "KDTREE_TIMELINE", "KDTREE_VARIANTS_DIR", "KDTREE_VARIANTS_GRID",
     }
 )  # fmt: skip
 # The modules of the settings classes of every process (the sidecar, kdtreectl, the launcher and its supervisor);

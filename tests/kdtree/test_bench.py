@@ -495,3 +495,19 @@ def test_the_ddtree_tables_in_benchmarks_md_are_their_raw_records_rendered():
         assert run["commit"] in text and run["command"] in text
         for line in bench.ddtree_table(run["rows"]):
             assert line in text, line
+
+
+def test_bench_verify_shape_takes_four_positive_integers():
+    """bench_verify.py --shape BS,H,N,P (tuning runs time a few shapes) parses four positive integers and names the
+    form it wants otherwise."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "kernel_build" / "bench" / "benchmarks"))
+    try:
+        import bench_verify
+    finally:
+        sys.path.pop(0)
+    assert bench_verify.shape_arg("1,8,65,32768") == (1, 8, 65, 32768)
+    for bad in ("1,8,65", "1,8,0,32768", "1,8,x,32768", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="BS,H,N,P as four positive integers"):
+            bench_verify.shape_arg(bad)

@@ -13,7 +13,7 @@ Ceilings are measured in the same run: device-to-device copy bandwidth (bytes re
 bf16 rate (the instruction this kernel uses; measured by the kernel library, kernel.mma_peak_tflops, unless
 --mma-tflops gives it). --ddtree times DDTree's grid instead (kdtree.bench.DDTREE: N = 9 to 257, where verify is bound
 by the tensor pipe) and prints its table (kdtree.bench.ddtree_table): each configuration's share of that mma.sync rate
-and compact / ours.
+and compact / ours. --shape BS,H,N,P (repeatable) times only the shapes given (tuning runs: `variants.sh`).
 Our times are CUDA-graph replays of R calls over R distinct input sets (more data than the L2 holds),
 divided by R, as SGLang runs verify under graphs. Baselines are eager calls timed by do_bench, which
 flushes the L2 before each call.
@@ -77,6 +77,19 @@ def flash_attention_tflops() -> tuple[str, dict[int, float]]:
     return impl, rates
 
 
+def shape_arg(text: str) -> tuple[int, int, int, int]:
+    """--shape's value: four positive integers, batch, heads, draft tokens, prefix."""
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give BS,H,N,P as four positive integers, e.g. 1,8,65,32768"
+        )
+    return shape
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -91,6 +104,13 @@ def main() -> None:
         "--ddtree",
         action="store_true",
         help="DDTree's grid (N 9 to 257), with the share of the mma.sync rate",
+    )
+    grid.add_argument(
+        "--shape",
+        action="append",
+        type=shape_arg,
+        metavar="BS,H,N,P",
+        help="time this shape (batch, heads, draft tokens, prefix) instead of a grid; repeatable (tuning runs)",
     )
     ap.add_argument("--ours-only", action="store_true", help="skip the baselines (for tuning runs)")
     ap.add_argument(
@@ -140,7 +160,7 @@ def main() -> None:
         + f"; command: {' '.join(sys.argv)}",
         "",
     ]
-    grid = "quick" if args.quick else "ddtree" if args.ddtree else "full"
+    grid = "shapes" if args.shape else "quick" if args.quick else "ddtree" if args.ddtree else "full"
     record = dict(
         gpu=props.name,
         date=str(datetime.date.today()),
@@ -164,7 +184,7 @@ def main() -> None:
         return text
 
     rows = []
-    for shape in QUICK if args.quick else DDTREE if args.ddtree else GRID:
+    for shape in args.shape or (QUICK if args.quick else DDTREE if args.ddtree else GRID):
         row = measure(
             shape,
             bw,

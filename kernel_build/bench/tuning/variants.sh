@@ -10,6 +10,7 @@
 #   builds every variant for the local GPU, runs the kernel GPU tests against each (a variant that fails or
 #   hangs is dropped after one timeout instead of hanging every benchmark after it), then the quick benchmark
 #   of the others ROUNDS times (default 2), in reverse order every other round. Log: $OUT/variants.log.
+#   KDTREE_VARIANTS_GRID replaces the quick grid with bench_verify.py's own arguments (`--ddtree`, `--shape ...`).
 #   With fp8: the fp8 kernel tests (tests/gpu/test_fp8_gpu.py) instead, and bench_pools.py's times (bf16 and both
 #   fp8 dtypes, both configurations) in $OUT/pools.jsonl, with their table at the end of the log.
 set -uo pipefail
@@ -40,6 +41,7 @@ add)
   ;;
 run)
   rounds=${2:-2} pools=${3:-}
+  grid=${KDTREE_VARIANTS_GRID:---quick}  # bench_verify.py's shapes for the timed rounds, e.g. "--shape 1,8,65,32768 --shape ..."
   [ -z "$pools" ] || [ "$pools" = fp8 ] || { echo "$usage" >&2; exit 2; }
   tests=tests/gpu/test_kernel_gpu.py
   [ -z "$pools" ] || tests=tests/gpu/test_fp8_gpu.py
@@ -93,8 +95,8 @@ run)
           python3 kernel_build/bench/tuning/bench_pools.py time "$n" "$out/pools.jsonl" 2>&1 | tail -3 | tee -a "$log"
         continue
       fi
-      KDTREE_KERNEL_LIB=$dir/$n/build/libkdtree_verify.so timeout 120 \
-        python3 kernel_build/bench/benchmarks/bench_verify.py --mma-tflops "$mma" --quick --ours-only 2>&1 | grep '^b[0-9]' | tee -a "$log"
+      KDTREE_KERNEL_LIB=$dir/$n/build/libkdtree_verify.so timeout 240 \
+        python3 kernel_build/bench/benchmarks/bench_verify.py --mma-tflops "$mma" $grid --ours-only 2>&1 | grep '^b[0-9]' | tee -a "$log"
     done
   done
   [ -z "$pools" ] || python3 kernel_build/bench/tuning/bench_pools.py table "$out/pools.jsonl" | tee -a "$log"
