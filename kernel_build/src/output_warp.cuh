@@ -197,11 +197,6 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
   int next_slot = slot_of(C::STAGES);
 
   const int d0 = ow * C::DV_W;
-#if KDTREE_SKIP_DEAD_ROWS >= 2  // row blocks past the request's rows take no P V mma (their rows are never stored)
-  const int live_rb = min(C::RB, (w.rows - w.m0 + 15) / 16);
-#else
-  constexpr int live_rb = C::RB;
-#endif
   for (int t = 0; t < w.ntiles; ++t) {
     if (t + 1 < w.ntiles) {
       cp_async_wait<C::STAGES - 2>();
@@ -296,8 +291,7 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
         uint32_t a[C::RB][4];
 #pragma unroll
         for (int rb = 0; rb < C::RB; ++rb)
-          if (rb < live_rb)
-            ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
+          ldmatrix_x4(a[rb], smem_u32(Pt + (rb * 16 + (lane & 15)) * C::P_ROW_BYTES + kk * 32 + (lane >> 4) * 16));
         // Lane l reads key row kk*16 + ((l >> 3) & 1)*8 + (l & 7), chunk d0/8 + nb + (l >> 4) (d0/8 is a
         // multiple of 8, nb even).
         const uint32_t v_row = smem_u32(Kt + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES);
@@ -309,7 +303,6 @@ __device__ __forceinline__ void output_warp(const Params& p, const Work& w, cons
           ldmatrix_x4_trans(bb, v_addr);
 #pragma unroll
           for (int rb = 0; rb < C::RB; ++rb) {
-            if (rb >= live_rb) continue;
             if constexpr (is_fp8(KV)) {
               mma_f16(o[rb][nb], a[rb], bb[0], bb[1]);
               mma_f16(o[rb][nb + 1], a[rb], bb[2], bb[3]);

@@ -181,9 +181,6 @@ __device__ __forceinline__ void score_warp(const Params& p, const Work& w, const
     // Lane l reads key row nb*8 + ((l >> 4) << 3) + (l & 7), chunk 2*ks + ((l >> 3) & 1).
     const uint32_t k_row = smem_u32(Kt + (((lane >> 4) << 3) + (lane & 7)) * ROW_BYTES);
     const int k_x = (((lane >> 3) & 1) ^ lane) & 7;
-#if KDTREE_SKIP_DEAD_ROWS
-    if (w.m0 + sw * 16 >= w.rows) return;  // every row of this warp is past the request's: its scores are never stored
-#endif
 #pragma unroll
     for (int ks = 0; ks < QK / 16; ++ks) {
       side(ks);

@@ -97,11 +97,6 @@ static_assert(RESCALE_SLACK <= 8.f, "P must stay within e4m3's range");
 #ifndef KDTREE_WIDE_QREG  // a tuning knob: Q k-steps held in registers by wide's score warps
 #define KDTREE_WIDE_QREG 16
 #endif
-// A tuning knob, not yet measured (NOTES.md, next step 5): 1: a score warp whose rows are all past the request's skips
-// its mma; 2: the output warps also skip those row blocks' P V mma. 0 builds the kernel without either.
-#ifndef KDTREE_SKIP_DEAD_ROWS
-#define KDTREE_SKIP_DEAD_ROWS 0
-#endif
 #ifndef KDTREE_COMPACT_QREG  // tuning knobs: compact's Q k-steps in registers (a multiple of 4), key stages
 #define KDTREE_COMPACT_QREG 20
 #endif
