@@ -9,7 +9,12 @@ It speaks the parts of SGLang's contract the sidecar and kdtreectl rely on, with
   arrives, or 503 after SGLANG_HEALTH_CHECK_TIMEOUT (default 20 s) when none does (a dead scheduler: the `hang`
   fault); GET /v1/models, GET /server_info and POST /v1/completions with SGLang's OpenAI response shape: `usage`,
   `choices[].token_ids` with return_token_ids, `sglext.spec_tokens_details` (spec_verify_ct, spec_accept_length,
-  ...) with return_spec_tokens_details, and ignore_eos honoured;
+  ...) with return_spec_tokens_details, and ignore_eos honoured; streamed completions (`stream`: server-sent events,
+  the prefill's token first, then one chunk a verify step of --accept-length tokens, --step-seconds apart, the finish
+  reason on the last, the `sglext` chunk, `data: [DONE]`), stop_token_ids and stop strings (honoured only without
+  ignore_eos, as SGLang's), logprobs, and POST /abort_request {"rid"} (the stream ends with finish_reason abort);
+  GET /metrics with SGLang's counter names (sglang:num_requests_total counts every finished request, aborted ones
+  too; sglang:num_used_tokens is 0: the stand-in holds no KV);
 - with --api-key KEY, as SGLang's --api-key: every endpoint but /health, /health_generate, /ready and /metrics
   wants `Authorization: Bearer KEY` and answers 401 {"error": "Unauthorized"} without it.
 It also stands in for the SGLang ranks with the kdtree plugin, through kdtree's own rank code: one
@@ -147,6 +152,34 @@ def log(msg: str) -> None:
     print(f"[{stamp} TP0] {msg}", flush=True)
 
 
+class Metrics:
+    """SGLang's request counters (observability/metrics_collector.py names), in a registry of their own."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sglang:num_requests", "Number of requests processed.", registry=self.registry
+        )
+        self.generation = Counter(
+            "sglang:generation_tokens", "Number of generation tokens.", registry=self.registry
+        )
+        self.aborted = Counter(
+            "sglang:num_aborted_requests", "Number of aborted requests.", registry=self.registry
+        )
+        Gauge("sglang:num_used_tokens", "The number of used tokens.", registry=self.registry).set(0)
+
+    def finished(self, tokens: int) -> None:
+        self.requests.inc()
+        self.generation.inc(tokens)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
 class Engine:
     def __init__(self, args):
         self.args = args
@@ -165,6 +198,8 @@ class Engine:
         ]
         self.stats["verify_steps"] = 0
         self.fault = args.fault
+        self.aborted: set[str] = set()  # rids POST /abort_request named
+        self.metrics = Metrics()
 
     def _mode(self) -> Mode:
         state_dir = self.args.state_dir
@@ -282,6 +317,24 @@ class Engine:
 
     # ---- completions --------------------------------------------------------------------------
 
+    def completion(self, req: dict) -> tuple[list[int], str]:
+        """A request's token ids and finish reason: `tokens`, cut at its first stop token id or where its text first
+        holds a stop string (the stop included), as SGLang cuts them; without ignore_eos only (SGLang's ignore_eos
+        ignores stop_token_ids too)."""
+        ignore_eos = bool(req.get("ignore_eos"))
+        ids, finish = self.tokens(str(req.get("prompt", "")), int(req.get("max_tokens") or 16), ignore_eos)
+        if ignore_eos:
+            return ids, finish
+        stop_ids = set(req.get("stop_token_ids") or ())
+        stops = req.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        text = ""
+        for i, t in enumerate(ids):
+            text += f" t{t}"
+            if t in stop_ids or any(x in text for x in stops):
+                return ids[: i + 1], "stop"
+        return ids, finish
+
     def tokens(self, prompt: str, n: int, ignore_eos: bool) -> tuple[list[int], str]:
         """Deterministic token ids for a prompt (an end of text after 3/4 of max_tokens unless ignore_eos), and the
         finish reason; with the diverge fault the ids change from --diverge-at on."""
@@ -291,6 +344,26 @@ class Engine:
         if self.active_fault() == "diverge" and self.mode == Mode.ON:
             ids = ids[: self.args.diverge_at] + [i + 1 for i in ids[self.args.diverge_at :]]
         return ids, "length" if ignore_eos else "stop"
+
+
+def spec_details(ids: list[int], steps: int) -> dict:
+    """SGLang's sglext.spec_tokens_details of a request that emitted `ids` in `steps` verify steps (7 drafts a step)."""
+    steps = max(steps, 1)
+    return {
+        "spec_tokens_details": {
+            "spec_accept_rate": round((len(ids) / steps - 1) / 7, 4),
+            "spec_accept_length": len(ids) / steps,
+            "spec_num_correct_drafts": len(ids) - steps,
+            "spec_num_proposed_drafts": 7 * steps,
+            "spec_verify_ct": steps,
+        }
+    }
+
+
+def logprobs(ids: list[int]) -> dict:
+    """An OpenAI completion's logprobs for `ids` (made up: the stand-in runs no model)."""
+    return {"tokens": [f" t{i}" for i in ids], "token_logprobs": [-0.25] * len(ids),
+            "top_logprobs": [{f" t{i}": -0.25} for i in ids], "text_offset": [0] * len(ids)}  # fmt: skip
 
 
 def make_handler(engine: Engine):
@@ -374,6 +447,8 @@ def make_handler(engine: Engine):
                         "version": "0.5.23 (stand-in)",
                     },
                 )
+            if self.path == "/metrics":  # public, as SGLang's (--enable-metrics)
+                return self._send(200, engine.metrics.text(), "text/plain; version=0.0.4")
             if self.path == "/_standin/stats":
                 return self._send(
                     200,
@@ -398,6 +473,13 @@ def make_handler(engine: Engine):
                     )
                 engine.fault = fault
                 return self._send(200, {"fault": engine.fault})
+            if self.path == "/abort_request":
+                try:
+                    engine.aborted.add(str(json.loads(raw)["rid"]))
+                except (ValueError, KeyError, TypeError):
+                    return self._send(400, {"error": 'the body must be JSON: {"rid": RID}'})
+                engine.metrics.aborted.inc()
+                return self._send(200, b"")
             if self.path != "/v1/completions":
                 return self._send(404, {"detail": "Not Found"})
             with engine.lock:
@@ -438,10 +520,12 @@ def make_handler(engine: Engine):
                 self.wfile.flush()
                 os._exit(137)
             prompt = str(req.get("prompt", ""))
-            ids, finish = engine.tokens(prompt, int(req.get("max_tokens") or 16), bool(req.get("ignore_eos")))
+            ids, finish = engine.completion(req)
             steps = math.ceil(len(ids) / a.accept_length)  # the first token comes from prefill in SGLang too
             if not a.no_speculation:
                 engine.count_verify(steps)
+            if req.get("stream"):
+                return self._stream(req, ids, finish, steps)
             choice = {
                 "index": 0,
                 "text": "".join(f" t{i}" for i in ids),
@@ -452,6 +536,8 @@ def make_handler(engine: Engine):
             if req.get("return_token_ids"):
                 choice["token_ids"] = ids
                 choice["prompt_token_ids"] = [ord(ch) % 256 for ch in prompt]
+            if req.get("logprobs") is not None:
+                choice["logprobs"] = logprobs(ids)
             prompt_tokens = max(1, len(prompt) // 4)
             body = {
                 "id": uuid.uuid4().hex,
@@ -469,20 +555,61 @@ def make_handler(engine: Engine):
                 "metadata": {"weight_version": "default"},
             }
             if req.get("return_spec_tokens_details") and not a.no_speculation:
-                body["sglext"] = {
-                    "spec_tokens_details": {
-                        "spec_accept_rate": round((a.accept_length - 1) / 7, 4),
-                        "spec_accept_length": len(ids) / steps,
-                        "spec_num_correct_drafts": len(ids) - steps,
-                        "spec_num_proposed_drafts": 7 * steps,
-                        "spec_verify_ct": steps,
-                    }
-                }
+                body["sglext"] = spec_details(ids, steps)
             if fault == "no-choices":
                 del body["choices"]
             with engine.lock:
                 engine.stats["good_completions"] += fault in GOOD
+            engine.metrics.finished(len(ids))
             self._send(200, body)
+
+        def _stream(self, req: dict, ids: list[int], finish: str, steps: int) -> None:
+            """SGLang's streamed completion: the prefill's token, then a chunk a verify step, --step-seconds apart;
+            an abort of its rid ends it with finish_reason abort; a client that hangs up ends it at once."""
+            rid, sent = str(req.get("rid") or uuid.uuid4().hex), 0
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")  # the stream ends with the connection: no chunked framing
+            self.end_headers()
+            self.close_connection = True
+
+            def chunk(choice: dict | None, **extra) -> None:
+                body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": a.model_name,
+                        "choices": [choice] if choice else [], **extra}  # fmt: skip
+                self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+                self.wfile.flush()
+
+            try:
+                while sent < len(ids):
+                    if rid in engine.aborted:
+                        finish = "abort"
+                        break
+                    step = ids[sent : sent + (1 if sent == 0 else max(1, round(a.accept_length)))]
+                    sent += len(step)
+                    last = sent == len(ids)
+                    choice = {"index": 0, "text": "".join(f" t{i}" for i in step), "finish_reason": finish if last else None,
+                              "matched_stop": None, "token_ids": step if req.get("return_token_ids") else None,
+                              "logprobs": logprobs(step) if req.get("logprobs") is not None else None}  # fmt: skip
+                    chunk(choice)
+                    if not last:
+                        time.sleep(a.step_seconds)
+                if finish == "abort":
+                    chunk(
+                        {
+                            "index": 0,
+                            "text": "",
+                            "finish_reason": "abort",
+                            "matched_stop": None,
+                            "token_ids": [],
+                        }
+                    )
+                if req.get("return_spec_tokens_details") and not a.no_speculation:
+                    chunk(None, sglext=spec_details(ids[:sent], steps))
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):  # the client hung up: SGLang aborts the request
+                return
+            engine.metrics.finished(sent)
 
     return Handler
 
@@ -650,6 +777,7 @@ def parse_args(argv=None):
     p.add_argument("--parity-over-tol", type=int, default=0)
     p.add_argument("--layers", type=int, default=4, help="target-verify calls per verify step on each rank")
     p.add_argument("--accept-length", type=float, default=3.0, help="tokens per verify step")
+    p.add_argument("--step-seconds", type=float, default=0.02, help="between a streamed completion's chunks")
     p.add_argument(
         "--no-speculation", action="store_true", help="serve without speculative decoding (no verify calls)"
     )

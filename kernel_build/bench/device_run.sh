@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build for the local GPU, install SGLang's Python wheels (from .whl, if present),
 # run the GPU tests, then the benchmark. Logs and the table go to $OUT (or ./device-out).
-# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|oracle|engine-profile|fp8|userbench|all] [args...]
+# usage: bash kernel_build/bench/device_run.sh [tests|bench|ddtree-grid|modes|profile|engine-tests|engine|engine-spec|oracle|traffic|engine-profile|fp8|userbench|all] [args...]
 # 'tests' runs the GPU suite (all but the real-server tests) in the device's tile configuration, then (below
 # sm_120, where that is wide) again with KDTREE_KERNEL_CONFIG=compact.
 # 'engine-tests' runs the real SGLang server's GPU tests (tests/gpu/test_engine_gpu.py), 'engine' the end-to-end
@@ -21,6 +21,10 @@
 # (bench_oracle.py: DFlash's chain against DDTREE's fixed budgets at two scripted acceptance profiles, 61 layers;
 # oracle.md + .json, rewritten after every row; args after the mode go to it, e.g. --prompts 2048), the tail of each
 # server's log into $OUT/oracle-logs.
+# 'traffic' (one call of under 560 s, build included: KDTREE_TRAFFIC_BUDGET_S ends it) runs the real server under the
+# seeded serving mix (bench_traffic.py: every configuration held to its invariants, exit 1 on a broken one;
+# traffic.md + .json; args after the mode go to it, e.g. --configs none,ddtree-on --sequential), the tail of each
+# server's log into $OUT/traffic-logs.
 # 'userbench' runs what users run in the server image, python -m kdtree.bench (default --quick), into
 # $OUT/userbench (bench.md + bench.json); 'all' leaves it out.
 # 'ddtree-grid' (one call of under 8 minutes on an H200, build included: KDTREE_DDTREE_BUDGET_S, default 470, ends the
@@ -44,7 +48,7 @@
 # summary sections) and ncu-source.csv (stall reasons per SASS instruction, from source-level sampling).
 set -uo pipefail
 what=${1:-all}; shift || true
-parts="tests bench ddtree-grid modes profile engine-tests engine engine-spec oracle engine-profile fp8 userbench all"
+parts="tests bench ddtree-grid modes profile engine-tests engine engine-spec oracle traffic engine-profile fp8 userbench all"
 if [[ " $parts " != *" $what "* || "$what" == *[[:space:]]* ]]; then  # before the GPU probe: a typo or --help
   sed -n '2,4p' "$0"
   case "$what" in -h | --help) exit 0 ;; esac
@@ -106,6 +110,19 @@ if [ "$what" = oracle ]; then
   mkdir -p "$out/oracle-logs"
   for f in /tmp/kdtree-bench-oracle/*/state/server.log; do
     [ -f "$f" ] && tail -150 "$f" >"$out/oracle-logs/$(basename "$(dirname "$(dirname "$f")")").log"
+  done
+fi
+if [ "$what" = traffic ]; then
+  install_site
+  budget=${KDTREE_TRAFFIC_BUDGET_S:-560}
+  timeout -s INT -k 10 $((budget - (SECONDS - t0))) python3 kernel_build/bench/benchmarks/bench_traffic.py \
+    --out "$out/traffic.md" --time-budget-s $((budget - (SECONDS - t0) - 150)) "$@" 2>&1 | tee "$out/traffic.log"
+  rc=${PIPESTATUS[0]}
+  echo "traffic: $((SECONDS - t0)) s (rc=$rc)"
+  mkdir -p "$out/traffic-logs"
+  for d in /tmp/kdtree-bench-traffic/*/; do
+    f="$d/state/server.log"; [ -f "$f" ] || f="$d/console.log"  # NONE runs without the launcher: its console
+    [ -f "$f" ] && tail -150 "$f" >"$out/traffic-logs/$(basename "$d").log"
   done
 fi
 if [ "$what" = engine-profile ]; then

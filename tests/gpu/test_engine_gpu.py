@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ddtree_oracle import continuation, expected_accepted
-from real_server import CAPTURED_BS, RealServer, ServerSpec, divergence, unavailable
+from ddtree_oracle import continuation, expected_accepted, teacher_table
+from real_server import CAPTURED_BS, NONE, RealServer, ServerSpec, divergence, unavailable
 from tiny_model import prompt_of, write_model
 
 from kdtree.config import Mode
@@ -48,6 +48,7 @@ from sidecar.rank_evidence import fp8_bound
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
 DRAFT_TOKENS = 8
+TEACHER_TABLE = "teacher-table.json"  # in the fleet's folder: the servers run in its subfolders
 MAX_REL_L2 = 2e-2  # the gate's default (KDTREE_GATE_MAX_REL_ERR): what validate must show on real traffic
 SPECS = {
     s.name: s
@@ -122,8 +123,22 @@ SPECS = {
                 "DDTREE_SYNC_REPORT": "sync-report.json",
             },
         ),
+        # the teacher (ddtree_oracle.Teacher): the target untouched, attention live; the drafter proposes the
+        # reference's greedy continuation from the table the live-attention test writes (TEACHER_TABLE, beside the
+        # servers' folders), so most drafts are accepted and every accepted token's KV is read by later steps
+        *(
+            ServerSpec(f"{algo.lower()}-b8-teacher{budget}-{mode.value}", f"{algo}-B8", mode, env={
+                "DDTREE_ORACLE_RANKS": "0,0,0,0,0,0,0", "DDTREE_ORACLE_TEACHER": f"../{TEACHER_TABLE}",
+                **({"KDTREE_DDTREE_BUDGET": budget.strip("-") or "fixed"} if algo == "DDTREE" else {})})
+            for algo, budget, mode in (
+                ("DDTREE", "", Mode.ON), ("DDTREE", "", Mode.OFF), ("DDTREE", "-auto", Mode.ON),
+                ("DDTREE", "-auto", Mode.OFF), ("DFLASH", "", Mode.ON),
+            )
+        ),
+        # no speculation: plain SGLang, the reference the teacher's servers are held to
+        ServerSpec("none-reference", NONE, Mode.OFF),
     )
-}
+}  # fmt: skip
 ALGOS = [
     "ngram",
     "nextn",
@@ -132,7 +147,11 @@ ALGOS = [
     "ddtree-b8",
 ]  # the bf16 servers' algorithms, as their names spell them
 # the bf16 servers with a reference (the oracle's target is a different model)
-BF16 = [n for n, s in SPECS.items() if s.kv_cache_dtype == "auto" and "oracle" not in n]
+BF16 = [
+    n
+    for n, s in SPECS.items()
+    if s.kv_cache_dtype == "auto" and "oracle" not in n and "teacher" not in n and s.algorithm != NONE
+]
 PROMPTS = [prompt_of(n, seed) for seed, n in enumerate((12, 40, 97, 180, 333, 64, 250, 21))]
 CAPTURE_BEGIN = re.compile(r"Capture target verify CUDA graph begin")
 
@@ -205,7 +224,9 @@ def assert_same_tokens(got, want, prompts, server, reference, max_tokens):
 # ---- installation ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize(
+    "name", [n for n, s in SPECS.items() if s.algorithm != NONE]
+)  # NONE: no launcher, no kdtree
 def test_kdtree_installs_once_in_every_sglang_process(fleet, name):
     server = fleet[name]
     lines = server.install_lines()
@@ -344,6 +365,46 @@ def test_the_dflash_oracle_chain_accepts_its_rank_0_run_and_emits_the_targets_gr
         assert all(accepted + 1 - 1.5 <= a <= top + 1e-6 for a in accept), (accepted, top, accept)
     served, _, original, fallbacks = verify_counts(server)
     assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
+
+
+TEACHER_SERVERS = [n for n in SPECS if "-teacher" in n]
+TEACHER_TOKENS = 48
+
+
+def teacher_reference(fleet) -> dict[int, list[int]]:
+    """The reference's greedy outputs of PROMPTS[:4] (each alone and the four as one batch: both, where a near-tie
+    parts them) and the teacher's table from them, written once for every teacher server."""
+    if getattr(fleet, "teacher", None) is None:
+        reference = fleet["none-reference"]
+        alone = [reference.token_ids([p], TEACHER_TOKENS)[0] for p in PROMPTS[:4]]
+        batched = reference.token_ids(PROMPTS[:4], TEACHER_TOKENS)
+        last = [
+            int(p.split()[-1][1:]) + 4 for p in PROMPTS[:4]
+        ]  # the prompt's last word's id (tiny_model: w<i> is i + 4)
+        seqs = [[t, *out] for t, out in zip(last + last, alone + batched, strict=True)]
+        (fleet.root / TEACHER_TABLE).write_text(json.dumps(teacher_table(seqs, 8192)))
+        fleet.teacher = {1: alone, 4: batched}
+    return fleet.teacher
+
+
+@pytest.mark.parametrize("servers", [(n, "none-reference") for n in TEACHER_SERVERS])
+def test_the_commit_with_attention_live_keeps_the_targets_greedy_tokens_and_most_drafts(fleet, servers):
+    """The commit checked with attention live: the target untouched and the teacher drafting the reference's own
+    continuation (ddtree_oracle.Teacher), so that a step accepts several drafted tokens and every accepted token's KV
+    (the slots the commit kept and permuted) is read by every later step. Greedy outputs equal those of a server
+    without speculation at batch 1 and 4 (captured graphs), and the mean accepted length is at least 4 tokens a step;
+    DDTREE at a fixed budget and auto, kdtree on (every verify kdtree's) and off; DFLASH's chain beside them."""
+    server, reference = fleet[servers[0]], fleet[servers[1]]
+    want = teacher_reference(fleet)
+    server.token_ids(PROMPTS[:1], 2)  # a step after the table was written: the server has read it
+    for batch in (PROMPTS[:1], PROMPTS[1:2], PROMPTS[:4]):
+        streams, accept = server.stream(batch, TEACHER_TOKENS)
+        ref = want[4] if len(batch) == 4 else [want[1][PROMPTS.index(batch[0])]]
+        assert_same_tokens([s.token_ids for s in streams], ref, batch, server, reference, TEACHER_TOKENS)
+        assert accept and sum(accept) / len(accept) >= 4, (len(batch), accept)
+    if server.spec.mode is Mode.ON:
+        served, _, original, fallbacks = verify_counts(server)
+        assert served > 0 and original == 0 and fallbacks == {}, (served, original, fallbacks)
 
 
 @pytest.mark.parametrize("servers", [("ddtree-b8-oracle-chain-on", "dflash-b8-oracle-on")])

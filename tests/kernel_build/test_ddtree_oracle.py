@@ -435,3 +435,70 @@ def test_the_split_heads_chain_is_the_scripted_one(monkeypatch, tmp_path):
     true = oracle.true_tokens(root, L, vocab)
     assert torch.equal(o.chain, want.chain) and (o.chain == true).any() and (o.chain != true).any()
     assert torch.allclose(o.chain_expected, want.chain_expected)
+
+
+# ---- the teacher: the live-attention oracle ------------------------------------------------------------------
+
+
+def _teacher(monkeypatch, tmp_path, table, vocab):
+    path = tmp_path / "teacher.json"
+    path.write_text(__import__("json").dumps(table))
+    teacher = oracle.Teacher(str(path))
+    teacher.prepare(torch.device("cpu"), vocab)
+    monkeypatch.setattr(oracle, "_teacher", teacher)
+    return teacher, path
+
+
+def test_the_teacher_follows_its_table_and_drafts_a_rejected_token_where_it_knows_none(monkeypatch, tmp_path):
+    vocab = 16
+    table = oracle.teacher_table([[3, 9, 4, 12, 9, 4], [7, 9, 4]], vocab)  # 3 -> 9 -> 4 -> 12 -> 9; 7 -> 9
+    teacher, path = _teacher(monkeypatch, tmp_path, table, vocab)
+    got = oracle.true_tokens(torch.tensor([3, 7, 5]), 5, vocab)
+    assert got.tolist() == [
+        [9, 4, 12, 9, 4],
+        [9, 4, 12, 9, 4],
+        [6, 7, 9, 4, 12],
+    ]  # 5 unknown: 6, unknown: 7, ...
+    table[12] = 1  # a new reference: the file changes, the next step reads it
+    path.write_text(__import__("json").dumps(table) + " ")
+    assert teacher.refresh() and not teacher.refresh()
+    assert oracle.true_tokens(torch.tensor([4]), 3, vocab).tolist() == [[1, 2, 3]]
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"teacher.json: 2 entries, the vocabulary has 16"):
+        teacher.refresh()
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_the_dflash_heads_captured_and_eager_draft_the_same_scripted_chain(monkeypatch, tmp_path, teacher):
+    """The DFLASH oracle's draft head inside the captured graph and its eager head (a batch above the captured sizes)
+    draft the same tokens: the true continuation (the bigram's, or the teacher's table) where the script puts it at
+    rank 0, another token elsewhere; the eager head reads the roots from the worker's block buffer."""
+    B, bs, vocab = 8, 6, 64
+    monkeypatch.setenv(oracle.ENV, "0,0,1,0,0,0,0")
+    if teacher:
+        rng = torch.Generator().manual_seed(3)
+        _teacher(monkeypatch, tmp_path, torch.randint(-1, vocab, (vocab,), generator=rng).tolist(), vocab)
+    else:
+        monkeypatch.setattr(oracle, "_teacher", None)
+    module = types.SimpleNamespace(
+        DFlashWorkerV2=type("W", (), {"__init__": lambda self: None, "forward_batch_generation": None}),
+        _DflashDraftSampler=type("D", (), {}),
+    )
+    oracle.install_dflash(module)
+    head = module._DflashDraftSampler()
+    head.block_size, head.tp_size, head.org_vocab_start, head.num_org = B, 1, 0, vocab
+    head.out = torch.empty(bs * (B - 1), dtype=torch.int64)
+    ids = torch.randint(0, vocab, (bs, B))
+    head(torch.empty(bs * B, 4), ids.flatten())
+    worker = object.__new__(module.DFlashWorkerV2)
+    worker.block_size, worker._draft_block_ids_buf = B, ids
+    worker.target_worker = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=vocab))
+    )
+    eager = worker._greedy_sample_from_vocab_parallel_head(
+        hidden_states=torch.empty(bs * (B - 1), 4), lm_head=None
+    )
+    assert torch.equal(eager, head.out)
+    truth = oracle.true_tokens(ids[:, 0], B - 1, vocab)
+    chain = head.out.view(bs, B - 1)
+    assert torch.equal(chain[:, :2], truth[:, :2]) and not torch.equal(chain[:, 2], truth[:, 2])

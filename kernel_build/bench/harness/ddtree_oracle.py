@@ -28,6 +28,14 @@ It says what it measures: the system (the tree, the verify, the walk, the commit
 handling of accepted tokens), not a drafter. With the attention's output zeroed, the verify's attention does not
 reach the outputs (it still runs, at its full cost), so the KV cache's contents are not what this checks.
 
+The teacher (DDTREE_ORACLE_TEACHER=<file>, beside fixed ranks) checks them: the target is left untouched (attention
+live, no bigram), and the true token after x is read from a next-token table (`Teacher`) that the test writes from a
+server without speculation's greedy outputs, so the drafter proposes the target's own continuation and most drafted
+tokens are accepted. Every accepted token's KV (what the commit kept, in the slots it permuted) is then read by the
+later steps' attention: a wrong slot or a stale row changes the target's tokens, and the greedy outputs part from the
+reference's. A token the table does not know (or whose successors disagree) drafts another token, which the target
+rejects.
+
 Enabled in a server process by either variable: the engine site's sitecustomize calls `install_after_import()`, which
 patches SGLang's DFlash worker module and kdtree.ddtree.worker as they are imported.
 
@@ -54,6 +62,7 @@ ENV = "DDTREE_ORACLE_RANKS"
 PROFILE_ENV = "DDTREE_ORACLE_PROFILE"
 SYNC_ENV = "DDTREE_SYNC_REPORT"
 HOST_ENV = "DDTREE_HOST_REPORT"
+TEACHER_ENV = "DDTREE_ORACLE_TEACHER"
 # "chain": DDTREE's auto policy chooses its chain arm wherever that can run (the GPU suite's check that a chain step
 # is DFlash's own: the same accepted lengths as DFLASH on the same script)
 ARM_ENV = "DDTREE_FORCE_ARM"
@@ -179,14 +188,87 @@ def uniform_of(tokens):
 
 
 def true_tokens(root, L: int, vocab: int):
-    """int64 [bs, L]: the bigram target's greedy continuation of each root, perm^d(root) for d = 1..L."""
+    """int64 [bs, L]: the target's greedy continuation of each root: perm^d(root) for d = 1..L under the bigram
+    target, the teacher's table followed d times under the teacher (`Teacher.follow`)."""
     import torch
 
+    if _teacher is not None:
+        return _teacher.follow(root, L, vocab)
     out, tok = [], root
     for _ in range(L):
         tok = (A * tok + C) % vocab
         out.append(tok)
     return torch.stack(out, dim=1)
+
+
+class Teacher:
+    """The live-attention oracle's next-token table (module docstring): a JSON list with one entry a token id, the
+    token that follows it in the reference's greedy outputs, or -1 where none or several do. Read again when the file
+    changes (a host-to-device copy between steps), so that a server started before its reference ran learns the table
+    once the test writes it; until then every entry is -1."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seen = None
+        self.table = None  # device int64 [vocab]
+
+    def prepare(self, device, vocab: int) -> None:
+        """Before any capture: the device table, every entry -1, then the file's if it is there."""
+        import torch
+
+        if self.table is None:
+            self.table = torch.full((vocab,), -1, dtype=torch.int64, device=device)
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Between steps (host code): a changed file into the device table. True if it changed."""
+        import json
+
+        import torch
+
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        if self.table is None or (st.st_mtime_ns, st.st_size) == self._seen:
+            return False
+        entries = json.loads(open(self.path).read())
+        if len(entries) != self.table.numel():
+            raise ValueError(f"{self.path}: {len(entries)} entries, the vocabulary has {self.table.numel()}")
+        self.table.copy_(torch.tensor(entries, dtype=torch.int64))
+        self._seen = (st.st_mtime_ns, st.st_size)
+        return True
+
+    def follow(self, root, L: int, vocab: int):
+        """int64 [bs, L]: the table followed from each root; an unknown entry continues with the next token id (a
+        draft the target will reject). Tensor ops only (graph-safe)."""
+        import torch
+
+        out, tok = [], root.long()
+        for _ in range(L):
+            nxt = self.table[tok]
+            tok = torch.where(nxt >= 0, nxt, (tok + 1) % vocab)
+            out.append(tok)
+        return torch.stack(out, dim=1)
+
+
+def teacher_table(outputs: list[list[int]], vocab: int) -> list[int]:
+    """The table `Teacher` reads, from greedy token sequences (each the prompt's last token, then its output): for
+    every token, the token that follows it everywhere, or -1 where none or several different ones do."""
+    table, clash = [-1] * vocab, set()
+    for seq in outputs:
+        for x, y in zip(seq, seq[1:], strict=False):
+            if x in clash:
+                continue
+            if table[x] not in (-1, y):
+                table[x] = -1
+                clash.add(x)
+            else:
+                table[x] = y
+    return table
+
+
+_teacher: Teacher | None = Teacher(os.environ[TEACHER_ENV]) if os.environ.get(TEACHER_ENV) else None
 
 
 def read_profile(path: str) -> tuple[float, ...]:
@@ -557,6 +639,8 @@ def install(worker_module) -> None:
         sampler_init(self, *args, **kwargs)
         script.check(self.L, self.K)
         script.prepare(self.captured.parents.device)
+        if _teacher is not None:
+            _teacher.prepare(self.captured.parents.device, int(self.lm_head.org_vocab_size))
         # made before any capture (a host-to-device copy cannot run inside one); a profile rewrites it in place
         self.oracle_lp = torch.tensor(
             script.lp(self.K), dtype=torch.float32, device=self.captured.parents.device
@@ -571,6 +655,8 @@ def install(worker_module) -> None:
             lp = self._tree_sampler.oracle_lp
             lp.copy_(torch.tensor(script.lp(int(lp.numel())), dtype=lp.dtype))
             set_chain_expected(self._tree_sampler)
+        if _teacher is not None:
+            _teacher.refresh()
         return step(self, batch, *args, **kwargs)
 
     def set_chain_expected(sampler):  # E_chain of the script's log-probs: its rank-0 one at every depth
@@ -588,7 +674,7 @@ def install_dflash(dflash_module) -> None:
     """sglang.srt.speculative.dflash_worker_v2, just imported: the bigram target (for DFLASH and DDTREE, whose worker
     is a DFlashWorkerV2) and, for DFLASH, a scripted chain: at depth d the captured draft head proposes the true
     token perm^d(root) where the script puts it at rank 0, else another token (a chain drafts its rank-0 tokens).
-    And the host report of DFlash's own decode steps."""
+    And the host report of DFlash's own decode steps. Under the teacher the target is left as it is."""
     if os.environ.get(HOST_ENV):
         install_host_report(
             dflash_module.DFlashWorkerV2, os.environ[HOST_ENV], scheduler_cls=_scheduler_cls()
@@ -601,13 +687,15 @@ def install_dflash(dflash_module) -> None:
     worker_cls, sampler_cls = dflash_module.DFlashWorkerV2, dflash_module._DflashDraftSampler
     original_init = worker_cls.__init__
 
-    def __init__(self, *args, **kwargs):
-        script.prepare(torch.device("cuda", torch.cuda.current_device()))  # before the draft graphs' capture
-        original_init(self, *args, **kwargs)
-        _make_bigram(
-            self.target_worker.model_runner.model,
-            int(self.target_worker.model_runner.model_config.vocab_size),
-        )
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        device = torch.device("cuda", torch.cuda.current_device())
+        vocab = int(target_worker.model_runner.model_config.vocab_size)
+        script.prepare(device)  # before the draft graphs' capture
+        if _teacher is not None:  # the target stays as it is: attention live
+            _teacher.prepare(device, vocab)
+        original_init(self, server_args, gpu_id, nccl_port, target_worker)
+        if _teacher is None:
+            _make_bigram(self.target_worker.model_runner.model, vocab)
 
     def draft_chain(self, hidden_states, input_ids=None):
         if self.tp_size != 1 or self.org_vocab_start:
@@ -623,12 +711,17 @@ def install_dflash(dflash_module) -> None:
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         script.refresh(self.device)
+        if _teacher is not None:
+            _teacher.refresh()
         return step(self, batch, *args, **kwargs)
 
-    def eager_head(self, *args, **kwargs):
-        raise RuntimeError(
-            "the DFLASH oracle scripts the captured draft head: keep CUDA graphs on and batches within the captured sizes"
-        )
+    def eager_head(self, *, hidden_states, lm_head, chunk_size=256):
+        # a batch above the captured sizes drafts eagerly: the same script, its roots read from the block's buffer
+        L = self.block_size - 1
+        bs = hidden_states.shape[0] // L
+        vocab = int(self.target_worker.model_runner.model_config.vocab_size)
+        true = true_tokens(self._draft_block_ids_buf[:bs, 0].to(torch.int64), L, vocab)
+        return torch.where(script.ranks(true) == 0, true, (true + 1) % vocab).view(-1)
 
     worker_cls.__init__ = __init__
     sampler_cls.__call__ = draft_chain

@@ -59,9 +59,13 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+NONE = "NONE"
 # DDTREE-B16-T<t>'s tree sizes: 2^k - 1 fill whole row tiles of kdtree's kernel (2^k tokens), 2^k pad one
 TREE_SIZES = (15, 16, 31, 64, 128)
 SPECULATIVE = {
+    # no speculation: plain SGLang (`python -m sglang.launch_server`, not kdtree's launcher, which refuses a server
+    # with nothing to verify): the reference that greedy outputs under speculation must equal
+    NONE: (),
     "NGRAM": ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"),
     "NEXTN": (
         "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
@@ -336,6 +340,8 @@ class RealServer(Orchestrated):
         ]  # fmt: skip
 
     def command(self) -> list[str]:
+        if self.spec.algorithm == NONE:
+            return [sys.executable, "-m", "sglang.launch_server", *self.args()]
         return [sys.executable, "-m", "entrypoint.launch", *self.args()]
 
     # ---- waiting ---------------------------------------------------------------------------------
@@ -427,7 +433,10 @@ class RealServer(Orchestrated):
         return recs[rank]
 
     def server_log(self) -> str:
+        """The server's output: the launcher's copy in the state folder, or (NONE, no launcher) the console."""
         path = Path(self.state_dir) / "server.log"
+        if not path.exists() and self.spec.algorithm == NONE:
+            path = self.console
         return path.read_text(errors="replace") if path.exists() else ""
 
     def process_record(self) -> dict:
