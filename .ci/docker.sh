@@ -5,7 +5,8 @@
 #                          README's demo runs (tests/stack/test_image.py), from Debian when missing
 #   .ci/docker.sh engine   start dockerd when no engine answers
 #   .ci/docker.sh base     build the bookworm base image once (debootstrap + docker import); reused when present.
-#                          Alone it installs only debootstrap (when missing) and uses the engine that answers
+#                          Alone it installs only debootstrap (when missing) and uses the engine that answers.
+#                          Root only where it installs or builds (a root shell as it is; another user: sudo)
 #   .ci/docker.sh build    build the kernel, server and sidecar targets on that base
 #   .ci/docker.sh all      all of the above, in order (default)
 #
@@ -22,6 +23,12 @@ LOG_DIR=${KDTREE_CI_LOG_DIR:-build/ci-logs}
 
 log() { printf '[docker.sh] %s\n' "$*" >&2; }
 
+need_root() {  # apt-get installs and debootstrap makes a root file system: both need root
+  [ "$(id -u)" -eq 0 ] && return
+  log "$1 needs root: run it in a root shell as it is, or as this user: sudo bash .ci/docker.sh ${COMMAND}"
+  exit 1
+}
+
 tools() {
   local missing=()
   command -v dockerd >/dev/null || missing+=(docker.io)
@@ -30,6 +37,7 @@ tools() {
   command -v curl >/dev/null || missing+=(curl)
   command -v openssl >/dev/null || missing+=(openssl)
   if [ ${#missing[@]} -gt 0 ]; then
+    need_root "installing ${missing[*]}"
     log "installing ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
@@ -37,13 +45,18 @@ tools() {
 
 debootstrap_tool() {
   command -v debootstrap >/dev/null && return
+  need_root "installing debootstrap"
   log "installing debootstrap"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 }
 
 need_engine() {  # a user's host: its own engine, never a second dockerd beside it
-  docker info >/dev/null 2>&1 && return
-  log "no Docker engine answers: start yours (e.g. systemctl start docker), or '.ci/docker.sh engine' starts dockerd"
+  local err
+  err=$(docker info 2>&1 >/dev/null) && return
+  case "$err" in
+    *"permission denied"*) log "this user may not use the Docker engine's socket: sudo bash .ci/docker.sh ${COMMAND}" ;;
+    *) log "no Docker engine answers: start yours (e.g. systemctl start docker), or '.ci/docker.sh engine' starts dockerd" ;;
+  esac
   exit 1
 }
 
@@ -70,6 +83,8 @@ base() {
       test -s /etc/ssl/certs/ca-certificates.crt && command -v update-ca-certificates useradd' >/dev/null 2>&1; then
     log "base $BASE_IMAGE present"; return
   fi
+  debootstrap_tool
+  need_root "debootstrap"
   local root
   root=$(mktemp -d /tmp/kdtree-base.XXXXXX)
   log "debootstrap bookworm into $root"
@@ -95,7 +110,8 @@ build() {
   for target in kernel sidecar server; do
     start=$(date +%s)
     log "building kdtree-$target:$IMAGE_TAG (log: $LOG_DIR/build-$target.log)"
-    if ! docker build --target "$target" -t "kdtree-$target:$IMAGE_TAG" \
+    # --force-rm: the legacy builder (no BuildKit) otherwise leaves a failed step's container behind, stopped.
+    if ! docker build --force-rm --target "$target" -t "kdtree-$target:$IMAGE_TAG" \
         --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg KDTREE_CUDA_ARCHS="$CUDA_ARCHS" \
         --build-arg KDTREE_REVISION="$revision" --build-arg KDTREE_SOURCE="$source" \
         --build-arg KDTREE_CREATED="$created" \
@@ -109,10 +125,11 @@ build() {
   docker image prune -f --filter label=org.opencontainers.image.title=kdtree >/dev/null
 }
 
-case "${1:-all}" in
+COMMAND=${1:-all}
+case "$COMMAND" in
   tools) tools ;;
   engine) tools; engine ;;
-  base) debootstrap_tool; need_engine; base ;;
+  base) need_engine; base ;;
   build) tools; engine; build ;;
   all) tools; engine; base; build ;;
   *) echo "usage: $0 [tools|engine|base|build|all]" >&2; exit 2 ;;

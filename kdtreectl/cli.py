@@ -95,9 +95,26 @@ def _summary(st: StatusDocument) -> str:
     t = st.active_transition
     if t:
         lines.append(f"transition {t.id}: {t.from_mode} -> {t.to_mode} ({t.method}) at step {t.step}")
+    elif st.transitions:
+        lines += _last_transition(st.transitions[-1])
     for line in st.log.crash_excerpt:
         lines.append(f"  | {line}")
     return "\n".join(lines)
+
+
+def _last_transition(t: Transition) -> list[str]:
+    """The latest finished transition: how it ended, how long ago, and why it failed or was rolled back."""
+    took = f", took {t.duration_s:.1f}s" if t.duration_s is not None else ""
+    ago = f", {fmt_elapsed(max(0.0, time.time() - t.finished_at))} ago" if t.finished_at else ""
+    lines = [
+        f"last:      {t.from_mode} -> {t.to_mode} ({t.method}{', forced' if t.force else ''}) {t.outcome}"
+        f"{took}{ago} (transition {t.id})"
+    ]
+    lines += [f"  reason: {t.reason}"] if t.reason else []
+    lines += [f"  failure: {t.failure}"] if t.failure else []
+    lines += [f"  rollback: {t.rollback_note}"] if t.rollback_note else []
+    lines += [f"  rollback failed too: {t.rollback_failure}"] if t.rollback_failure else []
+    return lines
 
 
 def cmd_status(args) -> int:
@@ -256,7 +273,14 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 STATUS_HELP = """\
 The sidecar's GET /status, summarised: the phase and readiness, the verify mode (current, expected, the mode
 file's), the server container, the latest startup marker, the latest completion probe, the verify line, then
-each rank's record (mode, calls served by kdtree and by SGLang's kernel, fallbacks, validate's parity).
+each rank's record (mode, calls served by kdtree and by SGLang's kernel, fallbacks, validate's parity), and the
+transition running or, when none runs, the latest one: how it ended and, after a rollback, why.
+
+A rank's "served kdtree ... / original ...": the target-verify calls answered by kdtree's kernel, and by the
+original, SGLang's own Triton kernel that kdtree's hook wraps (by the mode's choice, or as a fallback, whose reason
+"fallbacks" names). Both count from the rank's start and a live flip resets neither: in on, original holds what
+was served before the flip. On a real server original counts calls made from Python (eager calls and CUDA-graph
+captures) and kdtree counts graph replays too: compare each with itself over time, not with the other.
 
 The verify line, with speculative decoding: the probe's accept length (tokens a verify step gave it), the tokens
 one verify reads a request (N: DDTREE's budget + 1), and under DDTREE's auto budget the tokens it verified a

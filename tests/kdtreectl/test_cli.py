@@ -344,16 +344,27 @@ def test_every_command_has_a_description_and_status_explains_its_verify_line():
         [sys.executable, "-m", "kdtreectl", "status", "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "under DDTREE's auto budget the tokens it verified a" in r.stdout
+    # and what a rank line's `served kdtree ... / original ...` counts
+    assert "original, SGLang's own Triton kernel" in r.stdout
 
 
-def test_mode_wait_reports_a_rollback(stack, tmp_path):
+def test_mode_wait_and_status_report_a_rollback(stack, tmp_path):
+    """`mode --wait` says the flip rolled back and why; `status` afterwards still shows it (the latest transition,
+    once none runs), so that an operator who comes later sees what happened."""
     url, proc = stack("--fault", "crash-on-start", "--fault-in-mode", "validate")
     proc.wait_port()
-    r = kdtreectl(url, "mode", "validate", "--wait", "--interval", "0.1", token=TOKEN)
+    r = kdtreectl(url, "mode", "validate", "--wait", "--interval", "0.1", "--reason", "try it", token=TOKEN)
     assert r.returncode == 1 and re.search(
         r"transition rolled_back \(restart, [\d.]+s\): the server crashed while", r.stderr
     )
     assert read_desired_mode(tmp_path) == Mode.OFF
+    status = kdtreectl(url, "status").stdout
+    assert re.search(
+        r"^last: +off -> validate \(restart\) rolled_back, took [\d.]+s, \d+s ago \(transition \w+\)$",
+        status,
+        re.M,
+    ), status
+    assert "\n  reason: try it\n" in status and "\n  failure: the server crashed while" in status, status
 
 
 def test_kdtreectl_console_script_is_installed():

@@ -1,10 +1,13 @@
 """README.md and docs/*.md, read as a person reads them: every repository path they name exists (so a renamed
 module shows here, not in a reader's shell), every link between them lands on a file and a heading that exist,
-and no line is over 200 characters (a table row a person can read)."""
+and no line is over 200 characters (a table row a person can read). The README's commands, where that is cheap:
+each kdtreectl line parses, each POST /mode body is one the sidecar takes, each compose file's header starts it as
+the README does, an `.env` edit replaces its line, and the compose version check comes first."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -103,3 +106,88 @@ def test_the_path_check_sees_a_missing_path(tmp_path):
     assert named_paths(text) >= {"kdtree/control.py", "kdtree/no_such_module.py", "docs/nowhere.md"}
     assert resolves(doc, "kdtree/config.py") and not resolves(doc, "kdtree/no_such_module.py")
     assert "mode-changes" in anchors(REPO / "docs" / "architecture.md")
+
+
+# ---- the README's commands, kept honest where that is cheap ----------------------------------------------------
+
+README = REPO / "README.md"
+
+
+def bash_lines(doc: Path) -> list[str]:
+    """The command lines of a document's bash blocks (a continued line joined), without comments."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#\s", line.strip(), maxsplit=1)[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def test_the_readme_says_which_compose_to_type_before_its_first_compose_command():
+    """Where only compose v1 exists, `docker compose -f` fails with Docker's own "unknown shorthand flag: 'f'":
+    the README says how to tell, before the first command that would fail so."""
+    text = README.read_text()
+    check = text.index("`docker compose version`")
+    assert text.index("`docker-compose version`") < text.index("```bash\n") and check < text.index(
+        "```bash\n"
+    )
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_an_env_edit_replaces_its_line_and_never_appends_a_second(doc):
+    """`echo NAME=... >> .env` alone leaves two NAME lines (.env.example has one): each append deletes it first."""
+    for line in doc.read_text().splitlines():
+        for name in re.findall(r"echo (\w+)=\S* >> ?\.env", line):
+            assert f"sed -i '/^{name}=/d' .env" in line, f"{doc.relative_to(REPO)}: {line.strip()}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_ci_docker_command_the_docs_name_exists(doc):
+    script = (REPO / ".ci" / "docker.sh").read_text()
+    known = set(re.findall(r"^  (\w+)\)", script.split('case "$COMMAND" in', 1)[1], re.M))
+    named = set(re.findall(r"\.ci/docker\.sh (\w+)", doc.read_text()))
+    assert named <= known, (
+        f"{doc.relative_to(REPO)} names .ci/docker.sh {sorted(named - known)}; it has {known}"
+    )
+
+
+def test_every_kdtreectl_command_in_the_readme_parses():
+    """A renamed command or flag shows here, not in a reader's shell."""
+    from kdtreectl.cli import build_parser
+
+    commands = [line.split("kdtreectl ", 1)[1] for line in bash_lines(README) if "kdtreectl " in line]
+    assert len(commands) >= 10, commands
+    for command in commands:
+        argv = shlex.split(re.split(r"[|;&]", command, maxsplit=1)[0])
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"README: kdtreectl {command!r} does not parse")
+
+
+def test_every_post_mode_body_in_the_readme_is_one_the_sidecar_takes():
+    from sidecar.api import ModeRequest
+
+    bodies = [
+        re.search(r"-d '([^']*)'", line) for line in bash_lines(README) if "localhost:8080/mode" in line
+    ]
+    assert bodies and all(bodies), bodies
+    for body in bodies:
+        ModeRequest.model_validate_json(body[1])
+
+
+def test_each_compose_files_header_starts_it_as_the_readme_does():
+    """A file's header and the README write the same `up` for it (`up -d --build` in both, or `up -d` in both)."""
+    ups = {}
+    for line in bash_lines(README):
+        if m := re.fullmatch(r"docker compose ((?:-f \S+ )+)up (.*)", line):
+            ups[m[1].strip()] = m[2]
+    assert len(ups) >= 3, ups
+    for f in sorted((REPO / "compose").glob("*.yaml")):
+        header = re.findall(r"^#\s*docker compose ((?:-f \S+ )+)up ([-\w ]*\w)\s*$", f.read_text(), re.M)
+        for files, flags in header:
+            if files.strip() in ups:
+                assert flags == ups[files.strip()], (
+                    f"{f.relative_to(REPO)}: up {flags}; README: up {ups[files.strip()]}"
+                )
