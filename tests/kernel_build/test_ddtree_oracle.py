@@ -462,7 +462,9 @@ def test_the_teacher_follows_its_table_and_drafts_a_rejected_token_where_it_know
     table[12] = 1  # a new reference: the file changes, the next step reads it
     path.write_text(__import__("json").dumps(table) + " ")
     assert teacher.refresh() and not teacher.refresh()
-    assert oracle.true_tokens(torch.tensor([4]), 3, vocab).tolist() == [[1, 2, 3]]
+    assert oracle.true_tokens(torch.tensor([4]), 3, vocab).tolist() == [
+        [12, 1, 2]
+    ]  # 4 -> 12 -> 1 (new), unknown
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"teacher.json: 2 entries, the vocabulary has 16"):
         teacher.refresh()
