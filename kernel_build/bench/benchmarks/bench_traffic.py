@@ -91,7 +91,10 @@ DEFAULT_CONFIGS = (
     "none,ddtree-on,ddtree-off,ddtree-validate,ddtree-on-sync,ddtree-fixed-on,dflash-on,dflash-off,dflash-validate,"
     "dflash-on-sync,ngram-on,ngram-off"
 )
-LEAK = re.compile(r"memory leak detected|KV double free|use-after-free|Traceback \(most recent call last\)")
+LEAK = re.compile(
+    r"memory leak detected|KV double free|use-after-free"
+)  # SGLang's idle check (strict: raises)
+TRACEBACK = "Traceback (most recent call last)"  # counted, not judged: a crash is judged by the process
 RETRACT = "KV cache pool is full. Retract requests."
 SAMPLE_PROMPT = (0, *range(100, 124))  # the distribution check's prompt: BOS and 24 words
 
@@ -148,7 +151,6 @@ def drive(server: RealServer, mix: list[Request], samples: int, deadline: float)
 def judge(server: RealServer, mix, run: dict, reference_tokens, reference: RealServer, ref_samples) -> dict:
     """The invariants of one server after its traffic (module docstring): a verdict and its evidence."""
     name, problems = server.spec.name, []
-    time.sleep(3.0)  # idle: SGLang's idle check runs, the heartbeat catches up
     alive = server.proc is not None and server.proc.poll() is None and server.starts == 1
     try:
         health = httpx.get(f"{server.url}/health", timeout=10).status_code
@@ -178,7 +180,8 @@ def judge(server: RealServer, mix, run: dict, reference_tokens, reference: RealS
         a = [tuple(o.token_ids[:2]) for o in run["samples"].values() if o.status == 200]
         b = [tuple(o.token_ids[:2]) for o in ref_samples.values() if o.status == 200]
         chi = chi2_homogeneity(a, b)
-    evidence = {"retractions": log.count(RETRACT), "leak_lines": len(leaks), "greedy_near_ties": ties,
+    evidence = {"retractions": log.count(RETRACT), "leak_lines": len(leaks), "tracebacks": log.count(TRACEBACK),
+                "greedy_near_ties": ties,
                 "greedy_compared": sum(1 for r in sent if r.greedy and r.rid in reference_tokens),
                 "aborted_by_client": sum(o.aborted_by_client for o in run["outcomes"].values()),
                 "chi2": chi}  # fmt: skip
@@ -382,6 +385,7 @@ def main() -> int:
             with concurrent.futures.ThreadPoolExecutor(len(live)) as pool:
                 for f in [pool.submit(one, n) for n in order[1:]]:
                     f.result()
+        time.sleep(3.0)  # every server idle: SGLang's idle check has run, the heartbeats have caught up
         for n in order:
             row = judge(live[n], mix, runs[n], reference_tokens, reference, runs[REFERENCE]["samples"])
             row["evidence"]["chi2"] = row["evidence"]["chi2"] and list(row["evidence"]["chi2"])
