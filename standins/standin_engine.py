@@ -366,6 +366,12 @@ def logprobs(ids: list[int]) -> dict:
             "top_logprobs": [{f" t{i}": -0.25} for i in ids], "text_offset": [0] * len(ids)}  # fmt: skip
 
 
+class Server(ThreadingHTTPServer):
+    # uvicorn's backlog (SGLang's server): socketserver's 5 overflows when a client opens tens of connections at
+    # once, and a connection accepted past a full queue is reset mid-request
+    request_queue_size = 2048
+
+
 def make_handler(engine: Engine):
     a = engine.args
 
@@ -807,7 +813,7 @@ def main(argv=None) -> int:
     handler = make_handler(engine) if args.node_rank == 0 else make_dummy_health_handler(engine)
     if args.leader_url:
         threading.Thread(target=follow_leader, args=(engine, args.leader_url), daemon=True).start()
-    server = ThreadingHTTPServer((args.host, args.port), handler)
+    server = Server((args.host, args.port), handler)
     server.daemon_threads = True
     engine.warm_until = time.time() + args.warm_seconds
     log(f"Uvicorn running on http://{args.host}:{args.port} (stand-in)")
