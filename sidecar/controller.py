@@ -93,6 +93,10 @@ class Controller:
             return
         t.interrupted = True
         self.store.audit("interrupted_transition_found", t, logging.WARNING, step=t.step)
+        if t.to_mode == Mode.OFF:
+            # The kill switch is a one-way door: finished, never rolled back (a partition can outlast this sidecar).
+            self._start_task(self.runner.run(t, resume=True))
+            return
         if t.step in (Step.ACCEPTED, Step.WRITING_MODE):
             # The server was not restarted: putting the mode file back is the whole resolution.
             t.failure = t.failure or f"the sidecar stopped at step {t.step}, before the server was restarted"

@@ -72,7 +72,8 @@ class GroupClient:
     """The leader's side: the workers' reports, their mode files and their restarts, over authenticated HTTP.
 
     `owed`: nodes whose mode file the kill switch could not write (their sidecar did not answer), with the mode and
-    whether a restart is owed too; given when the node's sidecar answers again (merge). Kept on the leader's state
+    whether a restart is owed too; given when the node's sidecar answers again (merge). A debt of off is not
+    replaced by another mode the node did not take either (a rollback's): the kill switch stays owed. Kept on the leader's state
     volume (kdtree.state.owed_modes) whenever it changes and read back at the start, so it outlives this sidecar.
 
     volume: the leader's state volume (the controller shares it: a failed write stands as its problem in /ready)."""
@@ -199,9 +200,10 @@ class GroupClient:
                 self._paying = asyncio.create_task(self._pay(answering))
         return self.latest
 
-    async def merge(self, snap: VolumeReading) -> VolumeReading:
-        """The leader's own reading, with every worker's ranks and facts added."""
-        reports = await self.read()
+    async def merge(self, snap: VolumeReading, *, fresh: bool = True) -> VolumeReading:
+        """The leader's own reading, with every worker's ranks and facts added; fresh=False: from their latest
+        reports (a node not read yet adds nothing)."""
+        reports = await self.read() if fresh else dict(self.latest)
         s = self.settings
         views = [v for v in snap.views if s.node_of(v.record.tp_rank) == 0]
         merged = snap.model_copy(update={"views": views})
@@ -243,9 +245,14 @@ class GroupClient:
             before = dict(self.owed)
             for n in self.nodes:
                 if n in failed and owe:
-                    self.owed[n] = (mode, restart)
-                elif n not in failed:
+                    # a node owed off stays owed off (with its restart): the kill switch is paid by running off only
+                    was = self.owed.get(n)
+                    self.owed[n] = (
+                        (Mode.OFF, was[1] or restart) if was and was[0] == Mode.OFF else (mode, restart)
+                    )
+                elif n not in failed and self.owed.get(n) != (mode, True):
                     self.owed.pop(n, None)  # the latest mode written replaces what was owed
+                # (a node that took the mode it is owed with a restart is still owed the restart: _pay gives it)
             if self.owed != before:
                 self._save_owed()
         if not failed and self.owed_problem is not None:
