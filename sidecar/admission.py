@@ -117,7 +117,9 @@ class Admission:
         """The answer to a request, and the transition it starts (made active here) when it is accepted."""
         current = self.state.current_mode
         target = req.mode
-        snap = await self.readiness.read_volume()
+        # The kill switch answers at once: it reads the workers' latest reports, not theirs now (a silent worker
+        # would hold the answer for its whole deadline); its transition writes to every node and owes the silent.
+        snap = await self.readiness.read_volume(workers=target != Mode.OFF)
         method = self._method(current, target, req.restart, snap.views if snap else [])
         answer = ModeAnswer(
             from_mode=current, to_mode=target, method=method, dry_run=req.dry_run, force=req.force
