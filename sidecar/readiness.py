@@ -104,11 +104,9 @@ class Readiness:
         self._monitor_task = asyncio.create_task(self._monitor())
 
     async def stop(self) -> None:
-        # Cancelled again until it ends: asyncio.wait_for (in SingleFlight, Python 3.11) can swallow a cancellation
-        # that lands as the probe finishes.
-        while self._monitor_task is not None and not self._monitor_task.done():
+        if self._monitor_task is not None:
             self._monitor_task.cancel()
-            await asyncio.wait([self._monitor_task], timeout=0.5)
+            await asyncio.wait([self._monitor_task])
 
     async def read_volume(self, *, workers: bool = True) -> VolumeReading | None:
         """The rank records and the mode file; None when the volume did not answer within the deadline. A group's
