@@ -9,12 +9,16 @@ NodeReport, POST /group/mode and POST /group/restart: sidecar/group_worker.py, w
 
 Faults, and what the leader does (tests/sidecar/test_group.py):
 - a worker's sidecar that does not answer (node lost, a partition): its ranks are named unread, /ready is 503; a
-  flip other than to `off` is refused (503) naming the node; `off` (the kill switch) is accepted: the leader and
-  every node that answers go to off, and a node that does not is owed off (mode file and restart), given as soon
-  as its sidecar answers again; the flip succeeds once every rank reports off within KDTREE_READY_TIMEOUT_S.
+  flip other than to `off` is refused (503) naming the node; `off` (the kill switch) is accepted at once, from the
+  workers' latest reports: the leader and every node that answers go to off, and a node that does not is owed off
+  (mode file and restart), given as soon as its sidecar answers again; the flip succeeds once every rank reports
+  off within KDTREE_READY_TIMEOUT_S, and is never rolled back (transition.py).
 - a worker's server that restarts alone: its ranks are named until they report again in the group's mode.
-- the leader's sidecar restarted: it reads the workers again at its first assessment; what a node is owed is kept
-  on the leader's state volume (owed-modes.json) and given when the node answers, as before the restart.
+- the leader's sidecar restarted: it reads the workers again at its first assessment (a node is not reachable
+  until it has answered this sidecar); what a node is owed is kept on the leader's state volume (owed-modes.json)
+  and given when the node answers, as before the restart; a flip to off it left unfinished is finished.
+- a worker's mode file that disagrees with the group's (changed by hand, a lost debt): /ready names it, and
+  POST /mode with the group's own mode (a repair, not gated: admission.py) or off rewrites every node's.
 """
 
 import asyncio
@@ -337,24 +341,34 @@ class GroupClient:
                 f"node {node}'s sidecar ({url}) did not restart its server: {r.status_code} {shown(text)}"
             )
 
-    def node_status(self, views: list[RankView], problems: list[str]) -> list[dict]:
-        """/status's `group`: each node, its ranks with a record, and the problems that name it."""
+    def answered(self, node: int) -> bool:
+        """Whether the node's sidecar answered the latest read; a node not read since this sidecar started has not.
+        Node 0 is this sidecar's own."""
+        return node == 0 or isinstance(self.latest.get(node), NodeReport)
+
+    def node_status(
+        self, views: list[RankView], problems: list[str], own_mode_file: str | None
+    ) -> list[dict]:
+        """/status's `group`: each node, its ranks with a record, its mode file (node 0's: `own_mode_file`) and the
+        problems that name it."""
         s = self.settings
         out = []
         for node in range(s.nnodes):
             latest = self.latest.get(node)
             unknown = self.owed_problem if node in self.nodes and node not in self.owed else None
+            if node in self.nodes and latest is None:
+                latest = f"node {node}'s sidecar has not been read since this sidecar started"
             out.append(
                 {
                     "node": node,
                     "sidecar": self.nodes.get(node, "this sidecar"),
-                    "reachable": not isinstance(latest, str),
+                    "reachable": self.answered(node),
                     "error": latest if isinstance(latest, str) else None,
                     "ranks": list(s.node_ranks(node)),
                     "ranks_reporting": [
                         v.record.tp_rank for v in views if s.node_of(v.record.tp_rank) == node
                     ],
-                    "mode_file": latest.mode_file if isinstance(latest, NodeReport) else None,
+                    "mode_file": own_mode_file if node == 0 else getattr(latest, "mode_file", None),
                     "owed": self.owed[node][0].value if node in self.owed else None,
                     "problems": [p for p in problems if p.startswith(f"node {node} ")]
                     + ([f"node {node} may be owed a mode: {unknown}"] if unknown else []),
@@ -389,13 +403,13 @@ class GroupCollector(Collector):
 
     def collect(self):
         s = self.group.settings
-        up = GaugeMetricFamily("kdtree_group_node_up", "1 when the node's sidecar answered the leader's latest read",
+        up = GaugeMetricFamily("kdtree_group_node_up", "1 when the node's sidecar answered the leader's latest read "
+                               "(0 until it has answered one since the leader's sidecar started)",
                                labels=["node"])  # fmt: skip
         where = GaugeMetricFamily("kdtree_group_rank_node", "the node each tensor-parallel rank runs on (always 1)",
                                   labels=["rank", "node"])  # fmt: skip
-        up.add_metric(["0"], 1)
-        for node in self.group.nodes:
-            up.add_metric([str(node)], 0 if isinstance(self.group.latest.get(node), str) else 1)
+        for node in range(s.nnodes):
+            up.add_metric([str(node)], 1 if self.group.answered(node) else 0)
         for rank in range(s.expected_tp_size):
             where.add_metric([str(rank), str(s.node_of(rank))], 1)
         yield from (up, where)

@@ -11,6 +11,7 @@ it through a TCP relay the test cuts to make a partition between the two sidecar
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from contextlib import ExitStack, contextmanager, suppress
 import httpx
 import pytest
 from process_harness import SupervisedStandin
-from sidecar_harness import AUTH, TOKEN, make_settings, serve, settle, sidecar, wait_ready
+from sidecar_harness import AUTH, TOKEN, make_settings, reach_step, serve, settle, sidecar, until, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
@@ -175,24 +176,14 @@ async def ready_reasons(c: httpx.AsyncClient) -> list[str]:
     return [] if r.status_code == 200 else r.json()["reasons"]
 
 
-async def until(what, timeout: float = 20.0, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout:g}s"
-        await asyncio.sleep(every)
-
-
 async def not_ready_naming(c, *texts: str, timeout: float = 20.0) -> list[str]:
     """/ready's reasons once every text is in one of them (ranks go stale each on its own heartbeat)."""
 
     async def check():
         reasons = await ready_reasons(c)
-        return reasons if all(any(t in r for r in reasons) for t in texts) else None
+        return all(any(t in r for r in reasons) for t in texts) and reasons, reasons
 
-    return await until(check, timeout)
+    return await until(check, timeout, f"/ready's reasons naming {texts}")
 
 
 def modes_of_ranks(g: Group) -> dict[int, str]:
@@ -341,9 +332,9 @@ async def test_ready_only_with_every_rank_of_every_node(group):
         await wait_ready(c)
         st = (await c.get("/status")).json()
         assert sorted(v["record"]["tp_rank"] for v in st["ranks"]) == [0, 1, 2, 3]
-        assert [(n["node"], n["ranks_reporting"], n["reachable"]) for n in st["group"]] == [
-            (0, [0, 1], True),
-            (1, [2, 3], True),
+        assert [(n["node"], n["ranks_reporting"], n["reachable"], n["mode_file"]) for n in st["group"]] == [
+            (0, [0, 1], True, "validate"),  # the leader's own mode file too
+            (1, [2, 3], True, "validate"),
         ]
         text = (await c.get("/metrics")).text
         assert 'kdtree_group_rank_node{node="1",rank="3"} 1.0' in text
@@ -479,7 +470,7 @@ async def test_the_kill_switch_with_a_worker_unreachable(group):
         await not_ready_naming(c, "node 1's sidecar")
         r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
         assert r.status_code == 202, r.json()
-        await until(lambda: _async(lambda: group.nodes[0].starts == 2), timeout=30)
+        await until(lambda: group.nodes[0].starts == 2, timeout=30)
         assert read_desired_mode(group.dirs[0]) == Mode.OFF
         assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE  # unreachable: owed, not written
         st = (await c.get("/status")).json()
@@ -510,7 +501,7 @@ async def test_off_owed_to_a_silent_worker_outlives_restarts_of_the_leaders_side
         group.relay.silent = True
         r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
         assert r.status_code == 202, r.json()
-        await until(lambda: _async(lambda: group.nodes[0].starts == 2), timeout=30)
+        await until(lambda: group.nodes[0].starts == 2, timeout=30)
         assert read_owed_modes(d0, NODES) == owed_off
     for _ in range(restarts):
         async with sidecar(settings) as c:
@@ -546,7 +537,7 @@ async def test_off_answers_at_once_while_a_worker_is_silent_and_another_answers(
             r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
             took = time.monotonic() - began
             assert r.status_code == 202 and took < 1.0, (r.json(), took)
-            await until(lambda: _async(lambda: [n.starts for n in g.nodes] == [2, 2, 1]), timeout=30)
+            await until(lambda: [n.starts for n in g.nodes] == [2, 2, 1], timeout=30)
             assert [read_desired_mode(d) for d in g.dirs] == [Mode.OFF, Mode.OFF, Mode.VALIDATE]
             assert read_owed_modes(g.dirs[0], 3) == {2: OwedMode(mode=Mode.OFF, restart=True)}
             g.relays[1].silent = False
@@ -554,6 +545,26 @@ async def test_off_answers_at_once_while_a_worker_is_silent_and_another_answers(
             assert t["outcome"] == "succeeded", t
         assert [read_desired_mode(d) for d in g.dirs] == [Mode.OFF] * 3 and g.nodes[2].starts == 2
         assert set(modes_of_ranks(g).values()) == {"off"} and len(modes_of_ranks(g)) == 6
+
+
+async def test_the_leaders_sidecar_restarted_during_a_live_flip_to_on(group):
+    """The leader's sidecar stops while a live flip to on bakes: the next one rolls it back on every node (a flip
+    other than off may be), and the group is ready in validate, every mode file and rank agreeing."""
+    settings = group.leader_settings(bake_probes=30)  # a bake of 3 s or more: stopped in it
+    async with sidecar(settings) as c:
+        await wait_ready(c)
+        r = await c.post("/mode", json={"mode": "on", "reason": "live"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["method"] == "live", r.json()
+        await reach_step(c, "baking")
+        assert [read_desired_mode(d) for d in group.dirs] == [Mode.ON, Mode.ON]
+    async with sidecar(settings) as c:
+        t = await settle(c)
+        assert (t["to_mode"], t["outcome"], t["interrupted"]) == ("on", "rolled_back", True), t
+        body = await wait_ready(c)
+    assert body["mode"] == "validate" and [read_desired_mode(d) for d in group.dirs] == [Mode.VALIDATE] * 2
+    assert modes_of_ranks(group) == {0: "validate", 1: "validate", 2: "validate", 3: "validate"}
+    assert [n.starts for n in group.nodes] == [1, 1]  # live both ways: no restart
+    assert read_owed_modes(group.dirs[0], NODES) == {}
 
 
 async def test_a_worker_whose_mode_file_disagrees_is_rewritten_by_a_flip_to_the_groups_mode(group):
@@ -572,8 +583,36 @@ async def test_a_worker_whose_mode_file_disagrees_is_rewritten_by_a_flip_to_the_
         await wait_ready(c)
 
 
-async def _async(fn):
-    return fn()
+@pytest.mark.parametrize(
+    "mode, by_hand",
+    [
+        (Mode.VALIDATE, Mode.ON),
+        (Mode.ON, Mode.VALIDATE),
+        (Mode.STANDBY, Mode.VALIDATE),
+        (Mode.OFF, Mode.VALIDATE),
+    ],
+)
+async def test_a_group_mismatched_by_hand_is_repaired_by_the_request_its_readiness_names(
+    tmp_path, mode, by_hand
+):
+    """Node 1's mode file changed by hand in each mode: /ready names it and a request that repairs it, which is
+    accepted without force and puts every node back in the group's mode. (Before: in `on` the request named was
+    refused 412, the gate to on wanting every rank in validate.)"""
+    with running(Group(tmp_path, mode=mode)) as g:
+        async with sidecar(g.leader_settings(ready_timeout_s=30.0)) as c:
+            await wait_ready(c)
+            write_desired_mode(g.dirs[1], by_hand)
+            named = f"node 1: its mode file says {by_hand}"
+            reason = next(r for r in await not_ready_naming(c, named) if named in r)
+            asked = re.search(r"POST /mode (\w+)", reason).group(1)
+            assert asked == mode.value, reason
+            r = await c.post("/mode", json={"mode": asked, "reason": "repair"}, headers=AUTH)
+            assert r.status_code == 202, r.json()
+            t = await settle(c, timeout=60)
+            assert t["outcome"] == "succeeded", t
+            await wait_ready(c)
+        assert [read_desired_mode(d) for d in g.dirs] == [mode, mode]
+        assert set(modes_of_ranks(g).values()) == {mode.value}
 
 
 # ---- what the kill switch owes, across a restart of the leader's sidecar ----------------------------------------
@@ -620,6 +659,6 @@ async def test_a_restarted_leader_pays_what_a_node_is_owed_when_it_answers(group
     # An unreadable file: reported until a mode reaches every node.
     owed_path(d0).write_text("{")
     broken = GroupClient(settings)
-    assert broken.owed_problem and broken.node_status([], [])[1]["problems"]
+    assert broken.owed_problem and broken.node_status([], [], None)[1]["problems"]
     assert await broken.write_mode(Mode.OFF, owe=True, restart=True) == {}
-    assert broken.owed_problem is None and broken.node_status([], [])[1]["problems"] == []
+    assert broken.owed_problem is None and broken.node_status([], [], None)[1]["problems"] == []
