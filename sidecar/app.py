@@ -122,7 +122,8 @@ def create_app(
     @app.get("/ready")
     async def ready() -> ApiJSON:
         try:
-            a = await asyncio.wait_for(controller.assess(), settings.probe_deadline_s)
+            async with asyncio.timeout(settings.probe_deadline_s):  # not wait_for: see SingleFlight.get
+                a = await controller.assess()
         except TimeoutError:
             metrics.ready.set(0)  # what this answer says (an assessment that finishes sets it again)
             return ApiJSON(
@@ -162,9 +163,8 @@ def create_app(
     @app.api_route("/gate", methods=["GET", "POST"])
     async def gate(request: Request, to: Mode = Mode.ON) -> ApiJSON:
         try:
-            criteria, down = await asyncio.wait_for(
-                controller.admission.gate_verdict(to), settings.probe_deadline_s
-            )
+            async with asyncio.timeout(settings.probe_deadline_s):
+                criteria, down = await controller.admission.gate_verdict(to)
         except TimeoutError:
             raise HTTPException(503, f"no verdict within {settings.probe_deadline_s:g}s") from None
         failed = [c.name for c in criteria if not c.passed]

@@ -11,7 +11,9 @@ the preempted one started from. What the preempted task had set in motion is not
 under way (a call into Docker or the process control, on a thread) runs to its end, and the off transition
 waits for it before it restarts the server itself, so the server comes up in off whatever step the preempted
 transition was at; ranks it had switched live are restarted into off with the rest. `standby` (Triton
-serves, kdtree idle: the live remedy) is never gated either, and does not preempt.
+serves, kdtree idle: the live remedy) is never gated either, and does not preempt. Nor is the mode the server runs in,
+asked again while a mode file disagrees (a repair). A flip to off is never rolled back, and one that a previous
+sidecar left unfinished is finished at the start (transition.py).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class Controller:
             return
         t.interrupted = True
         self.store.audit("interrupted_transition_found", t, logging.WARNING, step=t.step)
+        if t.to_mode == Mode.OFF:
+            # The kill switch is a one-way door: finished, never rolled back (a partition can outlast this sidecar).
+            self._start_task(self.runner.run(t, resume=True))
+            return
         if t.step in (Step.ACCEPTED, Step.WRITING_MODE):
             # The server was not restarted: putting the mode file back is the whole resolution.
             t.failure = t.failure or f"the sidecar stopped at step {t.step}, before the server was restarted"

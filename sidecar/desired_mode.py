@@ -189,7 +189,8 @@ class DesiredModeReconciler:
     async def tick(self) -> None:
         """Read the file once and act on it (the module's docstring)."""
         try:
-            value = await asyncio.wait_for(asyncio.to_thread(read_desired, self.path), READ_DEADLINE_S)
+            async with asyncio.timeout(READ_DEADLINE_S):  # not wait_for: see SingleFlight.get
+                value = await asyncio.to_thread(read_desired, self.path)
         except TimeoutError:
             value = DesiredValue(None, error=f"{self.path} did not answer within {READ_DEADLINE_S:g}s")
         self.value = value

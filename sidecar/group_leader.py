@@ -9,12 +9,16 @@ NodeReport, POST /group/mode and POST /group/restart: sidecar/group_worker.py, w
 
 Faults, and what the leader does (tests/sidecar/test_group.py):
 - a worker's sidecar that does not answer (node lost, a partition): its ranks are named unread, /ready is 503; a
-  flip other than to `off` is refused (503) naming the node; `off` (the kill switch) is accepted: the leader and
-  every node that answers go to off, and a node that does not is owed off (mode file and restart), given as soon
-  as its sidecar answers again; the flip succeeds once every rank reports off within KDTREE_READY_TIMEOUT_S.
+  flip other than to `off` is refused (503) naming the node; `off` (the kill switch) is accepted at once, from the
+  workers' latest reports: the leader and every node that answers go to off, and a node that does not is owed off
+  (mode file and restart), given as soon as its sidecar answers again; the flip succeeds once every rank reports
+  off within KDTREE_READY_TIMEOUT_S, and is never rolled back (transition.py).
 - a worker's server that restarts alone: its ranks are named until they report again in the group's mode.
-- the leader's sidecar restarted: it reads the workers again at its first assessment; what a node is owed is kept
-  on the leader's state volume (owed-modes.json) and given when the node answers, as before the restart.
+- the leader's sidecar restarted: it reads the workers again at its first assessment (a node is not reachable
+  until it has answered this sidecar); what a node is owed is kept on the leader's state volume (owed-modes.json)
+  and given when the node answers, as before the restart; a flip to off it left unfinished is finished.
+- a worker's mode file that disagrees with the group's (changed by hand, a lost debt): /ready names it, and
+  POST /mode with the group's own mode (a repair, not gated: admission.py) or off rewrites every node's.
 """
 
 import asyncio
@@ -72,7 +76,8 @@ class GroupClient:
     """The leader's side: the workers' reports, their mode files and their restarts, over authenticated HTTP.
 
     `owed`: nodes whose mode file the kill switch could not write (their sidecar did not answer), with the mode and
-    whether a restart is owed too; given when the node's sidecar answers again (merge). Kept on the leader's state
+    whether a restart is owed too; given when the node's sidecar answers again (merge). A debt of off is not
+    replaced by another mode the node did not take either (a rollback's): the kill switch stays owed. Kept on the leader's state
     volume (kdtree.state.owed_modes) whenever it changes and read back at the start, so it outlives this sidecar.
 
     volume: the leader's state volume (the controller shares it: a failed write stands as its problem in /ready)."""
@@ -199,9 +204,10 @@ class GroupClient:
                 self._paying = asyncio.create_task(self._pay(answering))
         return self.latest
 
-    async def merge(self, snap: VolumeReading) -> VolumeReading:
-        """The leader's own reading, with every worker's ranks and facts added."""
-        reports = await self.read()
+    async def merge(self, snap: VolumeReading, *, fresh: bool = True) -> VolumeReading:
+        """The leader's own reading, with every worker's ranks and facts added; fresh=False: from their latest
+        reports (a node not read yet adds nothing)."""
+        reports = await self.read() if fresh else dict(self.latest)
         s = self.settings
         views = [v for v in snap.views if s.node_of(v.record.tp_rank) == 0]
         merged = snap.model_copy(update={"views": views})
@@ -243,9 +249,14 @@ class GroupClient:
             before = dict(self.owed)
             for n in self.nodes:
                 if n in failed and owe:
-                    self.owed[n] = (mode, restart)
-                elif n not in failed:
+                    # a node owed off stays owed off (with its restart): the kill switch is paid by running off only
+                    was = self.owed.get(n)
+                    self.owed[n] = (
+                        (Mode.OFF, was[1] or restart) if was and was[0] == Mode.OFF else (mode, restart)
+                    )
+                elif n not in failed and self.owed.get(n) != (mode, True):
                     self.owed.pop(n, None)  # the latest mode written replaces what was owed
+                # (a node that took the mode it is owed with a restart is still owed the restart: _pay gives it)
             if self.owed != before:
                 self._save_owed()
         if not failed and self.owed_problem is not None:
@@ -330,24 +341,34 @@ class GroupClient:
                 f"node {node}'s sidecar ({url}) did not restart its server: {r.status_code} {shown(text)}"
             )
 
-    def node_status(self, views: list[RankView], problems: list[str]) -> list[dict]:
-        """/status's `group`: each node, its ranks with a record, and the problems that name it."""
+    def answered(self, node: int) -> bool:
+        """Whether the node's sidecar answered the latest read; a node not read since this sidecar started has not.
+        Node 0 is this sidecar's own."""
+        return node == 0 or isinstance(self.latest.get(node), NodeReport)
+
+    def node_status(
+        self, views: list[RankView], problems: list[str], own_mode_file: str | None
+    ) -> list[dict]:
+        """/status's `group`: each node, its ranks with a record, its mode file (node 0's: `own_mode_file`) and the
+        problems that name it."""
         s = self.settings
         out = []
         for node in range(s.nnodes):
             latest = self.latest.get(node)
             unknown = self.owed_problem if node in self.nodes and node not in self.owed else None
+            if node in self.nodes and latest is None:
+                latest = f"node {node}'s sidecar has not been read since this sidecar started"
             out.append(
                 {
                     "node": node,
                     "sidecar": self.nodes.get(node, "this sidecar"),
-                    "reachable": not isinstance(latest, str),
+                    "reachable": self.answered(node),
                     "error": latest if isinstance(latest, str) else None,
                     "ranks": list(s.node_ranks(node)),
                     "ranks_reporting": [
                         v.record.tp_rank for v in views if s.node_of(v.record.tp_rank) == node
                     ],
-                    "mode_file": latest.mode_file if isinstance(latest, NodeReport) else None,
+                    "mode_file": own_mode_file if node == 0 else getattr(latest, "mode_file", None),
                     "owed": self.owed[node][0].value if node in self.owed else None,
                     "problems": [p for p in problems if p.startswith(f"node {node} ")]
                     + ([f"node {node} may be owed a mode: {unknown}"] if unknown else []),
@@ -382,13 +403,13 @@ class GroupCollector(Collector):
 
     def collect(self):
         s = self.group.settings
-        up = GaugeMetricFamily("kdtree_group_node_up", "1 when the node's sidecar answered the leader's latest read",
+        up = GaugeMetricFamily("kdtree_group_node_up", "1 when the node's sidecar answered the leader's latest read "
+                               "(0 until it has answered one since the leader's sidecar started)",
                                labels=["node"])  # fmt: skip
         where = GaugeMetricFamily("kdtree_group_rank_node", "the node each tensor-parallel rank runs on (always 1)",
                                   labels=["rank", "node"])  # fmt: skip
-        up.add_metric(["0"], 1)
-        for node in self.group.nodes:
-            up.add_metric([str(node)], 0 if isinstance(self.group.latest.get(node), str) else 1)
+        for node in range(s.nnodes):
+            up.add_metric([str(node)], 1 if self.group.answered(node) else 0)
         for rank in range(s.expected_tp_size):
             where.add_metric([str(rank), str(s.node_of(rank))], 1)
         yield from (up, where)

@@ -112,8 +112,11 @@ class SingleFlight(Generic[T]):
         """The cached value if fresh, else the shared in-flight fetch; None when `wait` runs out first."""
         if self._value is not None and time.monotonic() - self._at <= max_age:
             return self._value
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that lands as the fetch
+        # completes, and the loop that awaited it runs on past its stop.
         try:
-            return await asyncio.wait_for(asyncio.shield(self.start()), wait)
+            async with asyncio.timeout(wait):
+                return await asyncio.shield(self.start())
         except TimeoutError:
             return None
 

@@ -79,6 +79,12 @@ def mode_file_text(snap: VolumeReading | None) -> str | None:
     return snap.mode_file.value if snap.mode_file else None
 
 
+def repair(expected: Mode) -> str:
+    """The request that rewrites every mode file from the mode `expected`: that mode again, which the gate does
+    not hold up (admission), or the kill switch."""
+    return f"POST /mode {expected}" + ("" if expected == Mode.OFF else " (or off)")
+
+
 def mode_file_problems(snap: VolumeReading | None, expected: Mode) -> list[str]:
     """A mode file that is unreadable or disagrees with the mode the sidecar expects (no transition running): the
     ranks follow the file all the same."""
@@ -87,13 +93,12 @@ def mode_file_problems(snap: VolumeReading | None, expected: Mode) -> list[str]:
     if snap.mode_file_error:
         return [
             f"the mode file is unreadable ({snap.mode_file_error}): the ranks keep the mode they have; "
-            f"POST /mode {expected} rewrites it"
+            f"{repair(expected)} rewrites it"
         ]
     if snap.mode_file is not None and snap.mode_file != expected:
         return [
             f"the mode file says {snap.mode_file} and the sidecar expects {expected}: the ranks follow the "
-            f"file, so they may serve {snap.mode_file}, which no bake approved; POST /mode {expected} "
-            "(or off) rewrites it"
+            f"file, so they may serve {snap.mode_file}, which no bake approved; {repair(expected)} rewrites it"
         ]
     return []
 
@@ -106,7 +111,7 @@ def node_mode_file_problems(snap: VolumeReading | None, expected: Mode) -> list[
         return []
     return [
         f"node {node}: its mode file says {says} and the group's mode is {expected}: its ranks follow "
-        f"their file; POST /mode {expected} (or off) to the leader rewrites every node's"
+        f"their file; {repair(expected)} to the leader rewrites every node's"
         for node, says in sorted(snap.node_mode_files.items())
         if says and says != expected.value
     ]

@@ -104,18 +104,17 @@ class Readiness:
         self._monitor_task = asyncio.create_task(self._monitor())
 
     async def stop(self) -> None:
-        # Cancelled again until it ends: asyncio.wait_for (in SingleFlight, Python 3.11) can swallow a cancellation
-        # that lands as the probe finishes.
-        while self._monitor_task is not None and not self._monitor_task.done():
+        if self._monitor_task is not None:
             self._monitor_task.cancel()
-            await asyncio.wait([self._monitor_task], timeout=0.5)
+            await asyncio.wait([self._monitor_task])
 
-    async def read_volume(self) -> VolumeReading | None:
+    async def read_volume(self, *, workers: bool = True) -> VolumeReading | None:
         """The rank records and the mode file; None when the volume did not answer within the deadline. A group's
-        leader: with every worker's ranks and facts (GroupClient.merge)."""
+        leader: with every worker's ranks and facts (GroupClient.merge); workers=False: their latest reports, read
+        before, so that nothing waits on a worker that does not answer (the kill switch)."""
         snap = await self.volume.read("volume", lambda: read_volume(self.settings))
         if snap is not None and self.group is not None:
-            snap = await self.group.merge(snap)
+            snap = await self.group.merge(snap, fresh=workers)
         return snap
 
     async def rank_views(self) -> list[RankView]:

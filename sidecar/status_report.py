@@ -93,7 +93,7 @@ class StatusReport:
                     None,
                 ),
             ),
-            group=self.readiness.group.node_status(a.ranks.ranks, a.reasons)
+            group=self.readiness.group.node_status(a.ranks.ranks, a.reasons, a.mode_file)
             if self.readiness.group
             else None,
         )

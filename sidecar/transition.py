@@ -11,6 +11,10 @@ live when the flip was live (by restart if that fails too), else by restart (non
 restarted yet: the mode file back is the whole rollback). Each step is persisted before it is taken, so a sidecar
 that stops mid-way resolves the transition on its next start.
 
+Except the kill switch: a flip to off is a one-way door. A failed one is not rolled back (it ends `failed`, the mode
+stays off, every mode file says off and a group's node that did not take it stays owed it), and one that a sidecar
+left unfinished is finished by the next (resume), never rolled back.
+
 Drain: before a flip or a rollback stops a running server, /ready answers 503 for KDTREE_DRAIN_S (readiness's
 draining_until), so that the load balancers that poll it stop routing to the server before it gets SIGTERM.
 
@@ -69,20 +73,35 @@ class TransitionRunner:
         self.readiness = readiness
         self.restart_call: asyncio.Future | None = None  # the server restart under way, on a thread
 
-    async def run(self, t: Transition) -> None:
+    async def run(self, t: Transition, *, resume: bool = False) -> None:
+        """Run t forward; resume: t is a flip to off that a previous sidecar left unfinished (controller.start)."""
         try:
-            self._step(t, Step.ACCEPTED, reason=t.reason, force=t.force)
-            await self._forward(t)
+            if not resume:
+                self._step(t, Step.ACCEPTED, reason=t.reason, force=t.force)
+            await self._forward(t, resume=resume)
         except asyncio.CancelledError:
             raise  # stopping (the persisted step makes the next start resolve it), or preempted
         except Exception as e:
             known = isinstance(e, StepFailed | VolumeWriteFailed)
             t.failure = str(e) if known else f"{type(e).__name__}: {e}"
             self.store.audit("flip_failed", t, logging.ERROR, step=t.step, failure=t.failure)
-            await self.rollback_and_finish(t)
+            if t.to_mode == Mode.OFF:
+                self._keep_off(t)
+            else:
+                await self.rollback_and_finish(t)
             return
         self.state.current_mode = t.to_mode
         self.finish(t, Outcome.SUCCEEDED)
+
+    def _keep_off(self, t: Transition) -> None:
+        """A failed flip to off is not rolled back: the kill switch must not bring back the mode it was asked to
+        stop. The mode stays off; /ready names what is not off yet."""
+        t.rollback_note = (
+            "off is never rolled back: the mode files say off (a group's node that did not take it is owed it, "
+            "given when it answers); /ready names what does not run off yet, and POST /mode off asks again"
+        )
+        self.state.current_mode = Mode.OFF
+        self.finish(t, Outcome.FAILED)
 
     async def abort(self, t: Transition) -> None:
         """Finish an interrupted transition by putting the mode file back: aborted, or rollback_failed when the
@@ -147,7 +166,9 @@ class TransitionRunner:
             f"{snap.mode_file}, so the ranks may serve {snap.mode_file}"
         )
 
-    async def _forward(self, t: Transition) -> None:
+    async def _forward(self, t: Transition, *, resume: bool = False) -> None:
+        """resume (an unfinished flip to off): every mode file is written again (a node still silent stays owed off),
+        and the server is restarted again only when it has not started since this flip restarted it."""
         self._step(t, Step.WRITING_MODE)
         await self._write_mode(t.to_mode, restart=t.method == Method.RESTART)
         if t.method == Method.LIVE:
@@ -157,11 +178,23 @@ class TransitionRunner:
             self._step(t, Step.BAKING, probes=self.settings.bake_probes, confirmed_s=round(t.confirmed_s, 3))
             await self._bake(t, None)
             return
-        restarts = await self._restart(t)
+        restarts = await self._restarted_since(t) if resume else None
+        if restarts is None:
+            restarts = await self._restart(t)
         self._step(t, Step.WAITING_READY)
         await self._wait_ready(t.to_mode, t.restarted_at, restarts, forward=True)
         self._step(t, Step.BAKING, probes=self.settings.bake_probes)
         await self._bake(t, restarts)
+
+    async def _restarted_since(self, t: Transition) -> int | None:
+        """The server's restart count when it has started since t restarted it (a group's workers restart first),
+        else None."""
+        self.readiness.server_flight.invalidate()  # a view from before this sidecar's start may predate that start
+        c = (await self.readiness.inspect()).state
+        started = c.started_at if c is not None else None
+        if t.restarted_at is None or started is None or started <= t.restarted_at:
+            return None
+        return c.restart_count
 
     async def _await_ranks(self, t: Transition, mode: Mode) -> None:
         """Until every expected rank's live record reports `mode` (each switches on its own, between verify steps);

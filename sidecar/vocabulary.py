@@ -19,7 +19,8 @@ class Step(StrEnum):
     live:    accepted -> writing_mode -> awaiting_ranks -> baking -> (succeeded)
     restart: accepted -> writing_mode -> draining (when the server runs) -> restarting -> waiting_ready -> baking
              -> (succeeded)
-    any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed)
+    any failure -> rolling_back (live, then by restart if that fails) -> (rolled_back | rollback_failed), except
+    a flip to off: the kill switch is never rolled back -> (failed), the mode stays off
     """
 
     ACCEPTED = "accepted"
@@ -40,6 +41,7 @@ class Outcome(StrEnum):
     ROLLBACK_FAILED = "rollback_failed"  # neither mode is sure: someone must act
     ABORTED = "aborted"  # interrupted before the mode file changed (the sidecar stopped): nothing to undo
     PREEMPTED = "preempted"  # POST /mode off while it ran; the off transition runs next
+    FAILED = "failed"  # a flip to off that did not complete: never rolled back, the mode stays off (a one-way door)
 
 
 class Phase(StrEnum):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import os
 import subprocess
 import sys
@@ -61,42 +62,98 @@ def sidecar_sized_heap():
         gc.unfreeze()
 
 
+STOP_S = 20.0  # the sidecar's stop (its lifespan's end): well within pytest's timeout (pyproject.toml)
+
+
+class DeadlineASGITransport(httpx.ASGITransport):
+    """httpx's ASGITransport applies no timeout: a request whose handler never returns would hang the test until
+    pytest-timeout kills it, silently. This one fails the request at `timeout`, naming it."""
+
+    def __init__(self, app, timeout: float):
+        super().__init__(app=app)
+        self.timeout = timeout
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await super().handle_async_request(request)
+        except TimeoutError:
+            raise AssertionError(
+                f"{request.method} {request.url.path} got no answer from the sidecar within {self.timeout:g}s"
+            ) from None
+
+
 @asynccontextmanager
 async def sidecar(settings: SidecarSettings, server=None, timeout: float = 30, pod_events=None):
-    """The sidecar app with its lifespan running, behind an httpx client (no socket); pod_events: where it posts
-    Kubernetes Events (standins/kube_api.py)."""
+    """The sidecar app with its lifespan running, behind an httpx client (no socket; each request bounded by
+    `timeout`); pod_events: where it posts Kubernetes Events (standins/kube_api.py). Its stop is bounded by STOP_S."""
     app = create_app(settings, server, pod_events)
     with sidecar_sized_heap():
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
+        lifespan = app.router.lifespan_context(app)
+        await lifespan.__aenter__()
+        try:
             async with httpx.AsyncClient(
-                transport=transport, base_url="http://sidecar", timeout=timeout
+                transport=DeadlineASGITransport(app, timeout), base_url="http://sidecar", timeout=timeout
             ) as client:
                 yield client
+        finally:
+            try:
+                async with asyncio.timeout(STOP_S):
+                    await lifespan.__aexit__(None, None, None)
+            except TimeoutError:
+                raise AssertionError(
+                    f"the sidecar did not stop within {STOP_S:g}s: a task of its own ignored its cancellation "
+                    f"({[t.get_coro().__qualname__ for t in asyncio.all_tasks() if not t.done()]})"
+                ) from None
+
+
+async def until(check, timeout: float = 20.0, what: str = "", every: float = 0.1):
+    """check()'s first truthy value, polled every `every` seconds; AssertionError saying what was waited for and the
+    last value seen once `timeout` has passed. check is a function or a coroutine function; a tuple it returns is
+    (the value, what it saw)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        got = await got if inspect.isawaitable(got) else got
+        ok, seen = got if isinstance(got, tuple) else (got, got)
+        if ok:
+            return ok
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"not within {timeout:g}s: {what or check.__qualname__}; last seen: {seen!r}"
+            )
+        await asyncio.sleep(every)
 
 
 async def wait_ready(c: httpx.AsyncClient, timeout: float = 30) -> dict:
     """Poll GET /ready until the sidecar's completion probe passes (a busy machine can take a few seconds
     to answer the stand-in's first completion); returns the /ready body."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def ready():
         r = await c.get("/ready")
-        if r.status_code == 200:
-            return r.json()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the sidecar was not ready within {timeout:g}s: {r.json()}")
-        await asyncio.sleep(0.1)
+        return r.status_code == 200 and r.json(), r.json()
+
+    return await until(ready, timeout, "GET /ready answering 200")
 
 
 async def settle(c: httpx.AsyncClient, timeout: float = 30) -> dict:
     """Wait for the running transition to finish; returns it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    async def finished():
         st = (await c.get("/status")).json()
-        if st["active_transition"] is None:
-            return st["transitions"][-1]
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"transition still running: {st['active_transition']}")
+        return st["active_transition"] is None and st["transitions"][-1], st["active_transition"]
+
+    return await until(finished, timeout, "the running transition to finish")
+
+
+async def reach_step(c: httpx.AsyncClient, step: str, timeout: float = 30) -> dict:
+    """Wait for the running transition to reach `step`; returns it."""
+
+    async def there():
+        t = (await c.get("/status")).json()["active_transition"]
+        return t is not None and t["step"] == step and t, t
+
+    return await until(there, timeout, f"the running transition at step {step}")
 
 
 def audit_events(state_dir) -> list[str]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import httpx
 import pytest
 from kube_api import kube_api
-from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar
+from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, until
+from standin_engine import free_port
 
 from kdtree.config import Mode
 from kdtree.state.mode_file import read_desired_mode
@@ -67,15 +67,14 @@ def desire(path, text: str) -> None:
 
 async def desired_state(c, state: str, content: str | None = "any", timeout: float = 30) -> dict:
     """/status once the desired mode is in `state` (for `content`, unless "any") and no transition runs."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def there():
         doc = (await c.get("/status")).json()
         d = doc["desired_mode"]
-        if d["state"] == state and content in ("any", d["content"]) and doc["active_transition"] is None:
-            return doc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"desired mode not {state} within {timeout:g}s: {doc['desired_mode']}")
-        await asyncio.sleep(0.1)
+        done = d["state"] == state and content in ("any", d["content"]) and doc["active_transition"] is None
+        return done and doc, (d, doc["active_transition"])
+
+    return await until(there, timeout, f"the desired mode {state} ({content}), no transition running")
 
 
 def settings_for(tmp_path, proc, path, **kw):
@@ -293,6 +292,19 @@ async def test_post_mode_overrides_the_desired_mode_and_the_kill_switch_sticks(e
         "validate",
     ]
     assert "DesiredModeOverridden" in reasons(api)
+
+
+async def test_the_sidecar_stops_whenever_its_stop_lands(tmp_path, cluster):
+    """Its stop cancels the desired-mode loop wherever it waits. Python 3.11's asyncio.wait_for returns the result of
+    a read that completed as the cancellation landed, and drops the cancellation: the loop read on, and the stop
+    waited for it forever (how the kill-switch test above hung for 15 minutes on a loaded machine). The loop reads
+    every millisecond here, so that stops land on reads."""
+    path, _, events = cluster
+    desire(path, "validate")
+    settings = make_settings(tmp_path, free_port(), desired_mode_file=path, probe_interval_s=0.001)
+    for _ in range(20):
+        async with sidecar(settings, pod_events=events):
+            await asyncio.sleep(0.05)
 
 
 async def test_events_the_role_does_not_grant_are_counted_and_change_nothing(engine, tmp_path, cluster):

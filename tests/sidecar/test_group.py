@@ -11,22 +11,23 @@ it through a TCP relay the test cuts to make a partition between the two sidecar
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 
 import httpx
 import pytest
 from process_harness import SupervisedStandin
-from sidecar_harness import AUTH, TOKEN, make_settings, serve, settle, sidecar, wait_ready
+from sidecar_harness import AUTH, TOKEN, make_settings, reach_step, serve, settle, sidecar, until, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import ConfigError, Mode
 from kdtree.state.mode_file import read_desired_mode, write_desired_mode
 from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes
 from kdtree.state.rank_records import read_records
-from sidecar.group_leader import GroupClient
+from sidecar.group_leader import READ_REUSE_S, GroupClient
 from sidecar.settings import SidecarSettings
 
 pytestmark = pytest.mark.anyio
@@ -35,11 +36,14 @@ ENGINE = ("--tp-size", str(TP), "--nnodes", str(NODES), "--heartbeat-s", "0.2", 
 
 
 class Relay:
-    """A TCP relay to the worker's sidecar that a test can cut (a partition: connections are closed at once)."""
+    """A TCP relay to the worker's sidecar that a test can cut (open=False, a partition: connections are closed at
+    once) or silence (silent=True, a stopped sidecar, as after SIGSTOP: connections are taken and never answered)."""
 
     def __init__(self, target_port: int):
         self.target = target_port
         self.open = True
+        self.silent = False
+        self.held: list[socket.socket] = []  # the connections a silent sidecar took and does not answer
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -52,6 +56,9 @@ class Relay:
                 return
             if not self.open:
                 conn.close()
+                continue
+            if self.silent:
+                self.held.append(conn)
                 continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target), timeout=5)
@@ -71,47 +78,56 @@ class Relay:
 
     def close(self):
         self.server.close()
+        for conn in self.held:
+            conn.close()
 
 
 class Group:
-    """Two stand-in nodes, the worker's sidecar behind a relay, and the settings of the leader's sidecar."""
+    """Stand-in nodes (two unless told), each worker's sidecar behind a relay, and the settings of the leader's
+    sidecar; `relay`, `worker_url` and `worker_settings` are node 1's."""
 
-    def __init__(self, tmp_path, mode: Mode | None = Mode.VALIDATE, worker_args=()):
+    def __init__(self, tmp_path, mode: Mode | None = Mode.VALIDATE, worker_args=(), nnodes: int = NODES):
         """mode: written into each node's mode file; None writes none (a fresh stack: the ranks start in
-        KDTREE_VERIFY's mode, as compose/two-node.yaml's do)."""
-        self.dirs = [tmp_path / "node0", tmp_path / "node1"]
+        KDTREE_VERIFY's mode, as compose/two-node.yaml's do). nnodes: two ranks on each node."""
+        self.nnodes, self.tp = nnodes, nnodes * TP // NODES
+        self.dirs = [tmp_path / f"node{i}" for i in range(nnodes)]
         for d in self.dirs:
             d.mkdir()
             if mode is not None:
                 write_desired_mode(d, mode)
-        self.ports = [free_port(), free_port()]
+        self.ports = [free_port() for _ in range(nnodes)]
         env = {
             "KDTREE_VERIFY": (mode or Mode.VALIDATE).value
         }  # the mode a server starts in without a mode file
+        engine = (*ENGINE, "--tp-size", str(self.tp), "--nnodes", str(nnodes))  # the later flags win
+        leader = ("--leader-url", f"http://127.0.0.1:{self.ports[0]}", *worker_args)
         self.nodes = [
-            SupervisedStandin(self.ports[0], str(self.dirs[0]), [*ENGINE, "--node-rank", "0"], env=env),
-            SupervisedStandin(
-                self.ports[1],
-                str(self.dirs[1]),
-                [
-                    *ENGINE,
-                    "--node-rank",
-                    "1",
-                    "--leader-url",
-                    f"http://127.0.0.1:{self.ports[0]}",
-                    *worker_args,
-                ],
-                env=env,
-            ),
+            SupervisedStandin(port, str(d), [*engine, "--node-rank", str(i), *(leader * (i > 0))], env=env)
+            for i, (port, d) in enumerate(zip(self.ports, self.dirs, strict=True))
         ]
-        self.worker_settings = group_settings(self.dirs[1], self.ports[1], "worker", node_rank=1)
-        self.relay: Relay | None = None
-        self.worker_url: str | None = None
+        self.all_worker_settings = [
+            self.settings(self.dirs[i], self.ports[i], "worker", node_rank=i) for i in range(1, nnodes)
+        ]
+        self.worker_settings = self.all_worker_settings[0]
+        self.relays: list[Relay] = []  # node 1's first
+        self.worker_urls: list[str] = []
+
+    def settings(self, state_dir, port, role, **overrides) -> SidecarSettings:
+        return group_settings(
+            state_dir, port, role, expected_tp_size=self.tp, nnodes=self.nnodes, **overrides
+        )
 
     def leader_settings(self, **overrides) -> SidecarSettings:
-        return group_settings(
-            self.dirs[0], self.ports[0], "leader", group_workers=[self.relay_url], **overrides
-        )
+        urls = [f"http://127.0.0.1:{r.port}" for r in self.relays]
+        return self.settings(self.dirs[0], self.ports[0], "leader", group_workers=urls, **overrides)
+
+    @property
+    def relay(self) -> Relay:
+        return self.relays[0]
+
+    @property
+    def worker_url(self) -> str:
+        return self.worker_urls[0]
 
     @property
     def relay_url(self) -> str:
@@ -126,8 +142,8 @@ GROUP_AUTH = {"Authorization": f"Bearer {GROUP_TOKEN}"}
 
 def group_settings(state_dir, port, role, **overrides) -> SidecarSettings:
     tokens = dict(group_token=GROUP_TOKEN, **({"admin_token": None} if role == "worker" else {}))
-    return make_settings(state_dir, port, expected_tp_size=TP, nnodes=NODES, group_role=role, verify=Mode.VALIDATE,
-                         **{**tokens, **overrides})  # fmt: skip
+    base = dict(expected_tp_size=TP, nnodes=NODES, group_role=role, verify=Mode.VALIDATE, **tokens)
+    return make_settings(state_dir, port, **{**base, **overrides})
 
 
 @pytest.fixture
@@ -143,11 +159,13 @@ def running(g: Group):
     try:
         for n in g.nodes:
             n.wait_port()
-        with serve(g.worker_settings, g.nodes[1]) as url:
-            g.worker_url = url
-            g.relay = Relay(int(url.rsplit(":", 1)[1]))
+        with ExitStack() as workers:
+            for settings, node in zip(g.all_worker_settings, g.nodes[1:], strict=True):
+                url = workers.enter_context(serve(settings, node))
+                g.worker_urls.append(url)
+                g.relays.append(relay := Relay(int(url.rsplit(":", 1)[1])))
+                workers.callback(relay.close)
             yield g
-            g.relay.close()
     finally:
         for n in g.nodes:
             n.stop()
@@ -158,24 +176,14 @@ async def ready_reasons(c: httpx.AsyncClient) -> list[str]:
     return [] if r.status_code == 200 else r.json()["reasons"]
 
 
-async def until(what, timeout: float = 20.0, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout:g}s"
-        await asyncio.sleep(every)
-
-
 async def not_ready_naming(c, *texts: str, timeout: float = 20.0) -> list[str]:
     """/ready's reasons once every text is in one of them (ranks go stale each on its own heartbeat)."""
 
     async def check():
         reasons = await ready_reasons(c)
-        return reasons if all(any(t in r for r in reasons) for t in texts) else None
+        return all(any(t in r for r in reasons) for t in texts) and reasons, reasons
 
-    return await until(check, timeout)
+    return await until(check, timeout, f"/ready's reasons naming {texts}")
 
 
 def modes_of_ranks(g: Group) -> dict[int, str]:
@@ -324,9 +332,9 @@ async def test_ready_only_with_every_rank_of_every_node(group):
         await wait_ready(c)
         st = (await c.get("/status")).json()
         assert sorted(v["record"]["tp_rank"] for v in st["ranks"]) == [0, 1, 2, 3]
-        assert [(n["node"], n["ranks_reporting"], n["reachable"]) for n in st["group"]] == [
-            (0, [0, 1], True),
-            (1, [2, 3], True),
+        assert [(n["node"], n["ranks_reporting"], n["reachable"], n["mode_file"]) for n in st["group"]] == [
+            (0, [0, 1], True, "validate"),  # the leader's own mode file too
+            (1, [2, 3], True, "validate"),
         ]
         text = (await c.get("/metrics")).text
         assert 'kdtree_group_rank_node{node="1",rank="3"} 1.0' in text
@@ -462,7 +470,7 @@ async def test_the_kill_switch_with_a_worker_unreachable(group):
         await not_ready_naming(c, "node 1's sidecar")
         r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
         assert r.status_code == 202, r.json()
-        await until(lambda: _async(lambda: group.nodes[0].starts == 2), timeout=30)
+        await until(lambda: group.nodes[0].starts == 2, timeout=30)
         assert read_desired_mode(group.dirs[0]) == Mode.OFF
         assert read_desired_mode(group.dirs[1]) == Mode.VALIDATE  # unreachable: owed, not written
         st = (await c.get("/status")).json()
@@ -474,6 +482,89 @@ async def test_the_kill_switch_with_a_worker_unreachable(group):
         assert read_desired_mode(group.dirs[1]) == Mode.OFF and group.nodes[1].starts == 2
         assert read_owed_modes(group.dirs[0], NODES) == {}
         assert modes_of_ranks(group) == {0: "off", 1: "off", 2: "off", 3: "off"}
+
+
+# ---- the kill switch is a one-way door ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("restarts", [1, 2])
+async def test_off_owed_to_a_silent_worker_outlives_restarts_of_the_leaders_sidecar(group, restarts):
+    """Node 1's sidecar stops (as after SIGSTOP) and the kill switch is asked: node 0 goes off, node 1 is owed off.
+    The leader's sidecar restarted before node 1 answers (once, twice) finishes the off flip, never rolls it back:
+    node 1 stays owed off and runs off once it answers. (Before: the first restart rolled the flip back, node 0 to
+    validate and node 1's debt with it.)"""
+    settings = group.leader_settings(ready_timeout_s=60.0)
+    d0, d1 = group.dirs
+    owed_off = {1: OwedMode(mode=Mode.OFF, restart=True)}
+    async with sidecar(settings) as c:
+        await wait_ready(c)
+        group.relay.silent = True
+        r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
+        assert r.status_code == 202, r.json()
+        await until(lambda: group.nodes[0].starts == 2, timeout=30)
+        assert read_owed_modes(d0, NODES) == owed_off
+    for _ in range(restarts):
+        async with sidecar(settings) as c:
+            st = (await c.get("/status")).json()
+            t = st["active_transition"]
+            assert (t["to_mode"], t["interrupted"], st["phase"]) == ("off", True, "restarting"), st
+            await asyncio.sleep(1.5)  # a rollback wrote validate within this
+            assert read_desired_mode(d0) == Mode.OFF and read_owed_modes(d0, NODES) == owed_off
+            assert (await c.get("/status")).json()["group"][1]["owed"] == "off"
+    assert group.nodes[0].starts == 2 and read_desired_mode(d1) == Mode.VALIDATE  # node 0 ran off already
+    group.relay.silent = False
+    async with sidecar(settings) as c:
+        t = await settle(c, timeout=60)
+        assert (t["to_mode"], t["outcome"]) == ("off", "succeeded"), t
+        await wait_ready(c)
+    assert [read_desired_mode(d) for d in group.dirs] == [Mode.OFF, Mode.OFF] and group.nodes[1].starts == 2
+    assert read_owed_modes(d0, NODES) == {}
+    assert modes_of_ranks(group) == {0: "off", 1: "off", 2: "off", 3: "off"}
+
+
+async def test_off_answers_at_once_while_a_worker_is_silent_and_another_answers(tmp_path):
+    """Three nodes; node 2's sidecar stops (as after SIGSTOP), node 1's answers. POST /mode off answers within a
+    second, not after the silent worker's deadline (0.8 x KDTREE_PROBE_DEADLINE_S: 3.2 s here, 8 s by default): nodes
+    0 and 1 go off, node 2 is owed off and gets it when it answers."""
+    with running(Group(tmp_path, nnodes=3)) as g:
+        async with sidecar(g.leader_settings(probe_deadline_s=4.0, ready_timeout_s=60.0)) as c:
+            await wait_ready(c)
+            g.relays[1].silent = True
+            await not_ready_naming(c, "node 2 rank 4: unread: node 2's sidecar")
+            # no read of the workers left to share: an answer that waited on one would wait for the silent node
+            await asyncio.sleep(READ_REUSE_S)
+            began = time.monotonic()
+            r = await c.post("/mode", json={"mode": "off", "reason": "kill"}, headers=AUTH)
+            took = time.monotonic() - began
+            assert r.status_code == 202 and took < 1.0, (r.json(), took)
+            await until(lambda: [n.starts for n in g.nodes] == [2, 2, 1], timeout=30)
+            assert [read_desired_mode(d) for d in g.dirs] == [Mode.OFF, Mode.OFF, Mode.VALIDATE]
+            assert read_owed_modes(g.dirs[0], 3) == {2: OwedMode(mode=Mode.OFF, restart=True)}
+            g.relays[1].silent = False
+            t = await settle(c, timeout=60)
+            assert t["outcome"] == "succeeded", t
+        assert [read_desired_mode(d) for d in g.dirs] == [Mode.OFF] * 3 and g.nodes[2].starts == 2
+        assert set(modes_of_ranks(g).values()) == {"off"} and len(modes_of_ranks(g)) == 6
+
+
+async def test_the_leaders_sidecar_restarted_during_a_live_flip_to_on(group):
+    """The leader's sidecar stops while a live flip to on bakes: the next one rolls it back on every node (a flip
+    other than off may be), and the group is ready in validate, every mode file and rank agreeing."""
+    settings = group.leader_settings(bake_probes=30)  # a bake of 3 s or more: stopped in it
+    async with sidecar(settings) as c:
+        await wait_ready(c)
+        r = await c.post("/mode", json={"mode": "on", "reason": "live"}, headers=AUTH)
+        assert r.status_code == 202 and r.json()["method"] == "live", r.json()
+        await reach_step(c, "baking")
+        assert [read_desired_mode(d) for d in group.dirs] == [Mode.ON, Mode.ON]
+    async with sidecar(settings) as c:
+        t = await settle(c)
+        assert (t["to_mode"], t["outcome"], t["interrupted"]) == ("on", "rolled_back", True), t
+        body = await wait_ready(c)
+    assert body["mode"] == "validate" and [read_desired_mode(d) for d in group.dirs] == [Mode.VALIDATE] * 2
+    assert modes_of_ranks(group) == {0: "validate", 1: "validate", 2: "validate", 3: "validate"}
+    assert [n.starts for n in group.nodes] == [1, 1]  # live both ways: no restart
+    assert read_owed_modes(group.dirs[0], NODES) == {}
 
 
 async def test_a_worker_whose_mode_file_disagrees_is_rewritten_by_a_flip_to_the_groups_mode(group):
@@ -492,8 +583,36 @@ async def test_a_worker_whose_mode_file_disagrees_is_rewritten_by_a_flip_to_the_
         await wait_ready(c)
 
 
-async def _async(fn):
-    return fn()
+@pytest.mark.parametrize(
+    "mode, by_hand",
+    [
+        (Mode.VALIDATE, Mode.ON),
+        (Mode.ON, Mode.VALIDATE),
+        (Mode.STANDBY, Mode.VALIDATE),
+        (Mode.OFF, Mode.VALIDATE),
+    ],
+)
+async def test_a_group_mismatched_by_hand_is_repaired_by_the_request_its_readiness_names(
+    tmp_path, mode, by_hand
+):
+    """Node 1's mode file changed by hand in each mode: /ready names it and a request that repairs it, which is
+    accepted without force and puts every node back in the group's mode. (Before: in `on` the request named was
+    refused 412, the gate to on wanting every rank in validate.)"""
+    with running(Group(tmp_path, mode=mode)) as g:
+        async with sidecar(g.leader_settings(ready_timeout_s=30.0)) as c:
+            await wait_ready(c)
+            write_desired_mode(g.dirs[1], by_hand)
+            named = f"node 1: its mode file says {by_hand}"
+            reason = next(r for r in await not_ready_naming(c, named) if named in r)
+            asked = re.search(r"POST /mode (\w+)", reason).group(1)
+            assert asked == mode.value, reason
+            r = await c.post("/mode", json={"mode": asked, "reason": "repair"}, headers=AUTH)
+            assert r.status_code == 202, r.json()
+            t = await settle(c, timeout=60)
+            assert t["outcome"] == "succeeded", t
+            await wait_ready(c)
+        assert [read_desired_mode(d) for d in g.dirs] == [mode, mode]
+        assert set(modes_of_ranks(g).values()) == {mode.value}
 
 
 # ---- what the kill switch owes, across a restart of the leader's sidecar ----------------------------------------
@@ -540,6 +659,6 @@ async def test_a_restarted_leader_pays_what_a_node_is_owed_when_it_answers(group
     # An unreadable file: reported until a mode reaches every node.
     owed_path(d0).write_text("{")
     broken = GroupClient(settings)
-    assert broken.owed_problem and broken.node_status([], [])[1]["problems"]
+    assert broken.owed_problem and broken.node_status([], [], None)[1]["problems"]
     assert await broken.write_mode(Mode.OFF, owe=True, restart=True) == {}
-    assert broken.owed_problem is None and broken.node_status([], [])[1]["problems"] == []
+    assert broken.owed_problem is None and broken.node_status([], [], None)[1]["problems"] == []

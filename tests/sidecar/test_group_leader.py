@@ -19,7 +19,7 @@ from standin_engine import free_port
 from kdtree.config import Mode
 from kdtree.state import owed_modes as owed_module
 from kdtree.state.owed_modes import OwedMode, owed_path, read_owed_modes
-from sidecar.group_leader import GroupClient
+from sidecar.group_leader import GroupClient, GroupCollector
 from sidecar.server_control import ServerControlError
 from sidecar.settings import SidecarSettings
 
@@ -51,7 +51,20 @@ async def test_what_the_kill_switch_owes_an_unreachable_node_is_kept_on_the_volu
     assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
     restarted = GroupClient(settings)  # the leader's sidecar restarted
     assert restarted.owed == {1: (Mode.OFF, True)} and restarted.owed_problem is None
-    assert [n["owed"] for n in restarted.node_status([], [])] == [None, "off"]
+    assert [n["owed"] for n in restarted.node_status([], [], None)] == [None, "off"]
+
+
+async def test_a_node_not_read_since_the_sidecar_started_is_not_reported_reachable(tmp_path):
+    """Until its sidecar has answered a read of this leader's sidecar, a node is not up in /status or /metrics
+    (before: reachable, kdtree_group_node_up 1, for as long as the first read of a silent node took)."""
+    leader = GroupClient(silent_worker_settings(tmp_path))
+    node0, node1 = leader.node_status([], [], "validate")
+    assert (node0["reachable"], node0["mode_file"]) == (True, "validate")
+    assert node1["reachable"] is False and "has not been read since this sidecar started" in node1["error"]
+    (up, _) = GroupCollector(leader).collect()
+    assert {s.labels["node"]: s.value for s in up.samples} == {"0": 1, "1": 0}
+    await leader.read()  # it does not answer
+    assert leader.node_status([], [], None)[1]["reachable"] is False and not leader.answered(1)
 
 
 async def test_an_owed_mode_the_volume_refuses_is_written_again_at_the_next_read(
@@ -95,10 +108,13 @@ async def test_an_unreadable_owed_file_is_kept_aside_and_reported_not_forgotten(
     (logged,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert str(owed_path(tmp_path)) in logged and f"moved to {aside}" in logged
     assert "POST /mode with the mode every node should run (off for the kill switch)" in logged
-    node0, node1 = leader.node_status([], [])
+    node0, node1 = leader.node_status([], [], None)
     assert node0["problems"] == [] and node1["problems"] == [f"node 1 may be owed a mode: {logged}"]
     await leader.write_mode(Mode.OFF, owe=True, restart=True)  # still unreachable: owed, and known again
-    assert leader.node_status([], [])[1]["owed"] == "off" and leader.node_status([], [])[1]["problems"] == []
+    assert (
+        leader.node_status([], [], None)[1]["owed"] == "off"
+        and leader.node_status([], [], None)[1]["problems"] == []
+    )
     assert read_owed_modes(tmp_path, NODES) == {1: OwedMode(mode=Mode.OFF, restart=True)}
 
 

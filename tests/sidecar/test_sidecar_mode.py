@@ -19,7 +19,7 @@ import threading
 import httpx
 import pytest
 from process_harness import SupervisedStandin
-from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
+from sidecar_harness import AUTH, audit_events, make_settings, reach_step, settle, sidecar, until, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import Mode
@@ -287,8 +287,7 @@ async def test_each_failure_rolls_back(engine, tmp_path, case, args, overrides, 
 
 async def fail_completions_once_baking(c, port: int) -> None:
     """The restarted server answers 500 to completions once the flip has reached its bake."""
-    while ((await c.get("/status")).json()["active_transition"] or {}).get("step") != "baking":
-        await asyncio.sleep(0.05)
+    await reach_step(c, "baking")
     httpx.post(f"http://127.0.0.1:{port}/_standin/fault", json={"fault": "http-500"}).raise_for_status()
 
 
@@ -330,8 +329,7 @@ async def test_interrupted_transition_is_rolled_back_on_start(engine, tmp_path):
     settings = make_settings(tmp_path, proc.port, ready_timeout_s=60, probe_deadline_s=0.5)
     async with sidecar(settings, server=proc) as c:
         assert (await c.post("/mode", json={"mode": "validate"}, headers=AUTH)).status_code == 202
-        while (await c.get("/status")).json()["active_transition"]["step"] != "waiting_ready":
-            await asyncio.sleep(0.05)
+        await reach_step(c, "waiting_ready")
     saved = SidecarState.model_validate_json((tmp_path / STATE_FILE).read_text())
     assert saved.active is not None and saved.active.step == "waiting_ready"
     assert read_desired_mode(tmp_path) == Mode.VALIDATE
@@ -572,10 +570,14 @@ async def test_ready_stays_200_while_the_ranks_switch(engine, tmp_path):
         await wait_ready(c)
         assert (await c.post("/mode", json={"mode": "standby"}, headers=AUTH)).status_code == 202
         seen = []
-        while (st := (await c.get("/status")).json())["active_transition"] is not None:
-            if st["active_transition"]["step"] == "awaiting_ranks":
+
+        async def finished():
+            st = (await c.get("/status")).json()
+            if st["active_transition"] is not None and st["active_transition"]["step"] == "awaiting_ranks":
                 seen.append(((await c.get("/ready")).status_code, st["phase"]))
-            await asyncio.sleep(0.1)
+            return st["active_transition"] is None, st["active_transition"]
+
+        await until(finished, 30, "the live flip to end")
     assert seen and all(code == 200 and phase == "switching" for code, phase in seen), seen
 
 
@@ -591,7 +593,7 @@ async def test_ready_stays_200_while_the_ranks_switch(engine, tmp_path):
         (AUTH, json.dumps({"mode": "on", "force": "yes"}).encode(), 422),  # a string is not a boolean
         (AUTH, json.dumps({"mode": "on", "dry_run": "yes"}).encode(), 422),
         (AUTH, json.dumps({"mode": "on", "restart": 1}).encode(), 422),
-        (AUTH, json.dumps({"mode": "on", "dry_run": True, "colour": "red"}).encode(), 422),  # unknown field
+        (AUTH, json.dumps({"mode": "on", "dry_run": True, "<script>": "red"}).encode(), 422),  # unknown field
         (AUTH, json.dumps({"mode": "on", "dry_run": True, "reason": "x" * 501}).encode(), 422),
         ({}, b"x" * 10_000_000, 401),  # no token: refused before the body is read
         (AUTH, json.dumps({"mode": "on", "dry_run": True, "reason": "x" * 5000}).encode(), 413),
@@ -627,6 +629,8 @@ async def test_post_mode_authenticates_first_then_bounds_then_validates(
     assert audit_events(tmp_path) == [] and read_desired_mode(tmp_path) == Mode.VALIDATE
     if code == 422:
         assert "yes" not in r.text and "hello" not in r.text  # the error names the field, not the input
+        assert "script" not in r.text  # nor an unknown field's name: the fields it takes instead
+        assert b"<script>" not in body or "the fields are: mode, dry_run, force, restart, reason" in r.text
 
 
 async def test_a_mode_file_written_while_no_sidecar_ran_is_adopted(engine, tmp_path):

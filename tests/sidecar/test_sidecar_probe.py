@@ -557,7 +557,9 @@ async def test_a_dead_scheduler_on_an_idle_server_turns_ready_503_within_the_bou
     async with sidecar(settings, server=proc) as c:
         await wait_ready(c)
         died = None  # when the last good probe was answered: the scheduler's death
+        deadline = time.monotonic() + 60
         while (r := await c.get("/ready")).status_code == 200:
+            assert time.monotonic() < deadline, f"still ready after 60s: {r.json()}"
             probe = (await c.get("/status")).json()["probe"]
             if probe["ok"]:
                 died = probe["at"]

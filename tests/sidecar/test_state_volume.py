@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sidecar_harness import AUTH, audit_events, make_settings, settle, sidecar, wait_ready
+from sidecar_harness import AUTH, audit_events, make_settings, reach_step, settle, sidecar, until, wait_ready
 from standin_engine import free_port
 
 from kdtree.config import Mode
@@ -175,11 +175,13 @@ async def test_a_volume_that_fills_during_the_bake(standin, tmp_path, faults, lo
         assert st["mode"]["current"] == "validate" and read_desired_mode(tmp_path) == Mode.ON
         assert {v["record"]["mode"] for v in st["ranks"]} == {"on"}
         assert st["state_volume"]["problem"]["errno"] == "ENOSPC" and st["transitions"][-1]["id"] == t["id"]
-        # Still full: the kill switch is accepted (nothing runs: no 409) and ends defined.
+        # Still full: the kill switch is accepted (nothing runs: no 409) and ends defined: failed, and never rolled
+        # back (off is a one-way door), so the mode stays off and the next POST /mode off writes the file again.
         r = await c.post("/mode", json={"mode": "off"}, headers=AUTH)
         assert r.status_code == 202
         again = await settle(c)
-        assert again["outcome"] == "rollback_failed" and again["failure"].startswith(full)
+        assert again["outcome"] == "failed" and again["failure"].startswith(full)
+        assert (await c.get("/status")).json()["mode"]["current"] == "off"
         faults.heal()
         await kill_switch_works(c, tmp_path, proc)
 
@@ -557,8 +559,7 @@ async def test_off_preempts_a_wedged_transition(standin, tmp_path):
         await wait_ready(c)
         first = await c.post("/mode", json={"mode": "validate"}, headers=AUTH)
         assert first.status_code == 202
-        while (await c.get("/status")).json()["active_transition"]["step"] != "waiting_ready":
-            await asyncio.sleep(0.05)
+        await reach_step(c, "waiting_ready")
         busy = await c.post("/mode", json={"mode": "on", "force": True}, headers=AUTH)
         assert busy.status_code == 409 and "POST /mode off preempts it" in busy.json()["error"]
         off = await c.post("/mode", json={"mode": "off", "reason": "drill"}, headers=AUTH)
@@ -609,8 +610,7 @@ async def test_off_preempting_a_restart_waits_for_it_then_restarts_into_off(stan
             assert (await c.post("/mode", json={"mode": "validate"}, headers=AUTH)).status_code == 202
             assert await asyncio.to_thread(server.entered.wait, 10)
             assert (await c.post("/mode", json={"mode": "off"}, headers=AUTH)).status_code == 202
-            while "awaiting_previous_restart" not in audit_events(tmp_path):
-                await asyncio.sleep(0.05)
+            await until(lambda: "awaiting_previous_restart" in audit_events(tmp_path), 30, "the audit event")
             assert proc.starts == 1
             server.release.set()
             t = await settle(c)

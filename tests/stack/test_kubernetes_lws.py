@@ -146,6 +146,11 @@ def test_the_services_match_the_kubernetes_schema(objects, version):
             "leaderworkerset.sigs.k8s.io/name": lws_of(objects)["metadata"]["name"],
             "leaderworkerset.sigs.k8s.io/worker-index": "0",
         }
+    # The sidecars' Service lists not-ready pods (a leader's sidecar must answer while its group is not ready: kubectl
+    # port-forward, kdtreectl status); the API's lists Ready leaders only, ready being every rank of every node. The
+    # workers are reached through LeaderWorkerSet's own headless Service, which publishes not-ready addresses too.
+    ready_only = {s["metadata"]["name"]: not s["spec"].get("publishNotReadyAddresses") for s in services}
+    assert ready_only == {"kdtree-api": True, "kdtree-sidecar": False}
 
 
 # ---- the group -----------------------------------------------------------------------------------------

@@ -369,7 +369,7 @@ REQUIRED_ALERTS = {
     "KdtreeParityOverTolerance",  # validate: calls over tolerance, or the largest error over the gate's
     "KdtreeFallbacksInOn",  # fallbacks growing in on
     "KdtreeTransitionRolledBack",  # outcome rolled_back
-    "KdtreeRollbackFailed",  # outcome rollback_failed
+    "KdtreeRollbackFailed",  # outcome rollback_failed, or failed (a flip to off that did not complete)
     "KdtreeOnServesNothing",  # on, probes succeed, no kdtree-served verify call
 }
 
