@@ -237,3 +237,85 @@ def test_the_harness_drives_a_server_through_the_mix_and_holds_it_to_the_invaria
     assert [(m.rid, m.position) for m in traffic.check_greedy(plain, got, ref_tokens)] == [
         (r.rid, 5) for r in plain
     ]
+
+
+class _Served:
+    """A stand-in server dressed as bench_traffic's RealServer (url, process, log, rank records), so that the
+    benchmark's own drive, judge and table run here; the stand-in is NOT SGLang."""
+
+    def __init__(self, proc, name, algorithm, mode):
+        from types import SimpleNamespace
+
+        self.proc, self.starts = proc.proc, proc.starts
+        self.url, self.model_dir, self.state_dir = (
+            f"http://127.0.0.1:{proc.port}",
+            "stand-in/deepseek-v3",
+            proc.state_dir,
+        )
+        self.spec = SimpleNamespace(name=name, algorithm=algorithm, mode=mode)
+        self._log = proc.log_path
+
+    def server_log(self) -> str:
+        return self._log.read_text()
+
+    def record(self, rank: int = 0):
+        from kdtree.state.rank_records import read_records
+
+        return {v.record.tp_rank: v.record for v in read_records(self.state_dir, max_age_s=60)}[rank]
+
+
+def test_bench_traffic_drives_judges_and_tabulates_a_run(tmp_path, monkeypatch):
+    """bench_traffic's drive, judge and table end to end against stand-ins (a reference without speculation, and one
+    speculative server in on whose one rank writes its record): a run that keeps every promise passes; with the
+    stand-in's diverge fault the same run fails naming the greedy differences (the stand-in has no top-2 to call
+    them near-ties) and on's counters; the table has a row each."""
+    sys.path.insert(0, str(REPO / "kernel_build" / "bench" / "benchmarks"))
+    sys.path.insert(0, str(REPO / "standins"))
+    import bench_traffic
+    from standin_engine import StandinProcess, free_port
+
+    from kdtree.config import Mode
+    from kdtree.state.mode_file import write_desired_mode
+
+    monkeypatch.setattr(bench_traffic, "PHASE_REQUESTS", {1: 2, 4: 6, 16: 12, 32: 16})
+    procs = {}
+    for name, extra in (
+        ("none", ["--no-speculation"]),
+        ("ngram-on", ["--tp-size", "1", "--heartbeat-s", "0.2"]),
+    ):
+        (tmp_path / name).mkdir()
+        write_desired_mode(tmp_path / name, Mode.ON)
+        procs[name] = StandinProcess(
+            free_port(), str(tmp_path / name), ["--step-seconds", "0.01", *extra]
+        ).start()
+    try:
+        for p in procs.values():
+            p.wait_port()
+        ref = _Served(procs["none"], "none", bench_traffic.NONE, Mode.OFF)
+        spec = _Served(procs["ngram-on"], "ngram-on", "NGRAM", Mode.ON)
+        mix = traffic.make_mix(5, 36, context_len=512, vocab=VOCAB, max_tokens=24)
+        got = traffic.run_phase(ref.url, ref.model_dir, [traffic.unstopped(r) for r in mix if r.greedy], 8)
+        got.pop(None)
+        ref_tokens = {rid: o.token_ids for rid, o in got.items()}
+        mix = traffic.resolve_stops(mix, ref_tokens)
+        runs = {s.spec.name: bench_traffic.drive(s, mix, 20, deadline=float("inf")) for s in (ref, spec)}
+        import time
+
+        time.sleep(0.5)  # the rank's record catches up
+        rows = [bench_traffic.judge(s, mix, runs[s.spec.name], ref_tokens, ref, runs["none"]["samples"])
+                for s in (ref, spec)]  # fmt: skip
+        assert [r["problems"] for r in rows] == [[], []]
+        e = rows[1]["evidence"]
+        assert e["requests_sent"] == 36 + 20 and e["kdtree"]["served_kdtree"] > 0 and e["chi2"][2] == 1.0
+        assert len(rows[1]["phases"]) == 4 and all(p["tokens_per_s"] > 0 for p in rows[1]["phases"])
+        table = bench_traffic.markdown(rows, ["head"], 1e-3)
+        assert "| none | pass |" in table and "| ngram-on | pass |" in table
+        httpx.post(f"{spec.url}/_standin/fault", json={"fault": "diverge"}, timeout=5).raise_for_status()
+        run = bench_traffic.drive(spec, mix, 0, deadline=float("inf"))
+        bad = bench_traffic.judge(spec, mix, run, ref_tokens, ref, {})
+        assert not bad["ok"] and any(
+            "greedy differs at token 5" in p and "gap inf" in p for p in bad["problems"]
+        )
+    finally:
+        for p in procs.values():
+            p.stop()

@@ -43,6 +43,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -101,7 +102,7 @@ SAMPLE_PROMPT = (0, *range(100, 124))  # the distribution check's prompt: BOS an
 
 def top2_margin(server: RealServer, r: Request, position: int) -> float:
     """The reference's gap between its two likeliest tokens at `position` of r's greedy output."""
-    body = server._body(list(r.prompt), position + 1, logprobs=2, ignore_eos=r.ignore_eos)
+    body = replace(unstopped(r), max_tokens=position + 1, logprobs=2).body(str(server.model_dir))
     resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     resp.raise_for_status()
     top = resp.json()["choices"][0]["logprobs"]["top_logprobs"][position]
@@ -126,7 +127,13 @@ def sampled_requests(n: int, tag: str) -> list[Request]:
 def drive(server: RealServer, mix: list[Request], samples: int, deadline: float) -> dict:
     """The mix's phases, then the samples: every outcome, and a row a phase (tokens/s, time to first token)."""
     model, outcomes, phases, start = str(server.model_dir), {}, [], 0
-    before = metrics(server.url)
+    try:
+        before = metrics(server.url)
+    except (
+        httpx.HTTPError,
+        ValueError,
+    ):  # judged at the end (a server that cannot answer /metrics fails there)
+        before = {}
     for c in CONCURRENCY:
         batch = mix[start : start + PHASE_REQUESTS[c]]
         start += PHASE_REQUESTS[c]
@@ -170,7 +177,15 @@ def judge(server: RealServer, mix, run: dict, reference_tokens, reference: RealS
     by_rid = {r.rid: r for r in mix}
     ties = []
     for m in mismatches:
-        m.margin = top2_margin(reference, by_rid[m.rid], m.position)
+        try:
+            m.margin = top2_margin(reference, by_rid[m.rid], m.position)
+        except (
+            httpx.HTTPError,
+            KeyError,
+            IndexError,
+            ValueError,
+        ):  # no gap to judge by: a failure, never a tie
+            m.margin = float("inf")
         (ties if m.margin <= NEAR_TIE else problems).append(
             f"{m.rid}: greedy differs at token {m.position} (got {m.got[m.position : m.position + 3]}, reference "
             f"{m.want[m.position : m.position + 3]}), reference top-2 gap {m.margin:.4f}"
