@@ -92,15 +92,16 @@ def config(layers: int = 8, nextn: bool = True) -> dict:
     }
 
 
-def words() -> list[str]:
-    return [f"w{i}" for i in range(VOCAB)]
+def words(n: int = VOCAB) -> list[str]:
+    return [f"w{i}" for i in range(n)]
 
 
-def write_tokenizer(path: Path) -> None:
-    """tokenizer.json (a whitespace word-level tokenizer with a BOS template) and tokenizer_config.json."""
+def write_tokenizer(path: Path, n_words: int = VOCAB, max_positions: int = MAX_POSITIONS) -> None:
+    """tokenizer.json (a whitespace word-level tokenizer of n_words words and the specials, with a BOS template) and
+    tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL, *words()))}
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL, *words(n_words)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(
@@ -117,7 +118,7 @@ def write_tokenizer(path: Path) -> None:
                 "unk_token": "<unk>",
                 "pad_token": "<pad>",
                 "add_bos_token": True,
-                "model_max_length": MAX_POSITIONS,
+                "model_max_length": max_positions,
                 "clean_up_tokenization_spaces": False,
             },
             indent=1,
