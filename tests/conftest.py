@@ -88,13 +88,9 @@ def supervised(tmp_path):
         proc.stop()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     reasons = {}
     for item in items:
-        # the Docker tests share one engine, the demo's ports and compose projects: one xdist worker runs them all
-        if item.get_closest_marker("docker") and config.pluginmanager.hasplugin("xdist"):
-            item.add_marker(pytest.mark.xdist_group("docker"))
         for marker, probe in (("gpu", _cuda_reason), ("docker", _docker_reason), ("sglang", _sglang_reason)):
             if marker in item.keywords:
                 if marker not in reasons:
